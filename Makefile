@@ -1,0 +1,41 @@
+# The two commands a new user needs: `make demo` and `make test`.
+# Both create .venv on first use; on a machine without an NVIDIA GPU the CPU
+# build of torch is installed first so that no multi-GB CUDA wheel is pulled.
+
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.prooftrain-installed
+TORCH_CPU ?= torch==2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-all bench lint fuzz clean venv
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "no GPU found: installing the CPU build of torch ($(TORCH_CPU))"; \
+		$(PY) -m pip install -q $(TORCH_CPU); \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/prooftrain demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy verify ledger
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

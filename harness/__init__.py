@@ -1,0 +1,1 @@
+"""Adversarial workers, network simulation, scenarios and reports."""

@@ -1,0 +1,1 @@
+"""Runnable roles and their I/O: validator service, trainer, contributor, CLI."""

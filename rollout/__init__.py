@@ -1,0 +1,1 @@
+"""Contributor side: generation backends, building and signing rollout envelopes."""

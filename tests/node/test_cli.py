@@ -1,0 +1,37 @@
+"""The console entry point: every level has --help; unknown input is a clear error."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from node.cli import build_parser
+
+CLI = [sys.executable, "-m", "node.cli"]
+
+
+def _subcommand_paths(parser, prefix=()):  # type: ignore[no-untyped-def]
+    for action in parser._actions:
+        choices = getattr(action, "choices", None)
+        if isinstance(choices, dict):
+            for name, sub in choices.items():
+                yield (*prefix, name)
+                yield from _subcommand_paths(sub, (*prefix, name))
+
+
+def test_every_subcommand_has_help() -> None:
+    paths = list(_subcommand_paths(build_parser()))
+    assert ("keys", "new") in paths and ("demo",) in paths
+    for path in paths:
+        result = subprocess.run([*CLI, *path, "--help"], capture_output=True, text=True)
+        assert result.returncode == 0, (path, result.stderr)
+        assert "usage: prooftrain" in result.stdout
+
+
+def test_top_level_help_and_bad_command() -> None:
+    ok = subprocess.run([*CLI, "--help"], capture_output=True, text=True)
+    assert ok.returncode == 0 and "COMMAND" in ok.stdout
+    bad = subprocess.run([*CLI, "no-such-command"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+    bare = subprocess.run([*CLI, "keys"], capture_output=True, text=True)
+    assert bare.returncode == 2 and "ACTION" in bare.stdout

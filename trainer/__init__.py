@@ -1,0 +1,1 @@
+"""Policy model, pipeline shards, off-policy losses, sample buffer, publication, evals."""

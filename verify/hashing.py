@@ -1,0 +1,69 @@
+"""Domain-separated hashing.
+
+Every hash in prooftrain has a named domain prefix, so a digest computed for
+one purpose can never be replayed as a digest for another (a leaf cannot pose
+as a node, a header digest cannot pose as a manifest digest). Domains are
+ASCII, contain no NUL byte, and are followed by one NUL on the wire, so no
+domain is a prefix of another's input.
+
+Callers pass parts that are fixed-width or length-prefixed; ``blake3_digest``
+concatenates them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from blake3 import blake3
+
+DIGEST_SIZE = 32
+
+# -- logprob commitment (Merkle tree over chunks of C tokens)
+COMMIT_LEAF = b"prooftrain/v1/commit/leaf"
+COMMIT_NODE = b"prooftrain/v1/commit/node"
+COMMIT_EMPTY = b"prooftrain/v1/commit/empty"
+# -- wire objects
+ROLLOUT_HEADER = b"prooftrain/v1/rollout-header"
+POLICY_MANIFEST = b"prooftrain/v1/policy-manifest"
+ASSIGNMENT = b"prooftrain/v1/assignment"
+VERDICT = b"prooftrain/v1/verdict"
+PROMPT = b"prooftrain/v1/prompt"
+COMPLETION = b"prooftrain/v1/completion"
+BLOB = b"prooftrain/v1/blob"
+KEY_FINGERPRINT = b"prooftrain/v1/key-fingerprint"
+# -- challenges and epochs
+CHALLENGE_AUDIT = b"prooftrain/v1/challenge/audit"
+CHALLENGE_CHUNKS = b"prooftrain/v1/challenge/chunks"
+EPOCH_COMMITMENT = b"prooftrain/v1/epoch-commitment"
+# -- signatures: the signed message is SIG_* || 0x00 || canonical bytes
+SIG_ROLLOUT_HEADER = b"prooftrain/v1/sig/rollout-header"
+SIG_POLICY_MANIFEST = b"prooftrain/v1/sig/policy-manifest"
+SIG_ASSIGNMENT = b"prooftrain/v1/sig/assignment"
+SIG_VERDICT = b"prooftrain/v1/sig/verdict"
+
+_SEP = b"\x00"
+
+
+def blake3_digest(domain: bytes, *parts: bytes) -> bytes:
+    """32-byte blake3 digest of ``domain || 0x00 || parts...``."""
+    h = blake3(domain + _SEP)
+    for part in parts:
+        h.update(part)
+    return h.digest()
+
+
+def blake3_keyed_stream(key: bytes, domain: bytes, *parts: bytes, length: int) -> bytes:
+    """``length`` bytes of blake3 XOF output keyed by a 32-byte ``key``."""
+    h = blake3(domain + _SEP, key=key)
+    for part in parts:
+        h.update(part)
+    return h.digest(length=length)
+
+
+def signing_message(domain: bytes, payload: bytes) -> bytes:
+    """The exact bytes an Ed25519 signature covers for a given domain."""
+    return domain + _SEP + payload
+
+
+def sha256(data: bytes) -> bytes:
+    return hashlib.sha256(data).digest()
