@@ -1,7 +1,7 @@
 """Keyed, unpredictable, reproducible audit draws.
 
 The validator holds a 32-byte epoch secret whose commitment
-``blake3(EPOCH_COMMITMENT || 0x00 || secret)`` is published in the ledger when
+``blake3(EPOCH_COMMITMENT || 0x00 || u64be(epoch) || secret)`` is published in the ledger when
 the epoch starts, and reveals the secret when it ends. Every draw is a blake3
 keyed hash of the envelope digest under that secret:
 
@@ -31,10 +31,13 @@ SECRET_SIZE = 32
 _TWO64 = float(2**64)
 
 
-def epoch_commitment(secret: bytes) -> bytes:
-    """The digest published at epoch start; the reveal must hash to it."""
+def epoch_commitment(epoch: int, secret: bytes) -> bytes:
+    """The digest published at epoch start: ``blake3(EPOCH_COMMITMENT, u64be(epoch), secret)``.
+
+    The reveal at the epoch's end must hash to it.
+    """
     _check_secret(secret)
-    return blake3_digest(EPOCH_COMMITMENT, secret)
+    return blake3_digest(EPOCH_COMMITMENT, epoch.to_bytes(8, "big"), secret)
 
 
 def audit_uniform(secret: bytes, envelope_digest: bytes) -> float:

@@ -40,6 +40,8 @@ class Reason(enum.StrEnum):
     DUPLICATE_GROUP_MEMBER = "duplicate_group_member"
     REPLAY = "replay"
     DUPLICATE_COMPLETION = "duplicate_completion"
+    GROUP_REJECTED = "group_rejected"  # another member of the same group was rejected
+    EXPIRED_ASSIGNMENT = "expired_assignment"
     STALE = "stale"
     FUTURE_VERSION = "future_version"
     WRONG_MANIFEST = "wrong_manifest"
@@ -64,6 +66,7 @@ class Reason(enum.StrEnum):
     RATE_LIMITED = "rate_limited"
     BACKPRESSURE = "backpressure"
     UNAUTHORIZED = "unauthorized"
+    NOT_FOUND = "not_found"
 
 
 class ProofTrainError(Exception):

@@ -199,6 +199,61 @@ class SignedManifest(_Wire, frozen=True):
     signature: Sig
 
 
+class AcceptedSample(_Wire, frozen=True):
+    """validator -> trainer: one accepted rollout, in ledger order.
+
+    ``logprobs`` are the committed behaviour logprobs (the importance-sampling
+    denominator); ``reward`` was computed by the validator.
+    """
+
+    ledger_index: U64
+    envelope_digest: Digest
+    contributor_key: Key
+    assignment_id: AssignmentId
+    group_index: U32
+    group_size: U32
+    policy_version: U64
+    task_id: ShortStr
+    prompt_id: ShortStr
+    prompt_ids: TokenBytes  # u32 LE, the tokenized prompt the validator assigned
+    token_ids: TokenBytes  # u32 LE
+    logprobs: TokenBytes  # f32 LE
+    temperature: float
+    top_k: U32
+    top_p: float
+    reward: float
+    audited: bool
+
+
+class SampleBatch(_Wire, frozen=True):
+    """validator -> trainer: accepted samples from ``cursor``; resume from ``next_cursor``."""
+
+    cursor: U64
+    next_cursor: U64
+    samples: Annotated[list[AcceptedSample], Meta(max_length=4_096)]
+
+
+class SlashEvidence(_Wire, frozen=True):
+    """validator -> ledger, auditors: what a third party needs to re-check a slash offline.
+
+    ``envelope`` is the contributor-signed envelope (canonical bytes);
+    ``assignment`` the validator-signed assignment it answered (canonical
+    ``SignedAssignment`` bytes). For spot-check offences ``recomputed`` holds the
+    validator's float32 logprobs for every completion token under the claimed
+    policy version, so anyone holding that version can repeat the comparison.
+    """
+
+    reason: ShortStr
+    envelope: Annotated[bytes, Meta(max_length=MAX_ENVELOPE_BYTES_HARD)]
+    assignment: ManifestBytes
+    prompt_ids: TokenBytes
+    chunks: Annotated[list[U32], Meta(max_length=MAX_TOKENS_HARD)]
+    recomputed: TokenBytes
+    token_abs: float
+    chunk_mean_abs: float
+    detail: Annotated[str, Meta(max_length=1_024)]
+
+
 T = TypeVar("T", bound=Struct)
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -20,7 +20,8 @@ def test_draws_are_reproducible_and_secret_dependent() -> None:
     assert audit_uniform(SECRET, digest) == audit_uniform(SECRET, digest)
     assert chunks_to_open(SECRET, digest, 100, 5) == chunks_to_open(SECRET, digest, 100, 5)
     assert audit_uniform(SECRET, digest) != audit_uniform(b"\x12" * 32, digest)
-    assert epoch_commitment(SECRET) != epoch_commitment(b"\x12" * 32)
+    assert epoch_commitment(1, SECRET) != epoch_commitment(1, b"\x12" * 32)
+    assert epoch_commitment(1, SECRET) != epoch_commitment(2, SECRET)
 
 
 def test_audit_rate_is_honoured() -> None:

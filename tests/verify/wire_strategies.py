@@ -68,6 +68,23 @@ manifest = st.builds(
 )
 signed_manifest = st.builds(T.SignedManifest, manifest=st.binary(max_size=300), signature=sig)
 
+accepted_sample = st.builds(
+    T.AcceptedSample, ledger_index=u63, envelope_digest=d32, contributor_key=d32, assignment_id=d16,
+    group_index=u32, group_size=u32, policy_version=u63, task_id=short, prompt_id=short,
+    prompt_ids=st.binary(max_size=64), token_ids=st.binary(max_size=64), logprobs=st.binary(max_size=64),
+    temperature=st.floats(0, 4), top_k=u32, top_p=st.floats(0, 1), reward=st.floats(0, 1),
+    audited=st.booleans(),
+)
+sample_batch = st.builds(T.SampleBatch, cursor=u63, next_cursor=u63,
+                         samples=st.lists(accepted_sample, max_size=3))
+
+slash_evidence = st.builds(
+    T.SlashEvidence, reason=short, envelope=st.binary(max_size=64), assignment=st.binary(max_size=64),
+    prompt_ids=st.binary(max_size=16), chunks=st.lists(u32, max_size=4),
+    recomputed=st.binary(max_size=16), token_abs=st.floats(0, 1), chunk_mean_abs=st.floats(0, 1),
+    detail=short,
+)
+
 ALL = {
     T.SamplingParams: sampling,
     T.WorkAssignment: assignment,
@@ -81,4 +98,7 @@ ALL = {
     T.ShardEntry: shard,
     T.PolicyManifest: manifest,
     T.SignedManifest: signed_manifest,
+    T.AcceptedSample: accepted_sample,
+    T.SampleBatch: sample_batch,
+    T.SlashEvidence: slash_evidence,
 }

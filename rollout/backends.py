@@ -1,0 +1,215 @@
+"""Generation backends: G completions of one prompt with the verifiable sampler.
+
+Every backend returns, per completion, the sampled token ids and the committed
+float32 logprobs, where ``logprobs[t]`` is exactly the processed logprob
+(``verify.sampling.process_logits``) of ``token_ids[t]`` under the distribution
+it was sampled from, and ``token_ids[t]`` is the Gumbel-max sample with noise
+``gumbel_noise(sampler_key, nonce, seed, t, V, sample_index=g)``. A validator
+that recomputes the same distribution replays every token exactly.
+
+Backends are registered by name (:func:`register_backend`, :func:`make_backend`).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from verify.errors import ConfigError
+from verify.sampling import (
+    SAMPLER_KEY_SIZE,
+    check_params,
+    gumbel_noise,
+    process_logits,
+    sample_verifiable,
+)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One prompt, ``group_size`` completions, the claimed sampling parameters."""
+
+    prompt_ids: tuple[int, ...]
+    group_size: int
+    temperature: float
+    top_k: int
+    top_p: float
+    max_tokens: int
+    sampler_key: bytes
+    """32 bytes; the contributor's public key."""
+    nonce: bytes
+    seed: int
+    stop_token_ids: tuple[int, ...] = ()
+    """Generation of a completion ends after it samples one of these (included)."""
+
+    def __post_init__(self) -> None:
+        check_params(self.temperature, self.top_k, self.top_p)
+        if not self.prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        if self.group_size < 1 or self.max_tokens < 1:
+            raise ValueError("group_size and max_tokens must be >= 1")
+        if len(self.sampler_key) != SAMPLER_KEY_SIZE:
+            raise ValueError(f"sampler_key must be {SAMPLER_KEY_SIZE} bytes")
+
+
+@dataclass(frozen=True, eq=False)
+class GeneratedCompletion:
+    """One completion: token ids and committed float32 logprobs, same length."""
+
+    group_index: int
+    token_ids: tuple[int, ...]
+    logprobs: np.ndarray = field(repr=False)
+    """float32 ``(len(token_ids),)``, read-only."""
+    finish_reason: str
+    """``"stop"`` (sampled a stop token) or ``"length"`` (hit ``max_tokens``)."""
+
+
+class GenerationBackend(Protocol):
+    """Generates the G completions of one assignment."""
+
+    name: str
+
+    def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
+        """Completions ``0 .. group_size - 1``, in group order."""
+        ...
+
+
+BackendFactory = Callable[..., GenerationBackend]
+_REGISTRY: dict[str, BackendFactory] = {}
+
+
+def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
+    """Class decorator: make a backend constructible by ``make_backend(name, ...)``."""
+
+    def wrap(factory: BackendFactory) -> BackendFactory:
+        if name in _REGISTRY:
+            raise ValueError(f"generation backend {name!r} already registered")
+        _REGISTRY[name] = factory
+        return factory
+
+    return wrap
+
+
+def available_backends() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def make_backend(name: str, **kwargs: Any) -> GenerationBackend:
+    """Construct a registered backend; unknown names raise ``ConfigError``."""
+    try:
+        factory = _REGISTRY[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown generation backend {name!r}; available: {', '.join(available_backends())}"
+        ) from None
+    return factory(**kwargs)
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """``"float32"``/``"bfloat16"``/``"float16"`` or a torch dtype; None keeps the model's."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+def load_causal_lm(
+    model: torch.nn.Module | str | Path, device: str | torch.device, dtype: torch.dtype | None
+) -> torch.nn.Module:
+    """A ready ``transformers`` causal LM in eval mode, from a module or a local directory."""
+    if isinstance(model, (str, Path)):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto")
+    elif dtype is not None:
+        model = model.to(dtype)
+    return model.to(device).eval()
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The forward keyword (and output field) of the KV cache: ``cache`` in transformers 5."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+@register_backend("transformers")
+class TransformersBackend:
+    """Batched KV-cached generation with a ``transformers`` causal LM (CPU or GPU).
+
+    The prompt is encoded once and its cache repeated G times; then each step
+    feeds the G last tokens (finished rows keep feeding their stop token and
+    are ignored), so every row always has the same length and needs neither
+    padding nor explicit position ids.
+    """
+
+    name = "transformers"
+
+    def __init__(
+        self, model: torch.nn.Module | str | Path, *, device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> None:
+        self.device = torch.device(device)
+        self.model = load_causal_lm(model, self.device, resolve_dtype(dtype))
+        self._cache_kw = cache_kwarg(self.model)
+
+    @torch.inference_mode()
+    def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
+        g_size = request.group_size
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        out = self.model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        cache = getattr(out, self._cache_kw)
+        cache.batch_repeat_interleave(g_size)
+        logits = out.logits[:, -1, :].float().expand(g_size, -1)  # (G, V)
+        stops = torch.tensor(sorted(set(request.stop_token_ids)), dtype=torch.long,
+                             device=self.device)
+        tokens = torch.zeros((g_size, request.max_tokens), dtype=torch.long, device=self.device)
+        chosen = torch.zeros((g_size, request.max_tokens), dtype=torch.float32, device=self.device)
+        done = torch.zeros(g_size, dtype=torch.bool, device=self.device)
+        lengths = torch.full((g_size,), request.max_tokens, dtype=torch.long)
+        for t in range(request.max_tokens):
+            lp = process_logits(logits, request.temperature, request.top_k, request.top_p)
+            nxt = self._sample(lp, request, t, done)  # (G,)
+            nxt = torch.where(done, tokens[:, t - 1] if t else nxt, nxt)
+            tokens[:, t] = nxt
+            chosen[:, t] = lp.gather(-1, nxt[:, None])[:, 0]
+            hit = torch.isin(nxt, stops) & ~done
+            lengths[hit.cpu()] = t + 1
+            done |= hit
+            if bool(done.all()) or t + 1 == request.max_tokens:
+                break
+            out = self.model(input_ids=nxt[:, None], use_cache=True, **{self._cache_kw: cache})
+            logits = out.logits[:, -1, :].float()
+        return [self._completion(g, tokens[g], chosen[g], int(lengths[g]), request)
+                for g in range(g_size)]
+
+    def _sample(
+        self, lp: torch.Tensor, request: GenerationRequest, t: int, done: torch.Tensor
+    ) -> torch.Tensor:
+        if request.temperature == 0.0:
+            return lp.argmax(dim=-1)  # point mass: the noise cannot change the argmax
+        vocab = lp.shape[-1]
+        noise = torch.zeros(lp.shape, dtype=torch.float64)
+        for g in range(lp.shape[0]):
+            if not bool(done[g]):
+                noise[g] = gumbel_noise(request.sampler_key, request.nonce, request.seed, t,
+                                        vocab, sample_index=g)
+        return sample_verifiable(lp, noise)
+
+    @staticmethod
+    def _completion(g: int, tokens: torch.Tensor, chosen: torch.Tensor, length: int,
+                    request: GenerationRequest) -> GeneratedCompletion:
+        ids = tuple(int(x) for x in tokens[:length].tolist())
+        logprobs = chosen[:length].to("cpu", torch.float32).numpy().copy()
+        logprobs.setflags(write=False)
+        stopped = bool(ids) and ids[-1] in set(request.stop_token_ids)
+        return GeneratedCompletion(g, ids, logprobs, "stop" if stopped else "length")

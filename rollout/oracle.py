@@ -1,0 +1,161 @@
+"""Teacher-forced recomputation with a ``transformers`` causal LM.
+
+:class:`TransformersOracle` implements ``verify.spotcheck.LogprobOracle`` and
+``DistributionOracle``: one batched forward pass over ``prompt + completion``
+sequences, padded on the left (default) or the right, with an attention mask
+and explicit position ids ``cumsum(mask) - 1`` so a padded row computes what it
+would compute alone. Logits are only projected for completion positions
+(``logits_to_keep``), then processed in float32 with
+``verify.sampling.process_logits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollout.backends import load_causal_lm, resolve_dtype
+from verify.errors import ProofTrainError
+from verify.sampling import process_logits
+from verify.spotcheck import OracleRequest
+
+ModelSource = torch.nn.Module | str | Path
+
+
+class UnknownPolicyVersion(ProofTrainError):
+    """The oracle holds no weights for the requested policy version."""
+
+
+class TransformersOracle:
+    """Recomputes processed logprobs for any policy version it can resolve.
+
+    ``models`` maps a version to a module or a local model directory (loaded on
+    first use and kept), or is a callable returning the module for a version.
+    ``max_batch_tokens`` bounds ``rows * padded_length`` of one forward pass.
+    """
+
+    def __init__(
+        self, models: Mapping[int, ModelSource] | Callable[[int], ModelSource], *,
+        device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
+        padding_side: str = "left", max_batch_tokens: int = 16_384, pad_token_id: int = 0,
+    ) -> None:
+        if padding_side not in ("left", "right"):
+            raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+        if max_batch_tokens < 1:
+            raise ValueError("max_batch_tokens must be >= 1")
+        self._models = models
+        self._loaded: dict[int, torch.nn.Module] = {}
+        self.device = torch.device(device)
+        self.dtype = resolve_dtype(dtype)
+        self.padding_side = padding_side
+        self.max_batch_tokens = max_batch_tokens
+        self.pad_token_id = pad_token_id
+
+    def model(self, version: int) -> torch.nn.Module:
+        if version not in self._loaded:
+            if isinstance(self._models, Mapping):
+                if version not in self._models:
+                    raise UnknownPolicyVersion(f"no weights for policy version {version}")
+                source = self._models[version]
+            else:
+                source = self._models(version)
+            self._loaded[version] = load_causal_lm(source, self.device, self.dtype)
+        return self._loaded[version]
+
+    # -- LogprobOracle
+    def logprobs(
+        self, version: int, input_ids: Sequence[int], prompt_len: int,
+        temperature: float, top_k: int, top_p: float,
+    ) -> np.ndarray:
+        request = OracleRequest(tuple(input_ids), prompt_len, temperature, top_k, top_p)
+        return self.logprobs_batch(version, [request])[0]
+
+    def logprobs_batch(self, version: int, requests: Sequence[OracleRequest]) -> list[np.ndarray]:
+        seqs = [(r.input_ids, r.prompt_len) for r in requests]
+        out = []
+        for r, logits in zip(requests, self.logits_batch(version, seqs), strict=True):
+            lp = process_logits(logits, r.temperature, r.top_k, r.top_p)  # (T, V)
+            target = torch.tensor(r.input_ids[r.prompt_len:], dtype=torch.long)[:, None]
+            out.append(lp.gather(-1, target)[:, 0].numpy().astype(np.float32))
+        return out
+
+    # -- DistributionOracle
+    def completion_logits(
+        self, version: int, input_ids: Sequence[int], prompt_len: int
+    ) -> np.ndarray:
+        return self.logits_batch(version, [(tuple(input_ids), prompt_len)])[0].numpy()
+
+    def logits_batch(
+        self, version: int, seqs: Sequence[tuple[Sequence[int], int]]
+    ) -> list[torch.Tensor]:
+        """float32 CPU logits ``(T_i, V)`` for each ``(input_ids, prompt_len)``, input order kept."""
+        for ids, prompt_len in seqs:
+            if not 1 <= prompt_len <= len(ids):
+                raise ValueError(f"prompt_len must be in [1, {len(ids)}], got {prompt_len}")
+        model = self.model(version)
+        result: list[torch.Tensor | None] = [None] * len(seqs)
+        order = sorted(range(len(seqs)), key=lambda i: -len(seqs[i][0]))
+        batch: list[int] = []
+        for i in order:
+            width = len(seqs[batch[0]][0]) if batch else len(seqs[i][0])
+            if batch and (len(batch) + 1) * width > self.max_batch_tokens:
+                self._run(model, seqs, batch, result)
+                batch = []
+            batch.append(i)
+        if batch:
+            self._run(model, seqs, batch, result)
+        return [r for r in result if r is not None]
+
+    @torch.inference_mode()
+    def _run(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
+             batch: list[int], result: list[torch.Tensor | None]) -> None:
+        lens = [len(seqs[i][0]) for i in batch]
+        width = max(lens)
+        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        offsets = []
+        for row, i in enumerate(batch):
+            n = lens[row]
+            off = width - n if self.padding_side == "left" else 0
+            ids[row, off:off + n] = torch.tensor(list(seqs[i][0]), dtype=torch.long)
+            mask[row, off:off + n] = 1
+            offsets.append(off)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
+        # Row b needs the logits at padded positions off+p-1 .. off+n-2.
+        needed = [range(off + seqs[i][1] - 1, off + lens[row] - 1)
+                  for row, (i, off) in enumerate(zip(batch, offsets, strict=True))]
+        keep = sorted({p for r in needed for p in r})
+        if keep and self.padding_side == "left":
+            keep = list(range(keep[0], width))  # a suffix: one extra row, an int logits_to_keep
+        if not keep:
+            vocab = _vocab_size(model)
+            for i in batch:
+                result[i] = torch.empty((0, vocab), dtype=torch.float32)
+            return
+        keep_t = torch.tensor(keep, dtype=torch.long)
+        out = model(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device), use_cache=False,
+            logits_to_keep=_keep_arg(keep, width, self.device),
+        )
+        logits = out.logits.float().cpu()  # (B, K, V)
+        if logits.shape[1] != len(keep):  # an int logits_to_keep kept a suffix
+            logits = logits[:, -len(keep):]
+        for row, i in enumerate(batch):
+            idx = torch.searchsorted(keep_t, torch.tensor(list(needed[row]), dtype=torch.long))
+            result[i] = logits[row, idx].contiguous()
+
+
+def _keep_arg(keep: list[int], width: int, device: torch.device) -> int | torch.Tensor:
+    """A suffix as an int (every transformers version), else a 1-D index tensor."""
+    if keep == list(range(width - len(keep), width)):
+        return len(keep)
+    return torch.tensor(keep, dtype=torch.long, device=device)
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    head = model.get_output_embeddings()  # type: ignore[operator]
+    return int(head.weight.shape[0])

@@ -1,0 +1,70 @@
+"""Beta reputation: weighting, decay, bans, audit rate, deterministic replay."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ledger.reputation import Replay, ReputationParams, apply, audit_rate, initial
+
+P = ReputationParams()
+K = b"\x01" * 32
+
+
+def run(outcomes: list[tuple[int, int, int]]):
+    s = initial(K, P)
+    for i, o in enumerate(outcomes):
+        s = apply(s, P, *o, i)
+    return s
+
+
+def test_failures_weigh_more_than_passes() -> None:
+    one_each = run([(1, 0, 0), (0, 1, 0)])
+    assert one_each.score < 0.5
+    assert run([(1, 0, 0)]).score > 0.5 > run([(0, 1, 0)]).score
+
+
+def test_decay_forgets_old_failures() -> None:
+    early_failure = run([(0, 1, 0)] + [(1, 0, 0)] * 200)
+    late_failure = run([(1, 0, 0)] * 200 + [(0, 1, 0)])
+    assert early_failure.score > late_failure.score
+    assert early_failure.beta - P.prior_fail < 0.1  # almost forgotten
+
+
+def test_ban_threshold_and_slash() -> None:
+    assert not run([(0, 1, 0)]).banned  # one failed check: suspicious, not banned
+    assert run([(0, 1, 0), (0, 1, 0)]).banned
+    assert run([(1, 0, 0)] * 50 + [(0, 0, 1)]).banned  # a proven offence bans at once
+    banned = run([(0, 0, 1)] + [(1, 0, 0)] * 500)
+    assert banned.banned and banned.score > 0.9  # bans are permanent
+
+
+def test_audit_rate() -> None:
+    assert audit_rate(None, P) == 1.0
+    fresh = run([(1, 0, 0)])
+    veteran = run([(1, 0, 0)] * 300)
+    shaky = run([(1, 0, 0)] * 300 + [(0, 1, 0)])
+    assert 1.0 >= audit_rate(fresh, P) > audit_rate(shaky, P) > audit_rate(veteran, P)
+    assert audit_rate(veteran, P) >= P.min_audit_rate
+    assert audit_rate(run([(0, 0, 1)]), P) == 1.0
+
+
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 1), st.integers(0, 1)), max_size=200))
+def test_replay_is_deterministic(outcomes) -> None:
+    assert run(outcomes) == run(list(outcomes))
+    s = run(outcomes)
+    assert 0.0 < s.score < 1.0
+    assert 0.0 < audit_rate(s, P) <= 1.0
+
+
+def test_replay_requires_parameters() -> None:
+    from ledger.records import VerdictRecorded
+
+    r = Replay()
+    rec = VerdictRecorded(K, b"\x00" * 16, 0, K, True, "", True, b"", 0)
+    try:
+        r.feed(1, rec)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("replay without LogCreated must refuse")
