@@ -11,6 +11,7 @@ would compute alone. Logits are only projected for completion positions
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
@@ -41,13 +42,15 @@ class TransformersOracle:
         self, models: Mapping[int, ModelSource] | Callable[[int], ModelSource], *,
         device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
         padding_side: str = "left", max_batch_tokens: int = 16_384, pad_token_id: int = 0,
+        max_versions: int = 8,
     ) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         self._models = models
-        self._loaded: dict[int, torch.nn.Module] = {}
+        self._loaded: OrderedDict[int, torch.nn.Module] = OrderedDict()
+        self.max_versions = max(1, max_versions)
         self.device = torch.device(device)
         self.dtype = resolve_dtype(dtype)
         self.padding_side = padding_side
@@ -63,6 +66,9 @@ class TransformersOracle:
             else:
                 source = self._models(version)
             self._loaded[version] = load_causal_lm(source, self.device, self.dtype)
+            while len(self._loaded) > self.max_versions:  # keep the staleness window, not history
+                self._loaded.popitem(last=False)
+        self._loaded.move_to_end(version)
         return self._loaded[version]
 
     # -- LogprobOracle

@@ -1,0 +1,307 @@
+"""The adversary catalogue. Each class documents attack, parameters and expected outcome."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import numpy as np
+
+from harness.adversaries.base import Context, Honest, completion, register_strategy
+from rollout.backends import GeneratedCompletion, TransformersBackend
+from verify.errors import Reason
+from verify.types import GroupSubmission, SignedAssignment, canonical_bytes
+
+SPOT = frozenset({Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT})
+HEADER = frozenset({Reason.ASSIGNMENT_MISMATCH, Reason.WRONG_PROMPT})
+
+
+@register_strategy
+@dataclass
+class TamperedLogprobs:
+    """Samples honestly, then shifts the committed logprob of ``tokens`` tokens by ``shift`` nats
+    (towards 0: claims the old policy liked the token more, inflating importance weights in its
+    favour). Expect LOGPROB_MISMATCH when audited, for any shift above the tolerance."""
+
+    shift: float = 0.05
+    tokens: int = 3
+    name: ClassVar[str] = "tampered-logprobs"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        out = []
+        for c in ctx.generate(a):
+            lp = np.array(c.logprobs, dtype=np.float32)
+            k = min(self.tokens, len(lp))
+            lp[:k] = np.where(lp[:k] <= -self.shift, lp[:k] + self.shift, lp[:k] - self.shift)
+            out.append(completion(c.group_index, c.token_ids, lp))
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
+
+
+@register_strategy
+@dataclass
+class FabricatedTokens:
+    """Writes ``text`` at the start of every completion instead of sampling it, and commits the
+    policy's honest logprobs for those tokens (so the logprob comparison passes). Expect
+    SAMPLER_REPLAY_MISMATCH or TOKEN_OUTSIDE_SUPPORT when audited."""
+
+    text: str = "100"
+    name: ClassVar[str] = "fabricated-tokens"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH,
+                                                     Reason.TOKEN_OUTSIDE_SUPPORT})
+
+    def forge(self, ctx: Context, a, comps: list[GeneratedCompletion]) -> list[GeneratedCompletion]:  # type: ignore[no-untyped-def]
+        planted = ctx.tokenizer.encode(self.text)
+        bos = getattr(ctx.tokenizer, "bos_token_id", None)
+        planted = [t for t in planted if t != bos] + ctx.stops()
+        return [completion(c.group_index, planted, ctx.honest_logprobs(a, planted)) for c in comps]
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, self.forge(ctx, a, ctx.generate(a)))))
+
+
+@register_strategy
+@dataclass
+class SplicedTokens:
+    """Swaps the completions of group members g and g+1 (each signed under the other's index),
+    keeping their logprobs. Expect SAMPLER_REPLAY_MISMATCH when audited (the noise is per index)."""
+
+    name: ClassVar[str] = "spliced-tokens"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = ctx.generate(a)
+        n = len(comps)
+        out = [completion(g, comps[(g + 1) % n].token_ids, comps[(g + 1) % n].logprobs) for g in range(n)]
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
+
+
+@register_strategy
+@dataclass
+class WrongModel:
+    """Generates with another (weaker, older or cheaper) model in ``model_dir`` while claiming the
+    assigned policy version. Expect LOGPROB_MISMATCH when audited."""
+
+    model_dir: str = ""
+    name: ClassVar[str] = "wrong-model"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH})
+    _backend: TransformersBackend | None = field(default=None, repr=False)
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        if self._backend is None:
+            self._backend = TransformersBackend(self.model_dir)
+        a = ctx.assignment(sealed)
+        from rollout.worker import generation_request
+
+        comps = self._backend.generate(generation_request(a, ctx.prompt_ids(a), ctx.key.public, ctx.stops()))
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
+
+
+@register_strategy
+@dataclass
+class StaleVersion:
+    """Claims an older policy version than the one assigned (to pass off cached rollouts).
+    Expect ASSIGNMENT_MISMATCH: the signed header contradicts the signed assignment (slashed)."""
+
+    lag: int = 1
+    name: ClassVar[str] = "stale-version"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.ASSIGNMENT_MISMATCH})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        from rollout.worker import header_fields
+        from verify.envelope import build_envelope
+
+        a = ctx.assignment(sealed)
+        envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1),
+                                         "policy_version": a.policy_version + self.lag},
+                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
+        return ctx.remember(GroupSubmission(a.assignment_id, envs))
+
+
+@register_strategy
+@dataclass
+class Greedy:
+    """Decodes greedily (cheaper, higher reward) but claims temperature 1 and commits the policy's
+    honest temperature-1 logprobs of the greedy tokens. Expect SAMPLER_REPLAY_MISMATCH."""
+
+    name: ClassVar[str] = "greedy"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = [completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
+                 for c in ctx.generate(a, temperature=0.0)]
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
+
+
+@register_strategy
+@dataclass
+class WrongTemperature:
+    """Samples at ``temperature`` with the verifiable sampler's own noise, claims the assigned
+    temperature, and commits honest logprobs under the claim. Expect SAMPLER_REPLAY_MISMATCH."""
+
+    temperature: float = 0.5
+    name: ClassVar[str] = "wrong-temperature"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = [completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
+                 for c in ctx.generate(a, temperature=self.temperature)]
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
+
+
+@register_strategy
+@dataclass
+class Replay:
+    """Answers a new assignment with a group it submitted before (no generation cost).
+    Expect ASSIGNMENT_MISMATCH or WRONG_PROMPT (the old headers name the old assignment)."""
+
+    name: ClassVar[str] = "replay"
+    expect: ClassVar[frozenset[Reason]] = HEADER
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        if not ctx.memory:
+            return Honest().answer(ctx, sealed)
+        return canonical_bytes(GroupSubmission(a.assignment_id, ctx.memory[0].envelopes))
+
+
+@register_strategy
+@dataclass
+class CrossKeyCopy:
+    """A Sybil identity copies the tokens and logprobs of a group its colluder generated (shared
+    memory) and signs them as its own answer. Expect LOGPROB_MISMATCH, SAMPLER_REPLAY_MISMATCH
+    (the noise is keyed by the signer) or DUPLICATE_COMPLETION."""
+
+    name: ClassVar[str] = "cross-key-copy"
+    expect: ClassVar[frozenset[Reason]] = SPOT | {Reason.DUPLICATE_COMPLETION}
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        pool: list[GroupSubmission] = ctx.shared.setdefault("groups", [])
+        a = ctx.assignment(sealed)
+        if not pool:
+            raw = Honest().answer(ctx, sealed)
+            pool.append(ctx.memory[-1])
+            return raw
+        donor = pool[-1]
+        comps = [completion(g, np.frombuffer(e.body.token_ids, "<u4").tolist(),
+                            np.frombuffer(e.body.logprobs, "<f4"))
+                 for g, e in enumerate(donor.envelopes[: a.group_size])]
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
+
+
+@register_strategy
+@dataclass
+class CherryPick:
+    """Withholds the worst-looking group members (the ones it would rather the trainer not see).
+    ``drop`` members are left out. Expect MISSING_GROUP_MEMBER (not slashed: indistinguishable
+    from a crash, but the group never reaches the trainer)."""
+
+    drop: int = 1
+    name: ClassVar[str] = "cherry-pick"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.MISSING_GROUP_MEMBER})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        envs = ctx.sign(a, ctx.generate(a))
+        keep = envs[: max(1, len(envs) - self.drop)]
+        return ctx.remember(GroupSubmission(a.assignment_id, keep))
+
+
+@register_strategy
+@dataclass
+class WrongPrompt:
+    """Answers an easier prompt it prefers and says so in the signed header.
+    Expect WRONG_PROMPT (slashed with the two signed documents as evidence)."""
+
+    prompt_id: str = "train/0"
+    name: ClassVar[str] = "wrong-prompt"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.WRONG_PROMPT})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        from rollout.worker import header_fields
+        from verify.envelope import build_envelope
+
+        a = ctx.assignment(sealed)
+        envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1), "prompt_id": self.prompt_id
+                                         + ("x" if self.prompt_id == a.prompt_id else "")},
+                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
+        return ctx.remember(GroupSubmission(a.assignment_id, envs))
+
+
+@register_strategy
+@dataclass
+class Poisoning:
+    """Steers the policy towards answering ``text`` by planting it (with honest logprobs) in every
+    completion. Caught as FabricatedTokens when audited; unaudited groups slip through and their
+    influence is bounded by per-contributor robust aggregation. Expect "bounded"."""
+
+    text: str = "0"
+    name: ClassVar[str] = "poisoning"
+    expect: ClassVar[str] = "bounded"
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        return FabricatedTokens(self.text).answer(ctx, sealed)
+
+
+@register_strategy
+@dataclass
+class RewardHacker:
+    """Plants completions built to fool a reward function (several candidate answers, a huge
+    output). The validator's reward scores them 0 or low; audited ones fail replay.
+    Expect SAMPLER_REPLAY_MISMATCH / TOKEN_OUTSIDE_SUPPORT when audited, reward ~0 otherwise."""
+
+    text: str = "1 2 3 4 5 6 7 8 9 10 11 12"
+    name: ClassVar[str] = "reward-hacker"
+    expect: ClassVar[frozenset[Reason]] = FabricatedTokens.expect
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        return FabricatedTokens(self.text).answer(ctx, sealed)
+
+
+@register_strategy
+@dataclass
+class Intermittent:
+    """Cheats with ``inner`` on a fraction ``f`` of assignments, honest otherwise, hoping the
+    cheats fall outside the audited set. Expect the inner strategy's reasons when audited;
+    detection probability over n groups is 1 - (1 - p f)^n (``prooftrain audit-rate``)."""
+
+    f: float = 0.3
+    inner: str = "tampered-logprobs"
+    name: ClassVar[str] = "intermittent"
+    expect: ClassVar[str] = "inner"
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        from harness.adversaries.base import make_strategy
+
+        if ctx.rng.random() < self.f:
+            return make_strategy(self.inner).answer(ctx, sealed)
+        return Honest().answer(ctx, sealed)
+
+
+@register_strategy
+@dataclass
+class MalformedFlood:
+    """Sends garbage: random bytes, truncated and bit-flipped groups. Expect MALFORMED, TRUNCATED,
+    TRAILING_BYTES or BAD_SIGNATURE with nothing recorded and the node unharmed."""
+
+    size: int = 256
+    name: ClassVar[str] = "malformed-flood"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.MALFORMED, Reason.TRUNCATED,
+                                                     Reason.TRAILING_BYTES, Reason.BAD_SIGNATURE,
+                                                     Reason.COMMITMENT_MISMATCH, Reason.INCONSISTENT})
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        raw = bytearray(Honest().answer(ctx, sealed))
+        choice = int(ctx.rng.integers(3))
+        if choice == 0:
+            return bytes(ctx.rng.bytes(self.size))
+        if choice == 1:
+            return bytes(raw[: int(ctx.rng.integers(1, len(raw)))])
+        pos = int(ctx.rng.integers(len(raw) // 2, len(raw)))
+        raw[pos] ^= 0x40
+        return bytes(raw)

@@ -1,0 +1,125 @@
+"""The strategy Protocol, the registry, and the context a strategy works in."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Protocol
+
+import numpy as np
+
+from rollout.backends import GeneratedCompletion, GenerationBackend
+from rollout.worker import Tokenizer, generation_request, open_assignment, sign_completions
+from verify.errors import ConfigError, Reason
+from verify.keys import PublicKey, SigningKey
+from verify.spotcheck import LogprobOracle
+from verify.types import (
+    GroupSubmission,
+    RolloutEnvelope,
+    SignedAssignment,
+    WorkAssignment,
+    canonical_bytes,
+)
+
+
+@dataclass
+class Context:
+    """What a contributor process holds: its key, a model, the tokenizer, the validator's key.
+
+    ``oracle`` lets a cheater compute honest-looking logprobs for tokens it did
+    not sample (the strongest form of several attacks); ``memory`` keeps
+    earlier groups for replay and copying; ``shared`` is common to colluding
+    identities (Sybils).
+    """
+
+    key: SigningKey
+    backend: GenerationBackend
+    tokenizer: Tokenizer
+    validator: PublicKey
+    oracle: LogprobOracle | None = None
+    memory: list[GroupSubmission] = field(default_factory=list)
+    shared: dict[str, Any] = field(default_factory=dict)
+    rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+
+    def assignment(self, sealed: SignedAssignment) -> WorkAssignment:
+        return open_assignment(sealed, self.validator, self.key.public)
+
+    def prompt_ids(self, a: WorkAssignment) -> list[int]:
+        return self.tokenizer.encode(a.prompt)
+
+    def stops(self) -> list[int]:
+        return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+
+    def generate(self, a: WorkAssignment, **changes: Any) -> list[GeneratedCompletion]:
+        req = generation_request(a, self.prompt_ids(a), self.key.public, self.stops())
+        return self.backend.generate(dataclasses.replace(req, **changes) if changes else req)
+
+    def honest_logprobs(self, a: WorkAssignment, tokens: list[int]) -> np.ndarray:
+        """Processed logprobs of arbitrary tokens under the assigned policy (needs ``oracle``)."""
+        if self.oracle is None:
+            raise ConfigError("this strategy needs a logprob oracle in its context")
+        prompt = self.prompt_ids(a)
+        s = a.sampling
+        return self.oracle.logprobs(a.policy_version, prompt + list(tokens), len(prompt),
+                                    s.temperature, s.top_k, s.top_p)
+
+    def sign(self, a: WorkAssignment, completions: list[GeneratedCompletion]) -> list[RolloutEnvelope]:
+        return sign_completions(self.key, a, completions)
+
+    def remember(self, group: GroupSubmission) -> bytes:
+        self.memory.append(group)
+        return canonical_bytes(group)
+
+
+class Strategy(Protocol):
+    name: ClassVar[str]
+    expect: ClassVar[frozenset[Reason] | str]
+    """Reasons it is rejected with when audited, or "bounded" / "accepted"."""
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes: ...
+
+
+STRATEGIES: dict[str, type] = {}
+
+
+def register_strategy(cls: type) -> type:
+    STRATEGIES[cls.name] = cls
+    return cls
+
+
+def available_strategies() -> list[str]:
+    return sorted(STRATEGIES)
+
+
+def make_strategy(name: str, **params: Any) -> Strategy:
+    try:
+        cls = STRATEGIES[name]
+    except KeyError:
+        raise ConfigError(f"unknown strategy {name!r} (known: {', '.join(available_strategies())})") from None
+    try:
+        return cls(**params)
+    except TypeError as exc:
+        raise ConfigError(f"strategy {name!r}: {exc}") from None
+
+
+def completion(g: int, tokens: list[int] | tuple[int, ...], logprobs: np.ndarray) -> GeneratedCompletion:
+    lp = np.asarray(logprobs, dtype=np.float32).copy()
+    lp.setflags(write=False)
+    return GeneratedCompletion(g, tuple(int(t) for t in tokens), lp, "stop")
+
+
+@register_strategy
+@dataclass
+class Honest:
+    """Follows the protocol exactly. Expect: accepted, never slashed."""
+
+    name: ClassVar[str] = "honest"
+    expect: ClassVar[str] = "accepted"
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, ctx.generate(a))))
+
+
+Transform = Callable[[Context, WorkAssignment, list[GeneratedCompletion]], list[GeneratedCompletion]]

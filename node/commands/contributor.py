@@ -1,0 +1,48 @@
+"""``prooftrain contributor``: generate, commit and sign rollouts for a validator."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "contributor",
+        help="answer a validator's assignments with signed rollouts",
+        description="Register with a validator, then loop: take an assignment, load the assigned "
+        "policy version (the base model, or a trainer-signed chain of compressed deltas, verified "
+        "before use), generate the group with the verifiable sampler, commit and sign every "
+        "rollout, submit. Unacknowledged groups are kept in --state-dir and resubmitted after a "
+        "restart, never regenerated.",
+    )
+    p.add_argument("--validator", required=True, help="validator URL, e.g. http://127.0.0.1:8470")
+    p.add_argument("--key", type=Path, required=True, help="contributor key file (prooftrain keys new)")
+    p.add_argument("--model", type=Path, required=True, help="local base model directory (policy version 0)")
+    p.add_argument("--state-dir", type=Path, default=Path("runs/contributor"), help="where progress is kept")
+    p.add_argument("--name", default="", help="a name recorded with the registration")
+    p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run forever)")
+    p.add_argument("--backend", default="transformers", help="generation backend (transformers, vllm)")
+    p.add_argument("--device", default="cpu", help="torch device for the transformers backend")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="generation precision")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from node.client import ValidatorClient
+    from node.commands.keys import load_key_file
+    from node.contributor import Contributor
+
+    key = load_key_file(args.key)
+    client = ValidatorClient(args.validator, key)
+    try:
+        added = client.register(args.name)
+        print(f"{'registered' if added else 'already registered'} as {key.public.fingerprint}")
+        contributor = Contributor(client, key, args.model, args.state_dir, backend=args.backend,
+                                  device=args.device, dtype=args.dtype)
+        stats = contributor.run(args.groups)
+    finally:
+        client.close()
+    print(f"submitted {stats.submitted} groups: {stats.accepted} rollouts accepted, "
+          f"{stats.rejected} rejected {stats.reasons or ''}")
+    return 0

@@ -1,0 +1,87 @@
+"""``prooftrain harness``: run adversarial scenarios, report on them, compare runs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from verify.errors import ProofTrainError
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "harness", help="run adversarial-contributor scenarios and report on them",
+        description="Train against a simulated population of honest and adversarial contributors "
+        "over a simulated network, then report whether training still improved and which "
+        "cheaters were caught.",
+    )
+    p.set_defaults(_parser=p)
+    sub = p.add_subparsers(dest="harness_command", metavar="ACTION")
+
+    r = sub.add_parser("run", help="run a scenario (and its baselines) and write the report",
+                       description="Run SCENARIO.toml, its all-honest baseline and its no-defence "
+                       "ablation (as the scenario's [baselines] asks), then write report.md and "
+                       "PNG plots into the output directory.")
+    r.add_argument("scenario", help="scenario TOML file (see configs/scenarios/)")
+    r.add_argument("--out", help="output directory (default: runs/<scenario name>)")
+    r.set_defaults(func=run_run)
+
+    rep = sub.add_parser("report", help="regenerate report.md and plots from a run's events",
+                         description="Rebuild report.md and the PNG plots of a run directory "
+                         "from its event log alone.")
+    rep.add_argument("run_dir", metavar="DIR", help="a directory written by `harness run`")
+    rep.set_defaults(func=run_report)
+
+    c = sub.add_parser("compare", help="put several runs side by side",
+                       description="A Markdown table comparing run directories (and, with "
+                       "--out, a PNG of their pass@1 curves next to it).")
+    c.add_argument("run_dirs", nargs="+", metavar="DIR", help="directories written by `harness run`")
+    c.add_argument("--out", help="write the Markdown here (and FILE.png) instead of printing it")
+    c.set_defaults(func=run_compare)
+
+
+def _runner():  # noqa: ANN202
+    try:
+        from harness.run import run_scenario  # noqa: PLC0415
+    except ModuleNotFoundError as exc:
+        if exc.name != "harness.run":
+            raise
+        raise ProofTrainError("the scenario runner (harness/run.py) is not available in this "
+                              "installation") from None
+    return run_scenario
+
+
+def run_run(args: argparse.Namespace) -> int:
+    from harness.report import load_runs, summary_lines, write_report  # noqa: PLC0415
+    from harness.scenario import load_scenario  # noqa: PLC0415
+
+    scenario = load_scenario(args.scenario)
+    out = Path(args.out) if args.out else Path("runs") / scenario.name
+    run_scenario = _runner()
+    out.mkdir(parents=True, exist_ok=True)
+    run_scenario(scenario, out, progress=True)
+    path = write_report(out)
+    print("\n".join(summary_lines(load_runs(out))))
+    print(f"report: {path}")
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    from harness.report import load_runs, summary_lines, write_report  # noqa: PLC0415
+
+    path = write_report(args.run_dir)
+    print("\n".join(summary_lines(load_runs(args.run_dir))))
+    print(f"report: {path}")
+    return 0
+
+
+def run_compare(args: argparse.Namespace) -> int:
+    from harness.compare import compare_markdown, write_comparison  # noqa: PLC0415
+
+    if args.out is None:
+        sys.stdout.write(compare_markdown(args.run_dirs))
+        return 0
+    md, png = write_comparison(args.run_dirs, Path(args.out))
+    print(f"comparison: {md} (plot: {png})")
+    return 0

@@ -1,0 +1,141 @@
+"""Typed configuration for every runnable role, loaded from TOML and checked on load.
+
+Every model forbids unknown keys (a typo is an error, not a silently ignored
+setting), bounds every number, and documents every field. ``load(cls, path)``
+reads a TOML file; ``ConfigError`` names the file and the offending keys.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from verify.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSection(_Section):
+    host: str = "127.0.0.1"
+    """Address to listen on. Loopback by default; expose deliberately."""
+    port: int = Field(8470, ge=0, le=65535)
+    """TCP port (0 picks a free one)."""
+    key_file: Path = Path("keys/validator.key")
+    """The validator's Ed25519 key (signs assignments, verdicts and checkpoints)."""
+    ledger: str = "runs/validator/ledger.sqlite"
+    """SQLite file path, or a postgresql:// URL for a shared log."""
+    origin: str = "prooftrain/validator"
+    """Checkpoint origin line: the log's name."""
+    trainer_key: str = ""
+    """Trainer public key (64 hex digits or a .pub file); only it may read accepted samples
+    and publish policies. Empty disables those endpoints."""
+    checkpoint_every: int = Field(64, ge=1)
+    """Sign a checkpoint after this many submissions."""
+
+
+class PolicySection(_Section):
+    model_dir: Path = Path("runs/base-model")
+    """The base policy: a local Hugging Face model directory (policy version 0)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the validator's recomputation."""
+    max_staleness: int = Field(4, ge=0, le=1_000)
+    """Rollouts of a version older than current - max_staleness are rejected as stale."""
+
+
+class TaskSection(_Section):
+    name: str = "arithmetic"
+    """Task generator (rewards.tasks) whose train split the validator assigns."""
+    seed: int = Field(0, ge=0)
+    pool: int = Field(4_096, ge=1, le=10_000_000)
+    """How many train problems to draw from the generator."""
+    jsonl: Path | None = None
+    """Optional JSONL problem file (prompt, answer, task) instead of the generator."""
+
+
+class AssignmentSection(_Section):
+    group_size: int = Field(4, ge=1, le=64)
+    """G completions per prompt (GRPO group)."""
+    temperature: float = Field(1.0, gt=0.0, le=4.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(16, ge=1, le=65_536)
+    ttl_s: float = Field(600.0, gt=0)
+    """An assignment not answered within this many seconds expires."""
+
+
+class AuditSection(_Section):
+    chunks_per_audit: int = Field(2, ge=1, le=1_024)
+    """How many chunks of an audited rollout are recomputed and compared."""
+    tolerance_file: Path | None = None
+    """Calibrated tolerances written by `prooftrain calibrate`; None uses the built-in
+    float32 tolerance."""
+    epoch_groups: int = Field(256, ge=1)
+    """Submissions per audit epoch (the epoch secret is revealed when it ends)."""
+    pit_alpha: float = Field(1e-4, gt=0.0, lt=0.5)
+    """Significance of the per-contributor sampling-distribution test."""
+    pit_min_tokens: int = Field(512, ge=32)
+    """Tokens a contributor's audited rollouts must pool before the PIT test is run."""
+    queue: int = Field(8, ge=1, le=1_024)
+    """Audits in flight at once; beyond it submissions get 429 with Retry-After."""
+    rate_override: float = Field(-1.0, ge=-1.0, le=1.0)
+    """A fixed audit rate for experiments and benchmarks; -1 uses reputation."""
+
+
+class LimitsSection(_Section):
+    max_tokens: int = Field(4_096, ge=1, le=65_536)
+    max_group_size: int = Field(64, ge=1, le=256)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1_024, le=64 * 1024 * 1024)
+    requests_per_s: float = Field(50.0, gt=0)
+    """Sustained requests per second per contributor key."""
+    burst: int = Field(100, ge=1)
+
+
+class ValidatorConfig(_Section):
+    node: NodeSection = NodeSection()
+    policy: PolicySection = PolicySection()
+    task: TaskSection = TaskSection()
+    assignment: AssignmentSection = AssignmentSection()
+    audit: AuditSection = AuditSection()
+    limits: LimitsSection = LimitsSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> ValidatorConfig:
+        if self.assignment.group_size > self.limits.max_group_size:
+            raise ValueError("assignment.group_size exceeds limits.max_group_size")
+        if self.assignment.max_tokens > self.limits.max_tokens:
+            raise ValueError("assignment.max_tokens exceeds limits.max_tokens")
+        return self
+
+
+C = TypeVar("C", bound=BaseModel)
+
+
+def load(cls: type[C], path: str | Path | None, overrides: dict | None = None) -> C:
+    """Read ``path`` (TOML) into ``cls``; ``None`` gives the defaults."""
+    data: dict = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"{path or 'config'}: {problems}") from None

@@ -1,0 +1,7 @@
+"""The validator node: assignment, admission, rewards, spot checks, verdicts, sample stream.
+
+``core.Validator`` holds the logic and state (no sockets); ``service`` wraps it
+in a FastAPI app; ``spot`` runs spot checks and builds slash evidence that a
+third party can re-check; ``state`` persists what the ledger does not hold
+(accepted sample bodies, idempotent submission results).
+"""

@@ -1,0 +1,91 @@
+"""Assemble a validator from its config: key, ledger, state, model, tasks, tolerance."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ledger.log import Ledger
+from node.config import ValidatorConfig
+from node.validator.core import Validator
+from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
+from node.validator.state import StateStore
+from rewards.base import Problem
+from rewards.tasks.base import generate
+from rewards.tasks.jsonl import load_jsonl
+from rollout.oracle import TransformersOracle
+from rollout.sync import PolicySync
+from verify.errors import ConfigError, Reason, VerificationError
+from verify.keys import PublicKey, SigningKey, load_public_key, load_signing_key
+from verify.spotcheck import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, Tolerance
+from verify.types import PolicyManifest, SignedManifest, decode
+
+PASSPHRASE_ENV = "PROOFTRAIN_KEY_PASSPHRASE"
+
+
+def load_problems(cfg: ValidatorConfig) -> list[Problem]:
+    if cfg.task.jsonl is not None:
+        return load_jsonl(cfg.task.jsonl, limit=cfg.task.pool)
+    return generate(cfg.task.name, "train", cfg.task.pool, seed=cfg.task.seed)
+
+
+def load_tolerance(cfg: ValidatorConfig) -> Tolerance:
+    if cfg.audit.tolerance_file is None:
+        return BFLOAT16_TOLERANCE if cfg.policy.dtype == "bfloat16" else FLOAT32_TOLERANCE
+    from node.validator.calibration import load_tolerance_file
+
+    return load_tolerance_file(cfg.audit.tolerance_file)
+
+
+def load_key(path: Path) -> SigningKey:
+    if not path.exists():
+        raise ConfigError(f"validator key {path} does not exist; create it with "
+                          f"`prooftrain keys new --out {path}`")
+    passphrase = os.environ.get(PASSPHRASE_ENV)
+    return load_signing_key(path, passphrase.encode() if passphrase else None)
+
+
+def trainer_key(cfg: ValidatorConfig) -> PublicKey | None:
+    return load_public_key(cfg.node.trainer_key) if cfg.node.trainer_key else None
+
+
+def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Validator:
+    key = key or load_key(cfg.node.key_file)
+    model_dir = cfg.policy.model_dir
+    if not (Path(model_dir) / "config.json").exists():
+        raise ConfigError(f"policy.model_dir {model_dir} is not a model directory; build one with "
+                          "`prooftrain base-model build`")
+    ledger = Ledger.open(cfg.node.ledger, signing_key=key, origin=cfg.node.origin)
+    state_path = (str(cfg.node.ledger) + ".state") if "://" not in cfg.node.ledger else "validator.state"
+    codec = HFTextCodec(model_dir)
+    state = StateStore(state_path)
+    trainer = trainer_key(cfg)
+    versions = PolicyVersions(model_dir_digest(model_dir), trainer)
+    oracle = TransformersOracle(policy_loader(model_dir, trainer, state, ledger), dtype=cfg.policy.dtype,
+                                max_versions=cfg.policy.max_staleness + 2)
+    return Validator(cfg, key, ledger, state, codec, oracle, load_problems(cfg), versions,
+                     load_tolerance(cfg))
+
+
+def policy_loader(model_dir: Path, trainer: PublicKey | None, state: StateStore, ledger: Ledger):  # type: ignore[no-untyped-def]
+    """version -> model: the base for 0; later versions rebuilt from the manifests and blobs
+    this validator stored when the trainer published them (each checked again on the way)."""
+    syncs: dict[str, object] = {}
+
+    def manifest(version: int) -> SignedManifest:
+        data = state.manifest(version)
+        if data is None:
+            raise VerificationError(f"no manifest for policy version {version}", reason=Reason.NOT_FOUND)
+        return decode(SignedManifest, data, max_bytes=len(data))
+
+    def load(version: int):  # type: ignore[no-untyped-def]
+        if version == 0:
+            return model_dir
+        if trainer is None or ledger.blobs is None:
+            raise ConfigError("policy versions above 0 need node.trainer_key and a blob store")
+        if "sync" not in syncs:
+            stages = len(decode(PolicyManifest, manifest(version).manifest, max_bytes=1 << 20).shards)
+            syncs["sync"] = PolicySync(model_dir, trainer, manifest, ledger.blobs.get, stages)
+        return syncs["sync"].model_at(version)  # type: ignore[attr-defined]
+
+    return load

@@ -1,0 +1,237 @@
+"""Tolerance calibration: measure honest numerical noise, then set thresholds above it.
+
+Honest contributors generate with the claimed policy, but on other hardware,
+in another precision, with another batch size: their committed logprobs
+differ from the validator's recomputation by rounding alone. ``calibrate``
+measures that difference for every (generation dtype, recomputation dtype,
+recomputation batch size) setting on prompts from the task, and chooses
+
+    token_abs      = margin * (largest honest |diff| at any token)
+    chunk_mean_abs = margin * (largest honest mean |diff| over a chunk)
+
+(with small floors so a bit-exact setting still gets a usable threshold).
+The file records the observations, so a node can refuse a tolerance that
+would flag its own honest calibration runs (:func:`load_tolerance_file`).
+The implied false-positive rate is stated as the observed exceedance count
+and its 95% upper bound (3/N when none exceed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rollout.backends import TransformersBackend, load_causal_lm
+from rollout.oracle import TransformersOracle
+from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
+from verify.errors import ConfigError
+from verify.sampling import SAMPLER_KEY_SIZE
+from verify.spotcheck import OracleRequest, Tolerance
+
+TOKEN_FLOOR = 1e-4
+CHUNK_FLOOR = 1e-5
+
+
+@dataclass
+class SettingStats:
+    generation_dtype: str
+    recompute_dtype: str
+    batch_size: int
+    tokens: int
+    chunks: int
+    token_max_abs: float
+    token_p999_abs: float
+    chunk_mean_max: float
+
+
+@dataclass
+class Calibration:
+    token_abs: float
+    chunk_mean_abs: float
+    margin: float
+    observed_token_max: float
+    observed_chunk_mean_max: float
+    tokens: int
+    chunks: int
+    settings: list[SettingStats] = field(default_factory=list)
+
+    @property
+    def tolerance(self) -> Tolerance:
+        return Tolerance(self.token_abs, self.chunk_mean_abs)
+
+    def false_positive_bound(self) -> float:
+        """95% upper bound on the per-chunk false-positive rate (none of the chunks exceeded)."""
+        return 3.0 / max(self.chunks, 1)
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["false_positive_rate_95ub"] = self.false_positive_bound()
+        return out
+
+
+def _diffs(claimed: np.ndarray, recomputed: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    d = np.abs(claimed.astype(np.float64) - recomputed.astype(np.float64))
+    means = np.array([d[i : i + chunk].mean() for i in range(0, len(d), chunk)]) if len(d) else np.zeros(0)
+    return d, means
+
+
+def calibrate(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], *, stop_token_ids: Sequence[int] = (),
+    generation_dtypes: Sequence[str] = ("float32", "bfloat16"), recompute_dtype: str = "float32",
+    batch_sizes: Sequence[int] = (1, 4, 16), group_size: int = 4, max_tokens: int = 16,
+    temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE, margin: float = 2.0, seed: int = 0,
+    progress: bool = False,
+) -> Calibration:
+    """Measure honest discrepancies for every setting and choose thresholds."""
+    model = load_causal_lm(model_dir, torch.device("cpu"), None)
+    oracle = TransformersOracle({0: model_dir}, dtype=recompute_dtype, padding_side="left")
+    settings: list[SettingStats] = []
+    all_tok: list[np.ndarray] = []
+    all_chunk: list[np.ndarray] = []
+    rng = np.random.default_rng(seed)
+    bar = _bar(len(generation_dtypes) * len(batch_sizes), progress)
+    for gen_dtype in generation_dtypes:
+        backend = TransformersBackend(model_dir, dtype=gen_dtype)
+        requests: list[OracleRequest] = []
+        claimed: list[np.ndarray] = []
+        from rollout.backends import GenerationRequest
+
+        for i, prompt in enumerate(prompts):
+            req = GenerationRequest(tuple(prompt), group_size, temperature, top_k, top_p, max_tokens,
+                                    rng.bytes(SAMPLER_KEY_SIZE), rng.bytes(32), seed * 100_003 + i,
+                                    tuple(stop_token_ids))
+            for c in backend.generate(req):
+                requests.append(OracleRequest(tuple(prompt) + c.token_ids, len(prompt), temperature,
+                                              top_k, top_p))
+                claimed.append(np.asarray(c.logprobs))
+        for b in batch_sizes:
+            tok, chk = [], []
+            for start in range(0, len(requests), b):
+                got = oracle.logprobs_batch(0, requests[start : start + b])
+                for cl, rc in zip(claimed[start : start + b], got, strict=True):
+                    d, m = _diffs(cl, rc, chunk_size)
+                    tok.append(d)
+                    chk.append(m)
+            t, c = np.concatenate(tok), np.concatenate(chk)
+            settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(c.size),
+                                         float(t.max(initial=0.0)),
+                                         float(np.quantile(t, 0.999)) if t.size else 0.0,
+                                         float(c.max(initial=0.0))))
+            all_tok.append(t)
+            all_chunk.append(c)
+            bar.update(1)
+    bar.close()
+    del model
+    tok_max = float(max((s.token_max_abs for s in settings), default=0.0))
+    chunk_max = float(max((s.chunk_mean_max for s in settings), default=0.0))
+    token_abs = max(margin * tok_max, TOKEN_FLOOR)
+    chunk_abs = min(max(margin * chunk_max, CHUNK_FLOOR), token_abs)
+    return Calibration(token_abs, chunk_abs, margin, tok_max, chunk_max,
+                       int(sum(t.size for t in all_tok)), int(sum(c.size for c in all_chunk)), settings)
+
+
+def _bar(total: int, enabled: bool):  # type: ignore[no-untyped-def]
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="calibrating", disable=not enabled, unit="setting")
+
+
+def write_tolerance_file(cal: Calibration, path: str | Path) -> Path:
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(target.suffix + ".tmp")
+    tmp.write_text(json.dumps(cal.to_json(), indent=2) + "\n")
+    os.replace(tmp, target)
+    return target
+
+
+def load_tolerance_file(path: str | Path) -> Tolerance:
+    """Read a tolerance file; refuse thresholds that its own honest runs would exceed."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+        token_abs, chunk_abs = float(data["token_abs"]), float(data["chunk_mean_abs"])
+        seen_tok, seen_chunk = float(data["observed_token_max"]), float(data["observed_chunk_mean_max"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError(f"tolerance file {p} is unreadable: {exc}") from None
+    if token_abs < seen_tok or chunk_abs < seen_chunk:
+        raise ConfigError(
+            f"tolerance file {p} would flag its own honest calibration runs: token_abs {token_abs:g} "
+            f"< observed {seen_tok:g} or chunk_mean_abs {chunk_abs:g} < observed {seen_chunk:g}")
+    try:
+        return Tolerance(token_abs, chunk_abs)
+    except ValueError as exc:
+        raise ConfigError(f"tolerance file {p}: {exc}") from None
+
+
+def honest_audit(
+    model_dir: str | Path, prompts: Sequence[Sequence[int]], tolerance: Tolerance, *,
+    stop_token_ids: Sequence[int] = (), generation_dtypes: Sequence[str] = ("float32", "bfloat16"),
+    recompute_dtype: str = "float32", batch_sizes: Sequence[int] = (1, 4, 16), group_size: int = 4,
+    max_tokens: int = 16, temperature: float = 1.0, seed: int = 1,
+    shifts: Sequence[float] = (),
+) -> dict:
+    """Run the full spot check (logprobs, support, replay on every chunk) on fresh honest rollouts.
+
+    Returns the number audited, the number rejected (false positives), and, for
+    each ``shift``, the fraction of rollouts caught when 3 of their committed
+    logprobs are moved by that many nats.
+    """
+    from node.validator.spot import _check
+    from rollout.backends import GenerationRequest
+    from verify.envelope import build_envelope, verify_envelope
+    from verify.errors import SpotCheckError
+    from verify.keys import SigningKey
+    from verify.types import SamplingParams
+
+    oracle = TransformersOracle({0: model_dir}, dtype=recompute_dtype)
+    rng = np.random.default_rng(seed)
+    audited = rejected = 0
+    caught = {s: 0 for s in shifts}
+    key = SigningKey.from_seed(rng.bytes(32))
+    for d, gen_dtype in enumerate(generation_dtypes):
+        backend = TransformersBackend(model_dir, dtype=gen_dtype)
+        items = []
+        for i, prompt in enumerate(prompts):
+            nonce, s_seed = rng.bytes(32), seed * 1_000_003 + d * 100_000 + i
+            req = GenerationRequest(tuple(prompt), group_size, temperature, 0, 1.0, max_tokens,
+                                    key.public.raw, nonce, s_seed, tuple(stop_token_ids))
+            for c in backend.generate(req):
+                fields = dict(policy_version=0, manifest_digest=b"\0" * 32, task_id="t", prompt_id="p",
+                              prompt_digest=b"\0" * 32, assignment_id=b"\0" * 16, nonce=nonce,
+                              sampling=SamplingParams(temperature, 1.0, 0, max_tokens, s_seed),
+                              group_index=c.group_index, group_size=group_size, created_at_ms=0)
+                env = build_envelope(key, fields, c.token_ids, c.logprobs)
+                items.append((verify_envelope(env), list(prompt), c))
+        start, turn = 0, 0
+        while start < len(items):
+            b = batch_sizes[turn % len(batch_sizes)]
+            batch, start, turn = items[start : start + b], start + b, turn + 1
+            logits = oracle.logits_batch(0, [(p + list(c.token_ids), len(p)) for _, p, c in batch])
+            for (rollout, prompt, _), lg in zip(batch, logits, strict=True):
+                every_chunk = list(range(n_chunks(rollout.header.token_count, rollout.header.chunk_size)))
+                audited += 1
+                try:
+                    _check(rollout, prompt, lg.numpy(), every_chunk, tolerance)
+                except SpotCheckError:
+                    rejected += 1
+                for shift in shifts:
+                    lp = rollout.logprobs.copy()
+                    k = min(3, len(lp))
+                    lp[:k] = np.where(lp[:k] <= -shift, lp[:k] + shift, lp[:k] - shift)
+                    try:
+                        _check(dataclasses.replace(rollout, logprobs=lp), prompt, lg.numpy(),
+                               every_chunk, tolerance)
+                    except SpotCheckError:
+                        caught[shift] += 1
+    return {"audited": audited, "rejected": rejected,
+            "caught": {s: caught[s] / max(audited, 1) for s in shifts}}
+

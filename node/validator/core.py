@@ -1,0 +1,489 @@
+"""The validator's admission pipeline, without any I/O of its own beyond the ledger and state.
+
+Submission of one group, in order (DESIGN.md, data flow steps 4-7):
+
+A. Unattributed checks. Nothing is recorded and the assignment stays open, so
+   a third party cannot burn someone else's assignment with garbage:
+   size and schema, known assignment, not already answered (an identical
+   resubmission returns the stored verdicts), key registered and not banned,
+   every envelope's limits, signature (by the assigned contributor) and
+   commitment.
+B. Attributed checks. The group is now provably the contributor's; any failure
+   rejects the whole group (the failing member gets its reason, the others
+   GROUP_REJECTED) and is recorded: group completeness, header vs signed
+   assignment (WRONG_PROMPT / ASSIGNMENT_MISMATCH, slashed), expiry, staleness,
+   token ids in the vocabulary, no copied completion (DUPLICATE_COMPLETION,
+   slashed), the validator's own reward, the keyed audit draw at the
+   contributor's reputation-driven rate, spot checks (slashed on failure) and
+   the pooled sampling-distribution test.
+C. Record. Accepted sample bodies go to the state store, then verdicts and
+   slashes to the ledger in one transaction, then the signed verdicts are
+   kept for idempotent resubmission.
+
+Invariant: a sample is served to the trainer only if its envelope verified,
+its reward was computed here, and its accepted verdict is in the ledger.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from ledger.log import Ledger, now_ms
+from ledger.records import (
+    AssignmentIssued,
+    ContributorRegistered,
+    EpochCommitted,
+    EpochRevealed,
+    PolicyPublished,
+    Record,
+    Slashed,
+    VerdictRecorded,
+    evidence_digest,
+)
+from node.config import ValidatorConfig
+from node.validator.policy import PolicyVersions, TextCodec
+from node.validator.spot import SpotCheckFailed, build_evidence, header_matches, spot_check_group
+from node.validator.state import StateStore
+from rewards.base import Problem
+from rewards.registry import reward
+from verify.challenge import epoch_commitment, should_audit
+from verify.envelope import Limits, VerifiedRollout, decode_group, verify_envelope
+from verify.errors import AdmissionError, Reason, VerificationError
+from verify.hashing import COMPLETION, blake3_digest
+from verify.keys import SigningKey
+from verify.manifest import check_blob, check_manifest
+from verify.sampling import pit_uniformity_test
+from verify.signed import open_sealed, seal
+from verify.spotcheck import DistributionOracle, Tolerance
+from verify.types import (
+    SCHEMA_VERSION,
+    AcceptedSample,
+    SampleBatch,
+    SamplingParams,
+    SignedAssignment,
+    SignedManifest,
+    SignedVerdict,
+    Verdict,
+    WorkAssignment,
+    canonical_bytes,
+    decode,
+)
+
+SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.DUPLICATE_COMPLETION,
+                     Reason.LOGPROB_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT,
+                     Reason.SAMPLER_REPLAY_MISMATCH})
+_VERDICTS = msgspec.msgpack.Decoder(list[SignedVerdict])
+_U32 = np.dtype("<u4")
+
+
+@dataclass
+class Issued:
+    sealed: SignedAssignment
+    wire: WorkAssignment
+    problem: Problem
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SubmitResult:
+    verdicts: list[SignedVerdict]
+    fresh: bool
+    """False when this was an identical resubmission answered from the stored verdicts."""
+
+
+@dataclass
+class _Member:
+    rollout: VerifiedRollout
+    raw: bytes
+    reward: float = 0.0
+    audited: bool = False
+    reason: Reason | None = None
+    evidence: bytes = b""
+    pit: np.ndarray | None = None
+
+
+class Validator:
+    """Assigns work, admits groups, records verdicts, serves accepted samples."""
+
+    def __init__(
+        self, cfg: ValidatorConfig, key: SigningKey, ledger: Ledger, state: StateStore,
+        codec: TextCodec, oracle: DistributionOracle, problems: Sequence[Problem],
+        versions: PolicyVersions, tolerance: Tolerance, *, clock: Callable[[], int] = now_ms,
+        entropy: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        if not problems:
+            raise ValueError("the validator needs a non-empty problem pool")
+        self.cfg, self.key, self.ledger, self.state = cfg, key, ledger, state
+        self.codec, self.oracle, self.versions, self.tolerance = codec, oracle, versions, tolerance
+        self.problems = list(problems)
+        self.clock, self.entropy = clock, entropy
+        self.limits = Limits(max_tokens=cfg.limits.max_tokens, max_group_size=cfg.limits.max_group_size,
+                             max_group_bytes=cfg.limits.max_body_bytes)
+        self._lock = threading.RLock()
+        self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
+        self._issued: dict[bytes, Issued] = {}
+        self._inflight: set[bytes] = set()
+        self._registered: set[bytes] = set()
+        self._used_prompts: set[tuple[str, int]] = set()
+        self._cursor = 0
+        self._pit: dict[bytes, list[np.ndarray]] = {}
+        self._submissions_in_epoch = 0
+        self._records_since_checkpoint = 0
+        self.metrics: dict[str, float] = {}
+        self._restore()
+
+    # -- start-up -------------------------------------------------------
+    def _restore(self) -> None:
+        """Rebuild in-memory state from the ledger (assignments, keys, versions, epochs)."""
+        by_id = {p.id: p for p in self.problems}
+        answered: set[bytes] = set()
+        pending: dict[bytes, AssignmentIssued] = {}
+        last_epoch = 0
+        for _, rec in self.ledger.entries():
+            if isinstance(rec, ContributorRegistered):
+                self._registered.add(rec.contributor)
+            elif isinstance(rec, AssignmentIssued):
+                pending[rec.assignment_id] = rec
+                self._used_prompts.add((rec.prompt_id, rec.policy_version))
+            elif isinstance(rec, VerdictRecorded):
+                answered.add(rec.assignment_id)
+            elif isinstance(rec, PolicyPublished):
+                self.versions.restore(rec.version, rec.manifest_digest)
+            elif isinstance(rec, EpochCommitted):
+                last_epoch = max(last_epoch, rec.epoch)
+        self._cursor = len(self._used_prompts)
+        for aid in pending.keys() - answered:
+            sealed = self._load_assignment(aid)
+            if sealed is not None and (p := by_id.get(pending[aid].prompt_id)) is not None:
+                wire = decode(WorkAssignment, sealed.assignment, max_bytes=len(sealed.assignment))
+                self._issued[aid] = Issued(sealed, wire, p, tuple(self.codec.encode(p.prompt)))
+        for epoch, secret in self.state.unrevealed_epochs():
+            self.ledger.append(EpochRevealed(epoch, secret, self.clock()))
+            self.state.mark_revealed(epoch)
+        self._epoch = last_epoch
+        self._new_epoch()
+
+    def _load_assignment(self, aid: bytes) -> SignedAssignment | None:
+        blob = self.state.assignment(aid)
+        return None if blob is None else decode(SignedAssignment, blob, max_bytes=len(blob))
+
+    def _new_epoch(self) -> None:
+        with self._lock:
+            self._epoch += 1
+            self._secret = self.entropy(32)
+            self.state.put_epoch(self._epoch, self._secret)
+            self.ledger.append(EpochCommitted(self._epoch, epoch_commitment(self._epoch, self._secret),
+                                              self.clock()))
+            self._submissions_in_epoch = 0
+
+    def _end_epoch_if_due(self) -> None:
+        with self._lock:
+            self._submissions_in_epoch += 1
+            if self._submissions_in_epoch < self.cfg.audit.epoch_groups:
+                return
+            self.ledger.append(EpochRevealed(self._epoch, self._secret, self.clock()))
+            self.state.mark_revealed(self._epoch)
+            self._new_epoch()
+
+    # -- registration and assignment -------------------------------------
+    def register(self, contributor: bytes, name: str = "") -> bool:
+        """Register a contributor key; returns False if it was already known."""
+        if len(contributor) != 32:
+            raise AdmissionError("a contributor key is 32 bytes", reason=Reason.BAD_KEY)
+        with self._lock:
+            if contributor in self._registered:
+                return False
+            self.ledger.append(ContributorRegistered(contributor, name[:256], self.clock()))
+            self._registered.add(contributor)
+            return True
+
+    def _check_key(self, contributor: bytes) -> None:
+        if contributor not in self._registered:
+            raise AdmissionError("unknown contributor key", reason=Reason.UNKNOWN_KEY)
+        if self.ledger.is_banned(contributor):
+            raise AdmissionError("contributor is banned", reason=Reason.BANNED_KEY)
+
+    def _next_problem(self, version: int) -> Problem:
+        for _ in range(len(self.problems)):
+            problem = self.problems[self._cursor % len(self.problems)]
+            self._cursor += 1
+            if (problem.id, version) not in self._used_prompts:
+                return problem
+        raise AdmissionError("every prompt has been assigned for this policy version",
+                             reason=Reason.BACKPRESSURE)
+
+    def assign(self, contributor: bytes) -> SignedAssignment:
+        """Issue one prompt, G completions, a fresh nonce and seed; recorded in the ledger."""
+        a_cfg = self.cfg.assignment
+        with self._lock:
+            self._check_key(contributor)
+            version = self.versions.current
+            problem = self._next_problem(version)
+            now = self.clock()
+            wire = WorkAssignment(
+                schema_version=SCHEMA_VERSION, assignment_id=self.entropy(16),
+                validator_key=self.key.public.raw, contributor_key=contributor,
+                task_id=problem.task, prompt_id=problem.id,
+                prompt_digest=bytes.fromhex(problem.prompt_digest), prompt=problem.prompt,
+                group_size=a_cfg.group_size, policy_version=version,
+                manifest_digest=self.versions.digest(version) or b"\x00" * 32,
+                sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
+                                        int.from_bytes(self.entropy(8), "little") >> 1),
+                nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
+            )
+            sealed = seal(self.key, wire)
+            assert isinstance(sealed, SignedAssignment)
+            self.state.put_assignment(wire.assignment_id, canonical_bytes(sealed))
+            self.ledger.append(AssignmentIssued(
+                wire.assignment_id, contributor, wire.task_id, wire.prompt_id, wire.prompt_digest,
+                version, wire.group_size, wire.nonce, now))
+            self._used_prompts.add((problem.id, version))
+            self._issued[wire.assignment_id] = Issued(sealed, wire, problem,
+                                                      tuple(self.codec.encode(problem.prompt)))
+            return sealed
+
+    # -- submission ----------------------------------------------------------
+    def submit(self, raw: bytes) -> list[SignedVerdict]:
+        """Admit one group submission; return one signed verdict per rollout."""
+        return self.admit(raw).verdicts
+
+    def admit(self, raw: bytes) -> SubmitResult:
+        """:meth:`submit`, also saying whether the verdicts are new."""
+        group = decode_group(raw, self.limits)
+        group_digest = blake3_digest(COMPLETION, b"group", raw)
+        aid = group.assignment_id
+        with self._lock:
+            prior = self.state.submission(aid)
+            if prior is not None:
+                if prior[0] == group_digest:
+                    return SubmitResult(_VERDICTS.decode(prior[1]), fresh=False)
+                raise AdmissionError("assignment was already answered", reason=Reason.REPLAY)
+            issued = self._issued.get(aid)
+            if issued is None:
+                raise AdmissionError("unknown assignment", reason=Reason.UNKNOWN_ASSIGNMENT)
+            if aid in self._inflight:
+                raise AdmissionError("a submission for this assignment is in progress",
+                                     reason=Reason.BACKPRESSURE)
+            self._check_key(issued.wire.contributor_key)
+            self._inflight.add(aid)
+        try:
+            members = [
+                _Member(verify_envelope(env, self.limits, issued.wire.contributor_key),
+                        canonical_bytes(env))
+                for env in group.envelopes
+            ]
+            verdicts = self._judge(issued, members)
+        finally:
+            with self._lock:
+                self._inflight.discard(aid)
+        self.state.put_submission(aid, group_digest, msgspec.msgpack.encode(verdicts))
+        with self._lock:
+            self._issued.pop(aid, None)
+        self._end_epoch_if_due()
+        return SubmitResult(verdicts, fresh=True)
+
+    def _judge(self, issued: Issued, members: list[_Member]) -> list[SignedVerdict]:
+        failed = self._group_checks(issued, members)
+        audit_rate = self._audit_rate(issued.wire.contributor_key)
+        needs_audit = failed is None and any(
+            should_audit(self._secret, m.rollout.digest, audit_rate) for m in members)
+        if needs_audit and not self._audit_slots.acquire(blocking=False):
+            raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
+        try:
+            if failed is None:
+                failed = self._score_and_audit(issued, members, audit_rate)
+        finally:
+            if needs_audit:
+                self._audit_slots.release()
+        if failed is not None:
+            for m in members:
+                if m.reason is None:
+                    m.reason = Reason.GROUP_REJECTED
+        return self._record(issued, members)
+
+    def _group_checks(self, issued: Issued, members: list[_Member]) -> _Member | None:
+        a = issued.wire
+        indices = [m.rollout.header.group_index for m in members]
+        if len(set(indices)) != len(indices):
+            return _fail(members[0], Reason.DUPLICATE_GROUP_MEMBER)
+        if sorted(indices) != list(range(a.group_size)):
+            return _fail(members[0], Reason.MISSING_GROUP_MEMBER)
+        members.sort(key=lambda m: m.rollout.header.group_index)
+        for m in members:
+            try:
+                header_matches(m.rollout, a)
+            except VerificationError as exc:
+                m.evidence = build_evidence(exc.reason, m.raw, issued.sealed, issued.prompt_ids, [],
+                                            None, self.tolerance, str(exc))
+                return _fail(m, exc.reason)
+        if self.clock() > a.expires_at_ms:
+            return _fail(members[0], Reason.EXPIRED_ASSIGNMENT)
+        current = self.versions.current
+        if current - a.policy_version > self.cfg.policy.max_staleness:
+            return _fail(members[0], Reason.STALE)
+        vocab = self.codec.vocab_size
+        for m in members:
+            if m.rollout.token_ids.size and int(m.rollout.token_ids.max()) >= vocab:
+                return _fail(m, Reason.MALFORMED)
+            if self.state.seen_completion(_completion_digest(m.rollout)):
+                return _fail(m, Reason.DUPLICATE_COMPLETION)
+        return None
+
+    def _audit_rate(self, contributor: bytes) -> float:
+        override = self.cfg.audit.rate_override
+        return override if override >= 0 else self.ledger.audit_rate(contributor)
+
+    def _score_and_audit(self, issued: Issued, members: list[_Member], rate: float) -> _Member | None:
+        for m in members:
+            text = self.codec.decode(m.rollout.token_ids.tolist())
+            m.reward = reward(issued.problem.task, text, issued.problem)
+        audited = [m for m in members if should_audit(self._secret, m.rollout.digest, rate)]
+        if audited:
+            results = spot_check_group([m.rollout for m in audited], issued.prompt_ids, self.oracle,
+                                       self._secret, self.cfg.audit.chunks_per_audit, self.tolerance)
+            for m, result in zip(audited, results, strict=True):
+                m.audited = True
+                if isinstance(result, SpotCheckFailed):
+                    m.evidence = build_evidence(result.reason, m.raw, issued.sealed, issued.prompt_ids,
+                                                result.chunks, result.recomputed, self.tolerance,
+                                                str(result))
+                    return _fail(m, result.reason)
+                m.pit = result.pit
+        return self._pit_check(issued.wire.contributor_key, members)
+
+    def _pit_check(self, contributor: bytes, members: list[_Member]) -> _Member | None:
+        audited = [m for m in members if m.pit is not None]
+        if not audited:
+            return None
+        with self._lock:
+            pool = self._pit.setdefault(contributor, [])
+            pool.extend(m.pit for m in audited if m.pit is not None)
+            pooled = np.concatenate(pool) if pool else np.zeros(0)
+            if pooled.size < self.cfg.audit.pit_min_tokens:
+                return None
+            self._pit[contributor] = []  # non-overlapping windows: one test per window
+        result = pit_uniformity_test(pooled, alpha=self.cfg.audit.pit_alpha)
+        self.metrics["verify/pit_last_p"] = result.p_value
+        if result.p_value < self.cfg.audit.pit_alpha:
+            return _fail(audited[-1], Reason.SAMPLING_DISTRIBUTION)
+        return None
+
+    def _record(self, issued: Issued, members: list[_Member]) -> list[SignedVerdict]:
+        a = issued.wire
+        now = self.clock()
+        records: list[Record] = []
+        samples: list[tuple[bytes, bytes]] = []
+        completions: list[bytes] = []
+        verdicts: list[SignedVerdict] = []
+        for m in members:
+            h = m.rollout.header
+            accepted = m.reason is None
+            ev_digest = evidence_digest(m.evidence) if m.evidence else b""
+            audited = m.audited or (m.reason in SLASHED) or m.reason is Reason.SAMPLING_DISTRIBUTION
+            records.append(VerdictRecorded(a.contributor_key, a.assignment_id, h.group_index,
+                                           m.rollout.digest, accepted,
+                                           "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                                           audited, ev_digest, now))
+            if m.reason in SLASHED:
+                records.append(self._slash_record(a.contributor_key, m, now))
+            if accepted:
+                samples.append((m.rollout.digest, canonical_bytes(self._sample(issued, m))))
+                completions.append(_completion_digest(m.rollout))
+            verdict = Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
+                              m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                              m.reward, m.audited, ev_digest, now)
+            verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
+        if samples:
+            self.state.put_samples(samples, completions)
+        with self._lock:
+            self.ledger.append_many(records, checkpoint=self._checkpoint_due())
+        return verdicts
+
+    def _slash_record(self, contributor: bytes, m: _Member, now: int) -> Slashed:
+        digest = evidence_digest(m.evidence)
+        inline = m.evidence
+        if len(inline) > 4096 and self.ledger.blobs is not None:
+            self.ledger.blobs.put(inline)
+            inline = b""
+        return Slashed(contributor, m.reason.value, f"group member {m.rollout.header.group_index}",  # type: ignore[union-attr]
+                       digest, inline, now)
+
+    def _checkpoint_due(self) -> bool:
+        self._records_since_checkpoint += 1
+        if self._records_since_checkpoint >= self.cfg.node.checkpoint_every:
+            self._records_since_checkpoint = 0
+            return True
+        return False
+
+    def _sample(self, issued: Issued, m: _Member) -> AcceptedSample:
+        h = m.rollout.header
+        return AcceptedSample(
+            ledger_index=0, envelope_digest=m.rollout.digest, contributor_key=h.contributor_key,
+            assignment_id=h.assignment_id, group_index=h.group_index, group_size=h.group_size,
+            policy_version=h.policy_version, task_id=h.task_id, prompt_id=h.prompt_id,
+            prompt_ids=np.asarray(issued.prompt_ids, _U32).tobytes(),
+            token_ids=m.rollout.token_ids.tobytes(), logprobs=m.rollout.logprobs.tobytes(),
+            temperature=h.sampling.temperature, top_k=h.sampling.top_k, top_p=h.sampling.top_p,
+            reward=m.reward, audited=m.audited,
+        )
+
+    # -- trainer side ----------------------------------------------------------
+    def samples(self, cursor: int, limit: int = 256) -> SampleBatch:
+        """Accepted samples in ledger order from ledger index ``cursor``."""
+        out: list[AcceptedSample] = []
+        next_cursor = cursor
+        for index, rec in self.ledger.entries(cursor):
+            next_cursor = index + 1
+            if isinstance(rec, VerdictRecorded) and rec.accepted:
+                body = self.state.sample(rec.envelope_digest)
+                if body is None:
+                    raise VerificationError("accepted sample body is missing",
+                                            reason=Reason.LEDGER_CORRUPT, computed=index)
+                sample = decode(AcceptedSample, body, max_bytes=len(body))
+                out.append(msgspec.structs.replace(sample, ledger_index=index))
+                if len(out) >= limit:
+                    break
+        return SampleBatch(cursor, next_cursor, out)
+
+    def publish_policy(self, sealed_manifest: SignedManifest) -> int:
+        """Record a trainer-signed manifest as the new current policy version.
+
+        Every blob it names must already be in the blob store with the size and
+        digest the manifest states, so contributors can always rebuild it.
+        """
+        if self.versions.trainer is None:
+            raise AdmissionError("this validator has no trainer key", reason=Reason.UNAUTHORIZED)
+        manifest = check_manifest(sealed_manifest, self.versions.trainer)
+        for shard in manifest.shards:
+            blobs = self.ledger.blobs
+            if blobs is None or not blobs.has(shard.digest):
+                raise AdmissionError(f"blob for stage {shard.stage} was not uploaded",
+                                     reason=Reason.NOT_FOUND, expected=shard.digest)
+            check_blob(manifest, shard.stage, blobs.get(shard.digest))
+        version, parent, digest = self.versions.publish(sealed_manifest)
+        self.state.put_manifest(version, canonical_bytes(sealed_manifest))
+        with self._lock:
+            self.ledger.append(PolicyPublished(version, parent, digest,
+                                               self.versions.trainer.raw,  # type: ignore[union-attr]
+                                               self.clock()))
+        return version
+
+    def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
+        return open_sealed(WorkAssignment, sealed, self.key.public)
+
+
+def _fail(member: _Member, reason: Reason) -> _Member:
+    member.reason = reason
+    return member
+
+
+def _completion_digest(rollout: VerifiedRollout) -> bytes:
+    h = rollout.header
+    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.tobytes(),
+                         rollout.logprobs.tobytes())

@@ -1,0 +1,115 @@
+"""Policy versions the validator knows, and the tokenizer it shares with contributors.
+
+Version 0 is the base model; its "manifest digest" is the digest of its weight
+files. Later versions arrive as trainer-signed manifests
+(:meth:`PolicyVersions.publish`), are checked against the trainer key and the
+previous version, and become current. Weights for the spot-check oracle come
+from a loader (version -> model or model directory) supplied by whoever
+reconstructs the delta chain.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from rollout.sync import base_model_digest
+from verify.errors import Reason, VerificationError
+from verify.keys import PublicKey
+from verify.manifest import check_manifest, manifest_digest
+from verify.types import SignedManifest
+
+
+class TextCodec(Protocol):
+    """Prompt text -> token ids, completion ids -> text; the same on every node."""
+
+    vocab_size: int
+    eos_token_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+class HFTextCodec:
+    """A ``transformers`` tokenizer loaded from a local model directory."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        from transformers import AutoConfig, AutoTokenizer
+
+        self._tok = AutoTokenizer.from_pretrained(str(model_dir))
+        # The Rust tokenizer behind a fast tokenizer decodes without per-id Python checks.
+        self._backend = getattr(self._tok, "backend_tokenizer", None)
+        # The model's output width (may exceed len(tokenizer) by padding rows).
+        self.vocab_size = int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
+        self.eos_token_id = self._tok.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(list(ids), skip_special_tokens=True)
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+
+# The manifests' base digest; one definition, shared with contributors.
+model_dir_digest = base_model_digest
+
+
+class PolicyVersions:
+    """Version -> manifest digest; the current version; trainer-signed publication."""
+
+    def __init__(self, base_digest: bytes, trainer: PublicKey | None = None,
+                 loader: Callable[[int], object] | None = None) -> None:
+        self.base_digest = base_digest
+        self.trainer = trainer
+        self.loader = loader
+        self._digests: dict[int, bytes] = {0: base_digest}
+        self._lock = threading.Lock()
+
+    @property
+    def current(self) -> int:
+        with self._lock:
+            return max(self._digests)
+
+    def digest(self, version: int) -> bytes | None:
+        with self._lock:
+            return self._digests.get(version)
+
+    def publish(self, sealed: SignedManifest) -> tuple[int, bytes, bytes]:
+        """Check a trainer-signed manifest extending the current version; make it current.
+
+        Returns (version, parent digest, manifest digest).
+        """
+        if self.trainer is None:
+            raise VerificationError("this validator has no trainer key", reason=Reason.UNAUTHORIZED)
+        manifest = check_manifest(sealed, self.trainer)
+        digest = manifest_digest(sealed)
+        with self._lock:
+            current = max(self._digests)
+            parent = self._digests[current]
+            if manifest.version in self._digests and self._digests[manifest.version] == digest:
+                return manifest.version, manifest.parent_digest, digest
+            if manifest.version != current + 1:
+                raise VerificationError("manifest does not follow the current version",
+                                        reason=Reason.INCONSISTENT, expected=current + 1,
+                                        computed=manifest.version)
+            expected_parent = b"" if current == 0 else parent
+            if manifest.parent_digest != expected_parent:
+                raise VerificationError("manifest does not extend the current version",
+                                        reason=Reason.WRONG_MANIFEST, expected=expected_parent,
+                                        computed=manifest.parent_digest)
+            if manifest.base_digest != self.base_digest:
+                raise VerificationError("manifest is for another base model",
+                                        reason=Reason.WRONG_MANIFEST, expected=self.base_digest,
+                                        computed=manifest.base_digest)
+            self._digests[manifest.version] = digest
+        return manifest.version, manifest.parent_digest, digest
+
+    def restore(self, version: int, digest: bytes) -> None:
+        """Re-learn a version from the ledger at start-up (already verified when recorded)."""
+        with self._lock:
+            self._digests[version] = digest

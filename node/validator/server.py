@@ -1,0 +1,43 @@
+"""Run the validator app with uvicorn in a background thread (tests, harness, benchmarks)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+from fastapi import FastAPI
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class BackgroundServer:
+    """``with BackgroundServer(app) as url: ...`` serves ``app`` on 127.0.0.1."""
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host, self.port = host, port or free_port(host)
+        self.server = uvicorn.Server(uvicorn.Config(app, host=self.host, port=self.port,
+                                                    log_level="error", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("validator service did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)

@@ -1,0 +1,272 @@
+"""Spot checks: recompute an audited rollout and compare it with what was committed.
+
+For an audited envelope the validator runs one teacher-forced forward pass of
+the claimed policy version over prompt + completion, then, in order:
+
+1. logprob comparison on every completion token, chunk by chunk
+   (``verify.spotcheck.compare_chunk``; LOGPROB_MISMATCH);
+2. on the drawn chunks only (keyed draw, ``verify.challenge.chunks_to_open``):
+   the support check (TOKEN_OUTSIDE_SUPPORT) and the verifiable-sampler replay
+   (SAMPLER_REPLAY_MISMATCH), which costs O(V) blake3 output per token;
+3. randomised PIT values of every token, pooled per contributor by the caller
+   for the sampling-distribution test.
+
+A failure raises ``SpotCheckFailed`` carrying the recomputed logprobs, so the
+caller can file :class:`verify.types.SlashEvidence` that
+:func:`recheck_evidence` re-verifies offline with only the contributor's public
+key, the validator's public key and the claimed policy's weights.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from verify.challenge import chunks_to_open
+from verify.commitment import n_chunks
+from verify.envelope import Limits, VerifiedRollout, verify_envelope
+from verify.errors import Reason, SpotCheckError, VerificationError
+from verify.keys import PublicKey
+from verify.sampling import (
+    noise_for_positions,
+    pit_randomizer,
+    pit_values,
+    process_logits,
+    replay_check,
+    support_check,
+)
+from verify.signed import open_sealed
+from verify.spotcheck import DistributionOracle, Tolerance, compare_chunk
+from verify.types import SignedAssignment, SlashEvidence, WorkAssignment, canonical_bytes, decode
+
+_F32 = np.dtype("<f4")
+_U32 = np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class SpotCheckResult:
+    chunks: list[int]
+    recomputed: np.ndarray  # (T,) float32 processed logprobs of the completion tokens
+    pit: np.ndarray  # (T,) float64 randomised PIT values
+    max_abs_diff: float
+
+
+class SpotCheckFailed(SpotCheckError):
+    """A spot check failed; carries what the validator recomputed."""
+
+    def __init__(self, cause: SpotCheckError, chunks: list[int], recomputed: np.ndarray) -> None:
+        super().__init__(str(cause).split("] ", 1)[-1], reason=cause.reason,
+                         expected=cause.expected, computed=cause.computed)
+        self.chunks = chunks
+        self.recomputed = recomputed
+
+
+def _check(
+    rollout: VerifiedRollout, prompt_ids: Sequence[int], logits: np.ndarray, chunks: list[int],
+    tolerance: Tolerance, processed: torch.Tensor | None = None,
+) -> tuple[np.ndarray, float]:
+    h = rollout.header
+    s = h.sampling
+    tokens = rollout.token_ids.astype(np.int64)
+    if processed is None:
+        processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)  # (T, V)
+    recomputed = _token_logprobs(processed, rollout.token_ids)
+    worst = 0.0
+    for c in range(n_chunks(h.token_count, h.chunk_size)):
+        lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
+        stats = compare_chunk(rollout.logprobs[lo:hi], recomputed[lo:hi], tolerance, c, position_offset=lo)
+        worst = max(worst, stats.max_abs_diff)
+    vocab = logits.shape[-1]
+    for c in chunks:
+        lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
+        support_check(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, position_offset=lo)
+        noise = noise_for_positions(h.contributor_key, h.nonce, s.seed, range(lo, hi), vocab,
+                                    sample_index=h.group_index)
+        replay_check(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, noise,
+                     eps=2 * tolerance.token_abs, position_offset=lo)
+    return recomputed, worst
+
+
+def spot_check(
+    rollout: VerifiedRollout, prompt_ids: Sequence[int], oracle: DistributionOracle, secret: bytes,
+    chunks_per_audit: int, tolerance: Tolerance,
+) -> SpotCheckResult:
+    """Run checks 1-3 on one rollout; raise :class:`SpotCheckFailed` on the first failure."""
+    result = spot_check_group([rollout], prompt_ids, oracle, secret, chunks_per_audit, tolerance)[0]
+    if isinstance(result, SpotCheckFailed):
+        raise result
+    return result
+
+
+def spot_check_group(
+    rollouts: Sequence[VerifiedRollout], prompt_ids: Sequence[int], oracle: DistributionOracle,
+    secret: bytes, chunks_per_audit: int, tolerance: Tolerance,
+) -> list[SpotCheckResult | SpotCheckFailed]:
+    """Checks 1-3 for rollouts of one assignment (one prompt, version and sampling parameters).
+
+    One batched forward pass for the whole group, and each check runs once over
+    the rows of every rollout stacked together; only when a stacked check fails
+    are the rollouts re-checked one by one to attribute the failure.
+    """
+    prompt = list(prompt_ids)
+    drawn = [chunks_to_open(secret, r.digest, n_chunks(r.header.token_count, r.header.chunk_size),
+                            chunks_per_audit) for r in rollouts]
+    live = [i for i, r in enumerate(rollouts) if r.header.token_count]
+    seqs = [(prompt + rollouts[i].token_ids.tolist(), len(prompt)) for i in live]
+    raw = oracle.logits_batch(rollouts[live[0]].header.policy_version, seqs) if live else []
+    logits = {i: np.asarray(lg, dtype=np.float32) for i, lg in zip(live, raw, strict=True)}
+    out: list[SpotCheckResult | SpotCheckFailed] = [
+        SpotCheckResult(drawn[i], np.zeros(0, np.float32), np.zeros(0), 0.0) for i in range(len(rollouts))]
+    fast = _stacked([rollouts[i] for i in live], [logits[i] for i in live], [drawn[i] for i in live],
+                    tolerance, secret) if live else []
+    for j, i in enumerate(live):
+        out[i] = fast[j] if fast is not None else _one(rollouts[i], prompt, logits[i], drawn[i],
+                                                       tolerance, secret)
+    return out
+
+
+def _one(r: VerifiedRollout, prompt: list[int], logits: np.ndarray, chunks: list[int],
+         tolerance: Tolerance, secret: bytes) -> SpotCheckResult | SpotCheckFailed:
+    s = r.header.sampling
+    processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)
+    try:
+        recomputed, worst = _check(r, prompt, logits, chunks, tolerance, processed)
+    except SpotCheckError as exc:
+        return SpotCheckFailed(exc, chunks, _token_logprobs(processed, r.token_ids))
+    pit = pit_values(r.token_ids.astype(np.int64), processed,
+                     pit_randomizer(secret, r.digest, r.header.token_count))
+    return SpotCheckResult(chunks, recomputed, pit, worst)
+
+
+def _stacked(rollouts: list[VerifiedRollout], logits: list[np.ndarray], drawn: list[list[int]],
+             tolerance: Tolerance, secret: bytes) -> list[SpotCheckResult | SpotCheckFailed] | None:
+    """All checks over the stacked rows of every rollout; None if any check fails."""
+    s = rollouts[0].header.sampling
+    stacked = np.concatenate(logits)  # (sum T, V)
+    processed = process_logits(torch.from_numpy(stacked), s.temperature, s.top_k, s.top_p)
+    tokens = np.concatenate([r.token_ids for r in rollouts]).astype(np.int64)
+    recomputed = _token_logprobs(processed, tokens)
+    starts = np.cumsum([0] + [r.header.token_count for r in rollouts])
+    rows: list[int] = []
+    noise = []
+    worst = []
+    try:
+        for k, r in enumerate(rollouts):
+            h, base = r.header, int(starts[k])
+            w = 0.0
+            for c in range(n_chunks(h.token_count, h.chunk_size)):
+                lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
+                stats = compare_chunk(r.logprobs[lo:hi], recomputed[base + lo : base + hi], tolerance, c,
+                                      position_offset=lo)
+                w = max(w, stats.max_abs_diff)
+            worst.append(w)
+            for c in drawn[k]:
+                lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
+                rows.extend(range(base + lo, base + hi))
+                noise.append(noise_for_positions(h.contributor_key, h.nonce, h.sampling.seed, range(lo, hi),
+                                                 stacked.shape[-1], sample_index=h.group_index))
+        if rows:
+            sel = np.asarray(rows)
+            support_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p)
+            replay_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p, torch.cat(noise),
+                         eps=2 * tolerance.token_abs)
+    except SpotCheckError:
+        return None
+    randomizer = np.concatenate([pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts])
+    pit = pit_values(tokens, processed, randomizer)
+    return [SpotCheckResult(drawn[k], recomputed[starts[k] : starts[k + 1]], pit[starts[k] : starts[k + 1]],
+                            worst[k]) for k in range(len(rollouts))]
+
+
+def _token_logprobs(processed: torch.Tensor, token_ids: np.ndarray) -> np.ndarray:
+    idx = torch.from_numpy(token_ids.astype(np.int64))[:, None]
+    return processed.gather(-1, idx)[:, 0].numpy().astype(np.float32)
+
+
+def build_evidence(
+    reason: Reason, envelope_bytes: bytes, assignment: SignedAssignment, prompt_ids: Sequence[int],
+    chunks: list[int], recomputed: np.ndarray | None, tolerance: Tolerance, detail: str,
+) -> bytes:
+    ev = SlashEvidence(
+        reason=reason.value,
+        envelope=envelope_bytes,
+        assignment=canonical_bytes(assignment),
+        prompt_ids=np.asarray(prompt_ids, dtype=_U32).tobytes(),
+        chunks=list(chunks),
+        recomputed=b"" if recomputed is None else np.asarray(recomputed, _F32).tobytes(),
+        token_abs=tolerance.token_abs,
+        chunk_mean_abs=tolerance.chunk_mean_abs,
+        detail=detail[:1_024],
+    )
+    return canonical_bytes(ev)
+
+
+def recheck_evidence(
+    evidence: bytes, validator: PublicKey, oracle: DistributionOracle | None = None,
+    limits: Limits = Limits(),
+) -> Reason:
+    """Re-verify slash evidence offline; return the offence it proves.
+
+    1. the assignment is signed by the validator and the envelope by the
+       contributor it was assigned to;
+    2. for header offences (WRONG_PROMPT, ASSIGNMENT_MISMATCH) the signed header
+       contradicts the signed assignment;
+    3. for spot-check offences, recomputation with ``oracle`` (the claimed
+       policy version's weights) reproduces the failure at the stated tolerance.
+
+    Raises :class:`VerificationError` when the evidence does not prove its claim.
+    """
+    ev = decode(SlashEvidence, evidence, max_bytes=len(evidence))
+    reason = Reason(ev.reason)
+    sealed = decode(SignedAssignment, ev.assignment, max_bytes=len(ev.assignment))
+    assignment = open_sealed(WorkAssignment, sealed, validator)
+    rollout = verify_envelope(ev.envelope, limits, expected_key=assignment.contributor_key)
+    if reason in (Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH):
+        try:
+            header_matches(rollout, assignment)
+        except VerificationError as exc:
+            if exc.reason is reason:
+                return reason
+        raise VerificationError("evidence does not show the claimed header offence",
+                                reason=Reason.INCONSISTENT, expected=reason.value)
+    if oracle is None:
+        raise VerificationError("re-checking a spot-check offence needs the policy's weights",
+                                reason=Reason.INCONSISTENT)
+    prompt_ids = np.frombuffer(ev.prompt_ids, _U32).tolist()
+    tolerance = Tolerance(ev.token_abs, ev.chunk_mean_abs)
+    logits = oracle.completion_logits(rollout.header.policy_version,
+                                      [*prompt_ids, *rollout.token_ids.tolist()], len(prompt_ids))
+    try:
+        _check(rollout, prompt_ids, logits, list(ev.chunks), tolerance)
+    except SpotCheckError as exc:
+        if exc.reason is reason:
+            return reason
+        raise VerificationError("recomputation fails, but for another reason",
+                                reason=Reason.INCONSISTENT, expected=reason.value,
+                                computed=exc.reason.value) from None
+    raise VerificationError("recomputation does not reproduce the offence", reason=Reason.INCONSISTENT,
+                            expected=reason.value)
+
+
+def header_matches(rollout: VerifiedRollout, a: WorkAssignment) -> None:
+    """The signed header answers exactly the signed assignment."""
+    h = rollout.header
+    if h.prompt_id != a.prompt_id or h.prompt_digest != a.prompt_digest or h.task_id != a.task_id:
+        raise VerificationError("rollout answers another prompt", reason=Reason.WRONG_PROMPT,
+                                expected=a.prompt_id, computed=h.prompt_id)
+    pairs = {
+        "assignment_id": (a.assignment_id, h.assignment_id),
+        "nonce": (a.nonce, h.nonce),
+        "contributor_key": (a.contributor_key, h.contributor_key),
+        "group_size": (a.group_size, h.group_size),
+        "policy_version": (a.policy_version, h.policy_version),
+        "manifest_digest": (a.manifest_digest, h.manifest_digest),
+        "sampling": (a.sampling, h.sampling),
+    }
+    for name, (want, got) in pairs.items():
+        if want != got:
+            raise VerificationError(f"header {name} differs from the assignment",
+                                    reason=Reason.ASSIGNMENT_MISMATCH, expected=want, computed=got)

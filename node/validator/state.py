@@ -1,0 +1,128 @@
+"""What the validator stores beside the ledger: sample bodies and submission results.
+
+The ledger holds verdicts (small, hashed, public); this SQLite file (WAL) holds
+the bulky parts the trainer needs, keyed by envelope digest, and the verdicts
+returned for each assignment so a resubmission gets the same answer.
+
+Crash safety: bodies are written before the ledger records their verdict, so
+every accepted verdict in the ledger has its body here; a body whose verdict
+never reached the ledger is an orphan the stream never serves.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from pathlib import Path
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS samples (
+    envelope_digest BLOB PRIMARY KEY,
+    body BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS submissions (
+    assignment_id BLOB PRIMARY KEY,
+    group_digest BLOB NOT NULL,
+    verdicts BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS completions (
+    digest BLOB PRIMARY KEY
+);
+CREATE TABLE IF NOT EXISTS assignments (
+    assignment_id BLOB PRIMARY KEY,
+    sealed BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS manifests (
+    version INTEGER PRIMARY KEY,
+    sealed BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS epochs (
+    epoch INTEGER PRIMARY KEY,
+    secret BLOB NOT NULL,
+    revealed INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+class StateStore:
+    """Thread-safe key-value tables over one SQLite file (or ``:memory:``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        if str(path) != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+        if str(path) != ":memory:" and not Path(path).exists():
+            Path(path).touch(mode=0o600)  # holds unrevealed epoch secrets
+        self._db = sqlite3.connect(str(path), check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def put_samples(self, rows: list[tuple[bytes, bytes]], completion_digests: list[bytes]) -> None:
+        with self._lock:
+            self._db.execute("BEGIN")
+            self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?)", rows)
+            self._db.executemany("INSERT OR IGNORE INTO completions VALUES (?)",
+                                 [(d,) for d in completion_digests])
+            self._db.execute("COMMIT")
+
+    def sample(self, envelope_digest: bytes) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT body FROM samples WHERE envelope_digest = ?",
+                                   (envelope_digest,)).fetchone()
+        return None if row is None else row[0]
+
+    def seen_completion(self, digest: bytes) -> bool:
+        with self._lock:
+            return self._db.execute("SELECT 1 FROM completions WHERE digest = ?",
+                                    (digest,)).fetchone() is not None
+
+    def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO assignments VALUES (?, ?)", (assignment_id, sealed))
+
+    def assignment(self, assignment_id: bytes) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT sealed FROM assignments WHERE assignment_id = ?",
+                                   (assignment_id,)).fetchone()
+        return None if row is None else row[0]
+
+    def put_manifest(self, version: int, sealed: bytes) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO manifests VALUES (?, ?)", (version, sealed))
+
+    def manifest(self, version: int) -> bytes | None:
+        with self._lock:
+            row = self._db.execute("SELECT sealed FROM manifests WHERE version = ?",
+                                   (version,)).fetchone()
+        return None if row is None else row[0]
+
+    def put_epoch(self, epoch: int, secret: bytes) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO epochs (epoch, secret) VALUES (?, ?)",
+                             (epoch, secret))
+
+    def mark_revealed(self, epoch: int) -> None:
+        with self._lock:
+            self._db.execute("UPDATE epochs SET revealed = 1 WHERE epoch = ?", (epoch,))
+
+    def unrevealed_epochs(self) -> list[tuple[int, bytes]]:
+        with self._lock:
+            return list(self._db.execute(
+                "SELECT epoch, secret FROM epochs WHERE revealed = 0 ORDER BY epoch"))
+
+    def put_submission(self, assignment_id: bytes, group_digest: bytes, verdicts: bytes) -> None:
+        with self._lock:
+            self._db.execute("INSERT OR REPLACE INTO submissions VALUES (?, ?, ?)",
+                             (assignment_id, group_digest, verdicts))
+
+    def submission(self, assignment_id: bytes) -> tuple[bytes, bytes] | None:
+        with self._lock:
+            row = self._db.execute(
+                "SELECT group_digest, verdicts FROM submissions WHERE assignment_id = ?",
+                (assignment_id,)).fetchone()
+        return None if row is None else (row[0], row[1])

@@ -1,0 +1,266 @@
+"""Report, comparison and CLI, from synthetic event logs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.image as mpimg  # noqa: E402
+import pytest  # noqa: E402
+
+from harness.compare import compare_markdown, write_comparison  # noqa: E402
+from harness.events import (  # noqa: E402
+    EVENTS_FILE,
+    Audit,
+    Eval,
+    EventLog,
+    EventLogError,
+    Reputation,
+    Slash,
+    Start,
+    Summary,
+    Throughput,
+    TrainStep,
+    Verdict,
+    read_events,
+    read_run_dir,
+)
+from harness.report import detection_table, load_runs, outcome, summary_lines, write_report  # noqa: E402
+
+ROOT = Path(__file__).parents[2]
+PEOPLE = {"h0": "honest", "h1": "honest", "t0": "tampered-logprobs", "t1": "tampered-logprobs",
+          "g0": "greedy"}
+
+
+def _evals(run: str, values: list[float]) -> list[Eval]:
+    return [Eval(t=10.0 * i, run=run, step=5 * i, version=5 * i, pass_at_1=v, ci_low=v - 0.05,
+                 ci_high=v + 0.05, mean_reward=v) for i, v in enumerate(values)]
+
+
+def _common(run: str, gains: list[float], audit_ok: bool = True) -> list:
+    ev: list = [Start(run=run, scenario="synthetic", seed=1, contributors=PEOPLE)]
+    ev += _evals(run, gains)
+    ev += [TrainStep(t=10.0 * i + 5, run=run, step=i + 1, version=i + 1, samples=8,
+                     staleness=[0, 0, 1, i % 3], loss=0.1, reward_mean=0.2 + 0.05 * i,
+                     ratio_mean=1.0, masked_fraction=0.01, grad_norms={"h0": 1.0})
+           for i in range(4)]
+    ev += [Throughput(t=10.0 * i, run=run, samples_per_s=2.0 + i) for i in range(4)]
+    ev.append(Audit(run=run, ok=audit_ok, size=42, findings=[] if audit_ok else ["entry 3: bad"]))
+    ev.append(Summary(run=run, t=40.0, values={"steps": 4}))
+    return ev
+
+
+def _verdict(t: float, c: str, accepted: bool, reason: str = "", audited: bool = False,
+             run: str = "scenario") -> Verdict:
+    return Verdict(t=t, run=run, contributor=c, strategy=PEOPLE[c], accepted=accepted,
+                   reason=reason, audited=audited, reward=0.5 if accepted else None)
+
+
+def _scenario_events() -> list:
+    ev = _common("scenario", [0.20, 0.30, 0.40])
+    # honest: 6 groups, 2 audited, one stale rejection (benign, not "caught")
+    ev += [_verdict(float(i), "h0", True, audited=i < 2) for i in range(5)]
+    ev.append(_verdict(6.0, "h1", False, "stale"))
+    # tampered-logprobs: t0 submits 4 (2 audited and caught), t1 submits 3 (1 audited, caught)
+    ev += [_verdict(1.0, "t0", True), _verdict(2.0, "t0", False, "logprob_mismatch", True),
+           _verdict(3.0, "t0", True), _verdict(4.0, "t0", False, "logprob_mismatch", True)]
+    ev += [_verdict(1.5, "t1", True), _verdict(2.5, "t1", True),
+           _verdict(12.0, "t1", False, "logprob_mismatch", True)]
+    ev += [Slash(t=4.0, run="scenario", contributor="t0", strategy="tampered-logprobs",
+                 reason="logprob_mismatch"),
+           Slash(t=12.0, run="scenario", contributor="t1", strategy="tampered-logprobs",
+                 reason="logprob_mismatch")]
+    ev += [Reputation(t=t, run="scenario", contributor=c, strategy=PEOPLE[c], score=s, banned=b,
+                      audit_rate=0.1)
+           for t, c, s, b in [(0.0, "h0", 0.5, False), (5.0, "h0", 0.7, False),
+                              (0.0, "t0", 0.5, False), (4.0, "t0", 0.0, True),
+                              (5.0, "t0", 0.0, True), (12.0, "t1", 0.0, True),
+                              (0.0, "g0", 0.5, False)]]
+    # greedy: one unaudited, accepted group
+    ev.append(_verdict(7.0, "g0", True))
+    return ev
+
+
+@pytest.fixture()
+def run_dir(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    with EventLog(d / EVENTS_FILE) as log:
+        log.write_all(_scenario_events())
+        log.write_all(_common("honest", [0.20, 0.32, 0.45]))
+        log.write_all(_common("no-defence", [0.20, 0.18, 0.10]))
+    return d
+
+
+def test_detection_table_numbers(run_dir: Path) -> None:
+    rows = {r.strategy: r for r in detection_table(load_runs(run_dir)["scenario"])}
+    assert list(rows) == ["honest", "greedy", "tampered-logprobs"]
+    h, g, t = rows["honest"], rows["greedy"], rows["tampered-logprobs"]
+    assert (h.contributors, h.submitted, h.audited, h.caught, h.slashed, h.banned) == (2, 6, 2, 0, 0, 0)
+    assert (t.contributors, t.submitted, t.audited, t.caught, t.slashed, t.banned) == (2, 7, 3, 3, 2, 2)
+    assert t.time_to_ban_s == pytest.approx(8.0)  # median of 4.0 and 12.0
+    assert (g.contributors, g.submitted, g.caught, g.banned, g.time_to_ban_s) == (1, 1, 0, 0, None)
+
+
+def test_outcome_and_summary(run_dir: Path) -> None:
+    runs = load_runs(run_dir)
+    assert list(runs) == ["scenario", "honest", "no-defence"]
+    o = outcome(runs)
+    assert o.gain == pytest.approx(0.20) and o.honest_gain == pytest.approx(0.25)
+    assert o.ratio == pytest.approx(0.8) and o.improved and o.no_defence_worse
+    assert o.honest_slashed == 0 and o.audit_ok
+    lines = summary_lines(runs)
+    assert len(lines) == 3
+    assert "training improved: yes" in lines[0] and "0.80" in lines[0]
+    assert "caught: 1/2" in lines[1] and "banned: 2/3" in lines[1]
+    assert "honest contributors slashed: 0" in lines[2] and "ledger audit: ok" in lines[2]
+
+
+def _assert_png(path: Path) -> None:
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    img = mpimg.imread(path)
+    assert img.ndim == 3 and img.shape[0] > 100 and img.shape[1] > 100
+
+
+def test_write_report_files(run_dir: Path) -> None:
+    path = write_report(run_dir)
+    assert path == run_dir / "report.md"
+    text = path.read_text()
+    for name in ("pass_at_1", "reward", "reputation", "staleness", "throughput"):
+        _assert_png(run_dir / f"{name}.png")
+        assert f"({name}.png)" in text
+    assert "# Harness report: synthetic" in text
+    assert "| tampered-logprobs | 2 | 7 | 3 | 3 | 2 | 2/2 | 8.0 |" in text
+    assert "| honest | 2 | 6 | 2 | 0 | 0 | 0/2 | n/a |" in text
+    assert "Improvement ratio (scenario / honest): 0.80" in text
+    assert "No-defence ablation worse than the defended run: yes" in text
+    assert "- `scenario`: ok, 42 entries verified" in text
+
+
+def test_report_flags_slashed_honest_and_failed_audit(tmp_path: Path) -> None:
+    d = tmp_path / "bad"
+    with EventLog(d / EVENTS_FILE) as log:
+        log.write_all(_common("scenario", [0.3, 0.2], audit_ok=False))
+        log.write(Slash(t=1.0, run="scenario", contributor="h0", strategy="honest", reason="stale"))
+    runs = load_runs(d)
+    o = outcome(runs)
+    assert o.honest_slashed == 1 and o.audit_ok is False and o.improved is False
+    assert o.ratio is None and o.no_defence_worse is None
+    text = write_report(d).read_text()
+    assert "`scenario`: 1 (must be 0)" in text and "FAILED" in text
+    assert "training improved: NO" in summary_lines(runs)[0]
+
+
+def test_report_from_an_empty_run(tmp_path: Path) -> None:
+    d = tmp_path / "empty"
+    with EventLog(d / EVENTS_FILE) as log:
+        log.write(Start(run="scenario", scenario="nothing", seed=0, contributors={"h0": "honest"}))
+    text = write_report(d).read_text()
+    assert "n/a" in text
+    _assert_png(d / "pass_at_1.png")
+
+
+def test_event_log_survives_a_torn_line(tmp_path: Path) -> None:
+    p = tmp_path / EVENTS_FILE
+    with EventLog(p) as log:
+        log.write_all(_evals("scenario", [0.1, 0.2]))
+    with open(p, "ab") as f:
+        f.write(b'{"kind":"eval","t":3')
+    assert len(read_events(p)) == 2
+    with EventLog(p) as log:  # reopening drops the torn tail so appends stay line-aligned
+        log.write(Throughput(t=5.0, run="scenario", samples_per_s=1.0))
+    assert [e.__class__.__name__ for e in read_events(p)] == ["Eval", "Eval", "Throughput"]
+    p.write_bytes(b'{"kind":"eval"}\n' + p.read_bytes())
+    with pytest.raises(EventLogError, match=":1: bad event"):
+        read_events(p)
+    with pytest.raises(EventLogError, match="does not exist"):
+        read_run_dir(tmp_path / "nope")
+    with pytest.raises(EventLogError, match="no event log"):
+        read_run_dir(tmp_path / "..")
+
+
+def test_compare(run_dir: Path, tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    with EventLog(other / "events-scenario.jsonl") as log:
+        log.write_all(_common("scenario", [0.1, 0.15]))
+    md = compare_markdown([run_dir, other])
+    assert "| | synthetic | synthetic |" in md
+    assert "| ratio to honest | 0.80 | n/a |" in md
+    assert "| adversarial groups caught / submitted | 3/8 | 0/0 |" in md
+    out, png = write_comparison([run_dir, other], tmp_path / "cmp" / "compare.md")
+    assert png == tmp_path / "cmp" / "compare.png"
+    _assert_png(png)
+    assert "![pass@1 curves](compare.png)" in out.read_text()
+
+
+def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
+    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env=env)
+
+
+def test_cli_help() -> None:
+    for args in (["harness", "--help"], ["harness", "run", "--help"],
+                 ["harness", "report", "--help"], ["harness", "compare", "--help"]):
+        r = _cli(*args)
+        assert r.returncode == 0, r.stderr
+        assert "usage: prooftrain harness" in r.stdout
+
+
+def test_cli_report_and_compare(run_dir: Path, tmp_path: Path) -> None:
+    r = _cli("harness", "report", str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert "training improved: yes" in r.stdout and (run_dir / "report.md").is_file()
+    r = _cli("harness", "compare", str(run_dir), str(run_dir))
+    assert r.returncode == 0, r.stderr
+    assert "| honest slashed | 0 | 0 |" in r.stdout
+    r = _cli("harness", "compare", str(run_dir), "--out", str(tmp_path / "c.md"))
+    assert r.returncode == 0, r.stderr
+    _assert_png(tmp_path / "c.png")
+    r = _cli("harness", "report", str(tmp_path / "missing"))
+    assert r.returncode == 1 and "error:" in r.stderr and "does not exist" in r.stderr
+
+
+def test_cli_run_rejects_a_bad_scenario(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\ncolour = 1\n')
+    r = _cli("harness", "run", str(bad), "--out", str(tmp_path / "out"))
+    assert r.returncode == 1 and "colour" in r.stderr and not (tmp_path / "out").exists()
+
+
+def test_cli_run_without_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
+    from node.cli import main
+
+    monkeypatch.setitem(sys.modules, "harness.run", None)
+    code = main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out",
+                 str(tmp_path / "out")])
+    assert code == 1
+    assert "scenario runner" in capsys.readouterr().err
+
+
+def test_cli_run_calls_the_runner_then_writes_the_report(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import types
+
+    from harness.scenario import Scenario
+    from node.cli import main
+
+    calls = []
+
+    def run_scenario(scenario: Scenario, out_dir: Path, progress: bool = False) -> None:
+        calls.append((scenario.name, out_dir, progress))
+        with EventLog(out_dir / EVENTS_FILE) as log:
+            log.write_all(_scenario_events())
+
+    monkeypatch.setitem(sys.modules, "harness.run", types.SimpleNamespace(run_scenario=run_scenario))
+    out = tmp_path / "out"
+    assert main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out", str(out)]) == 0
+    assert calls == [("demo", out, True)]
+    assert (out / "report.md").is_file() and (out / "pass_at_1.png").is_file()
+    assert "caught: 1/2" in capsys.readouterr().out

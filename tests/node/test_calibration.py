@@ -1,0 +1,66 @@
+"""Calibrated tolerances: no honest rollout is rejected, shifts above the tolerance are caught."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from node.validator.calibration import (
+    calibrate,
+    honest_audit,
+    load_tolerance_file,
+    write_tolerance_file,
+)
+from rewards.tasks.base import generate
+from verify.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def prompts(codec) -> list[list[int]]:
+    return [codec.encode(p.prompt) for p in generate("arithmetic", "train", 260, seed=3)]
+
+
+@pytest.fixture(scope="module")
+def mixed(tiny_model, codec, prompts):
+    return calibrate(tiny_model, prompts[:10], stop_token_ids=[codec.eos_token_id], max_tokens=12)
+
+
+def test_two_thousand_honest_audits_give_no_false_positive(tiny_model, codec, prompts, mixed) -> None:
+    result = honest_audit(tiny_model, prompts[10:260], mixed.tolerance,
+                          stop_token_ids=[codec.eos_token_id], max_tokens=12, shifts=(0.05,))
+    print(f"\nmixed-precision tolerance {mixed.token_abs:.4g}/{mixed.chunk_mean_abs:.4g}: {result}")
+    assert result["audited"] >= 2_000
+    assert result["rejected"] == 0
+    assert result["caught"][0.05] == 1.0
+
+
+def test_same_precision_catches_a_005_nat_shift(tiny_model, codec, prompts) -> None:
+    same = calibrate(tiny_model, prompts[:8], stop_token_ids=[codec.eos_token_id], max_tokens=12,
+                     generation_dtypes=("float32",))
+    assert same.token_abs < 0.01
+    result = honest_audit(tiny_model, prompts[8:40], same.tolerance, stop_token_ids=[codec.eos_token_id],
+                          max_tokens=12, generation_dtypes=("float32",), shifts=(0.002, 0.05))
+    print(f"\nsame-precision tolerance {same.token_abs:.4g}: {result}")
+    assert result["rejected"] == 0
+    assert result["caught"][0.05] == 1.0 and result["caught"][0.002] == 1.0
+
+
+def test_mixed_precision_catches_any_shift_beyond_its_tolerance(tiny_model, codec, prompts, mixed) -> None:
+    shift = mixed.token_abs * 1.05 + 1e-4
+    result = honest_audit(tiny_model, prompts[40:60], mixed.tolerance, stop_token_ids=[codec.eos_token_id],
+                          max_tokens=12, shifts=(shift,))
+    assert result["rejected"] == 0 and result["caught"][shift] == 1.0
+
+
+def test_tolerance_file_round_trip_and_refusal(tmp_path: Path, mixed) -> None:
+    path = write_tolerance_file(mixed, tmp_path / "tol.json")
+    tol = load_tolerance_file(path)
+    assert tol.token_abs == pytest.approx(mixed.token_abs)
+    data = json.loads(path.read_text())
+    data["token_abs"] = data["observed_token_max"] / 2
+    data["chunk_mean_abs"] = min(data["chunk_mean_abs"], data["token_abs"])
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="would flag its own honest calibration runs"):
+        load_tolerance_file(path)

@@ -1,0 +1,138 @@
+"""The validator over real HTTP on 127.0.0.1: contributors, the trainer stream, and fuzzing."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ledger.audit import verify_ledger
+from node.client import ServiceError, ValidatorClient
+from node.validator.server import BackgroundServer
+from node.validator.service import create_app
+from rollout.worker import answer
+from verify.errors import Reason
+from verify.keys import SigningKey
+from verify.signed import open_sealed
+from verify.types import Verdict, canonical_bytes
+
+TRAINER = SigningKey.from_seed(b"\x77" * 32)
+ALICE = SigningKey.from_seed(b"\x61" * 32)
+
+
+@pytest.fixture
+def live(make_validator):
+    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000})
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        yield v, url
+
+
+def test_contributor_round_trip_and_trainer_stream(live, backend, codec) -> None:
+    v, url = live
+    alice = ValidatorClient(url, ALICE)
+    assert alice.register("alice") is True and alice.register("alice") is False
+    for _ in range(2):
+        sealed = alice.assign()
+        group = answer(ALICE, sealed, v.key.public, backend, codec)
+        signed = alice.submit(group)
+        assert all(open_sealed(Verdict, s, v.key.public).accepted for s in signed)
+        assert alice.submit(group) == signed  # idempotent over HTTP too
+    trainer = ValidatorClient(url, TRAINER)
+    batch = trainer.samples(0, limit=5)
+    assert len(batch.samples) == 5
+    rest = trainer.samples(batch.next_cursor)
+    assert len(rest.samples) == 3
+    with pytest.raises(ServiceError) as exc:
+        alice.samples(0)
+    assert exc.value.status == 401 and exc.value.reason is Reason.UNAUTHORIZED
+    health = httpx.get(f"{url}/healthz").json()
+    assert health["ok"] and health["ledger_size"] == v.ledger.size()
+    metrics = httpx.get(f"{url}/metrics").text
+    assert 'prooftrain_verify_verdicts_total{accepted="true",reason="accepted"} 8.0' in metrics
+    spec = httpx.get(f"{url}/openapi.json").json()
+    assert {"/v1/submit", "/v1/assign", "/v1/samples", "/healthz"} <= set(spec["paths"])
+
+
+def test_rejections_carry_reasons_and_statuses(live) -> None:
+    v, url = live
+    r = httpx.post(f"{url}/v1/submit", content=b"\x93garbage")
+    assert r.status_code == 400 and r.json()["reason"] in {"malformed", "truncated"}
+    r = httpx.post(f"{url}/v1/assign")
+    assert r.status_code == 401 and r.json()["reason"] == "unauthorized"
+    stranger = ValidatorClient(url, SigningKey.from_seed(b"\x13" * 32))
+    with pytest.raises(ServiceError) as exc:
+        stranger.assign()
+    assert exc.value.status == 403 and exc.value.reason is Reason.UNKNOWN_KEY
+    big = b"\x00" * (v.cfg.limits.max_body_bytes + 1)
+    r = httpx.post(f"{url}/v1/submit", content=big)
+    assert r.status_code == 413 and r.json()["reason"] == "too_large"
+    r = httpx.get(f"{url}/v1/blobs/zz")
+    assert r.status_code == 400
+
+
+def test_rate_limit_answers_429_with_retry_after(make_validator) -> None:
+    v = make_validator({"limits.requests_per_s": 0.5, "limits.burst": 2})
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        codes = [httpx.post(f"{url}/v1/submit", content=b"x").status_code for _ in range(4)]
+        assert codes[:2] == [400, 400] and codes[2:] == [429, 429]
+        r = httpx.post(f"{url}/v1/submit", content=b"x")
+        assert "retry-after" in r.headers
+
+
+def test_bogus_content_length_headers_are_refused(live) -> None:
+    import socket
+
+    v, url = live
+    port = int(url.rsplit(":", 1)[1])
+    for value in ("-1", "abc", "99999999999", "10"):
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.sendall(f"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: {value}\r\n"
+                         "Connection: close\r\n\r\nabc".encode())
+            sock.shutdown(socket.SHUT_WR)
+            reply = sock.recv(200).decode(errors="replace")
+        status = int(reply.split()[1]) if reply.startswith("HTTP/1.1") else 400
+        assert 400 <= status < 500, (value, reply)
+    assert httpx.get(f"{url}/healthz").status_code == 200
+
+
+ENDPOINTS = [("POST", "/v1/submit"), ("POST", "/v1/register"), ("POST", "/v1/assign"),
+             ("POST", "/v1/policy"), ("POST", "/v1/blobs"), ("GET", "/v1/samples"),
+             ("GET", "/v1/policy/1"), ("GET", "/v1/blobs/00")]
+
+
+@pytest.mark.parametrize("method,path", ENDPOINTS)
+def test_fuzzed_bodies_never_cause_a_500(live, backend, codec, method, path) -> None:
+    v, url = live
+    v.register(ALICE.public.raw, "alice")
+    good = canonical_bytes(answer(ALICE, v.assign(ALICE.public.raw), v.key.public, backend, codec))
+    client = httpx.Client(base_url=url)
+    auth = ValidatorClient(url, ALICE)
+
+    @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def fuzz(data: st.DataObject) -> None:
+        kind = data.draw(st.sampled_from(["random", "truncated", "mutated", "extended"]))
+        if kind == "random":
+            body = data.draw(st.binary(max_size=512))
+        elif kind == "truncated":
+            body = good[: data.draw(st.integers(0, len(good) - 1))]
+        elif kind == "mutated":
+            pos = data.draw(st.integers(0, len(good) - 1))
+            body = good[:pos] + bytes([data.draw(st.integers(0, 255))]) + good[pos + 1 :]
+        else:
+            body = good + data.draw(st.binary(min_size=1, max_size=64))
+        headers = {}
+        if data.draw(st.booleans()):
+            import time
+
+            from node.validator.auth import sign_request
+            headers = sign_request(ALICE, method, path, body, time.time_ns() // 1_000_000)
+        r = client.request(method, path, content=body, headers=headers)
+        assert r.status_code < 500, (r.status_code, r.text)
+
+    fuzz()
+    assert httpx.get(f"{url}/healthz").status_code == 200
+    del auth
+    report = verify_ledger(v.ledger.store, blobs=v.ledger.blobs)
+    assert report.ok, report

@@ -1,0 +1,225 @@
+"""The validator's admission pipeline against honest and dishonest contributors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from ledger.records import Slashed, VerdictRecorded
+from node.validator.core import Validator
+from node.validator.spot import recheck_evidence
+from rollout.backends import TransformersBackend
+from rollout.oracle import TransformersOracle
+from rollout.worker import answer, generation_request, header_fields, open_assignment
+from verify.envelope import build_envelope
+from verify.errors import AdmissionError, Reason, VerificationError
+from verify.keys import SigningKey
+from verify.signed import open_sealed
+from verify.types import GroupSubmission, Verdict, canonical_bytes
+
+HONEST = SigningKey.from_seed(b"\x41" * 32)
+CHEAT = SigningKey.from_seed(b"\x42" * 32)
+
+
+def verdicts(v: Validator, signed: list) -> list[Verdict]:
+    return [open_sealed(Verdict, s, v.key.public) for s in signed]
+
+
+def honest_group(v: Validator, backend, codec, key=HONEST) -> GroupSubmission:
+    v.register(key.public.raw, "c")
+    return answer(key, v.assign(key.public.raw), v.key.public, backend, codec)
+
+
+def resign(key: SigningKey, v: Validator, sealed, completions) -> GroupSubmission:
+    """Sign arbitrary (tokens, logprobs) pairs as answers to an assignment."""
+    a = open_assignment(sealed, v.key.public, key.public)
+    envs = [build_envelope(key, header_fields(a, g, 1), toks, lps, 32)
+            for g, (toks, lps) in enumerate(completions)]
+    return GroupSubmission(a.assignment_id, envs)
+
+
+def cheat_assignment(v: Validator, backend, codec):
+    v.register(CHEAT.public.raw, "cheat")
+    sealed = v.assign(CHEAT.public.raw)
+    a = open_assignment(sealed, v.key.public, CHEAT.public)
+    req = generation_request(a, codec.encode(a.prompt), CHEAT.public, [codec.eos_token_id])
+    return sealed, a, backend.generate(req)
+
+
+def rejected_reason(v: Validator, group: GroupSubmission) -> set[Reason]:
+    out = verdicts(v, v.submit(canonical_bytes(group)))
+    assert not any(x.accepted for x in out)
+    return {Reason(x.reason) for x in out} - {Reason.GROUP_REJECTED}
+
+
+def slash_evidence(v: Validator, contributor: bytes) -> bytes:
+    for _, rec in v.ledger.entries():
+        if isinstance(rec, Slashed) and rec.contributor == contributor:
+            return rec.evidence or v.ledger.blobs.get(rec.evidence_digest)
+    raise AssertionError("no slash recorded")
+
+
+def test_honest_groups_are_accepted_scored_and_streamed(make_validator, backend, codec) -> None:
+    v = make_validator()
+    for _ in range(3):
+        got = verdicts(v, v.submit(canonical_bytes(honest_group(v, backend, codec))))
+        assert [x.accepted for x in got] == [True] * 4
+        assert all(x.audited for x in got) and all(0.0 <= x.reward <= 1.0 for x in got)
+    batch = v.samples(0)
+    assert len(batch.samples) == 12
+    indices = [s.ledger_index for s in batch.samples]
+    assert indices == sorted(indices)
+    assert all(isinstance(rec, VerdictRecorded) and rec.accepted
+               for i, rec in v.ledger.entries() if i in set(indices))
+    assert v.samples(batch.next_cursor).samples == []
+    assert not v.ledger.is_banned(HONEST.public.raw)
+
+
+def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator, backend, codec) -> None:
+    v = make_validator()
+    group = honest_group(v, backend, codec)
+    first = v.submit(canonical_bytes(group))
+    size = v.ledger.size()
+    assert v.submit(canonical_bytes(group)) == first
+    assert v.ledger.size() == size
+    changed = GroupSubmission(group.assignment_id, group.envelopes[::-1])
+    with pytest.raises(AdmissionError) as exc:
+        v.submit(canonical_bytes(changed))
+    assert exc.value.reason is Reason.REPLAY
+
+
+def test_tampered_logprobs_are_caught_and_slashed(make_validator, backend, codec, tiny_model) -> None:
+    v = make_validator()
+    sealed, a, comps = cheat_assignment(v, backend, codec)
+    forged = []
+    for c in comps:
+        lps = np.array(c.logprobs, dtype=np.float32)
+        lps[:3] = np.minimum(lps[:3] + 0.05, 0.0) if lps[0] < -0.05 else lps[:3] - 0.05
+        forged.append((c.token_ids, lps))
+    assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.LOGPROB_MISMATCH}
+    assert v.ledger.is_banned(CHEAT.public.raw)
+    oracle = TransformersOracle({0: tiny_model})
+    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle) is Reason.LOGPROB_MISMATCH
+    with pytest.raises(AdmissionError) as exc:
+        v.assign(CHEAT.public.raw)
+    assert exc.value.reason is Reason.BANNED_KEY
+
+
+def test_fabricated_tokens_with_honest_logprobs_fail_replay(make_validator, backend, codec, tiny_model) -> None:
+    v = make_validator()
+    sealed, a, comps = cheat_assignment(v, backend, codec)
+    oracle = TransformersOracle({0: tiny_model})
+    prompt = codec.encode(a.prompt)
+    target = codec.encode("123")[1:]  # the answer the cheat wants to plant
+    forged = []
+    for c in comps:
+        toks = list(target) + list(c.token_ids[len(target):])
+        s = a.sampling
+        lps = oracle.logprobs(0, prompt + toks, len(prompt), s.temperature, s.top_k, s.top_p)
+        forged.append((toks, lps))
+    reasons = rejected_reason(v, resign(CHEAT, v, sealed, forged))
+    assert reasons == {Reason.SAMPLER_REPLAY_MISMATCH}
+    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle) is Reason.SAMPLER_REPLAY_MISMATCH
+
+
+def test_a_different_model_claiming_the_current_version_is_caught(make_validator, codec, other_model) -> None:
+    v = make_validator()
+    wrong = TransformersBackend(other_model)
+    sealed, a, comps = cheat_assignment(v, wrong, codec)
+    group = resign(CHEAT, v, sealed, [(c.token_ids, c.logprobs) for c in comps])
+    assert rejected_reason(v, group) == {Reason.LOGPROB_MISMATCH}
+
+
+def test_greedy_decoding_claiming_temperature_one_is_caught(make_validator, backend, codec, tiny_model) -> None:
+    v = make_validator()
+    sealed, a, _ = cheat_assignment(v, backend, codec)
+    req = generation_request(a, codec.encode(a.prompt), CHEAT.public, [codec.eos_token_id])
+    greedy = backend.generate(dataclasses.replace(req, temperature=0.0))
+    oracle = TransformersOracle({0: tiny_model})
+    prompt = codec.encode(a.prompt)
+    forged = [(c.token_ids, oracle.logprobs(0, prompt + list(c.token_ids), len(prompt), 1.0, 0, 1.0))
+              for c in greedy]
+    assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.SAMPLER_REPLAY_MISMATCH}
+
+
+def test_replayed_group_under_a_new_assignment_is_slashed(make_validator, backend, codec) -> None:
+    v = make_validator()
+    old = honest_group(v, backend, codec, key=CHEAT)
+    assert all(x.accepted for x in verdicts(v, v.submit(canonical_bytes(old))))
+    fresh = open_assignment(v.assign(CHEAT.public.raw), v.key.public, CHEAT.public)
+    replay = GroupSubmission(fresh.assignment_id, old.envelopes)
+    assert rejected_reason(v, replay) & {Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH}
+    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) in {
+        Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH}
+
+
+def test_someone_elses_envelopes_are_refused_unattributed(make_validator, backend, codec) -> None:
+    v = make_validator()
+    theirs = honest_group(v, backend, codec)
+    v.register(CHEAT.public.raw, "cheat")
+    mine = open_assignment(v.assign(CHEAT.public.raw), v.key.public, CHEAT.public)
+    size = v.ledger.size()
+    with pytest.raises(VerificationError) as exc:
+        v.submit(canonical_bytes(GroupSubmission(mine.assignment_id, theirs.envelopes)))
+    assert exc.value.reason is Reason.WRONG_SIGNER
+    assert v.ledger.size() == size  # nothing recorded, the assignment stays open
+
+
+def test_cross_key_copy_is_caught(make_validator, backend, codec) -> None:
+    v = make_validator()
+    donor = honest_group(v, backend, codec)
+    v.submit(canonical_bytes(donor))
+    sealed, a, _ = cheat_assignment(v, backend, codec)
+    copied = [(np.frombuffer(e.body.token_ids, "<u4"), np.frombuffer(e.body.logprobs, "<f4"))
+              for e in donor.envelopes]
+    reasons = rejected_reason(v, resign(CHEAT, v, sealed, copied))
+    assert reasons and reasons <= {Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH,
+                                   Reason.DUPLICATE_COMPLETION}
+
+
+def test_wrong_prompt_is_slashed_with_offline_evidence(make_validator, backend, codec) -> None:
+    v = make_validator()
+    sealed, a, comps = cheat_assignment(v, backend, codec)
+    envs = [build_envelope(CHEAT, {**header_fields(a, c.group_index, 1), "prompt_id": "train/other"},
+                           c.token_ids, c.logprobs, 32) for c in comps]
+    assert rejected_reason(v, GroupSubmission(a.assignment_id, envs)) == {Reason.WRONG_PROMPT}
+    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.WRONG_PROMPT
+
+
+def test_missing_group_member_is_rejected_without_slash(make_validator, backend, codec) -> None:
+    v = make_validator()
+    sealed, a, comps = cheat_assignment(v, backend, codec)
+    group = resign(CHEAT, v, sealed, [(c.token_ids, c.logprobs) for c in comps])
+    short = GroupSubmission(group.assignment_id, group.envelopes[:-1])
+    assert rejected_reason(v, short) == {Reason.MISSING_GROUP_MEMBER}
+    assert not v.ledger.is_banned(CHEAT.public.raw)
+
+
+def test_unknown_and_unregistered_are_refused(make_validator, backend, codec) -> None:
+    v = make_validator()
+    with pytest.raises(AdmissionError) as exc:
+        v.assign(CHEAT.public.raw)
+    assert exc.value.reason is Reason.UNKNOWN_KEY
+    group = honest_group(v, backend, codec)
+    bogus = GroupSubmission(b"\x00" * 16, group.envelopes)
+    with pytest.raises(AdmissionError) as exc:
+        v.submit(canonical_bytes(bogus))
+    assert exc.value.reason is Reason.UNKNOWN_ASSIGNMENT
+
+
+def test_state_survives_a_restart(make_validator, backend, codec) -> None:
+    v = make_validator(name="r")
+    v.register(HONEST.public.raw, "c")
+    sealed = v.assign(HONEST.public.raw)
+    group = answer(HONEST, sealed, v.key.public, backend, codec)
+    v.ledger.close()
+    v.state.close()
+    again = make_validator(name="r")
+    got = verdicts(again, again.submit(canonical_bytes(group)))
+    assert all(x.accepted for x in got)
+    epochs = [(type(r).__name__, r.epoch) for _, r in again.ledger.entries()
+              if type(r).__name__ in ("EpochCommitted", "EpochRevealed")]
+    # the interrupted epoch is revealed on restart and numbering continues
+    assert epochs == [("EpochCommitted", 1), ("EpochRevealed", 1), ("EpochCommitted", 2)]

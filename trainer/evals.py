@@ -1,0 +1,237 @@
+"""Evaluate a policy on a task: pass@1 (greedy), pass@k (sampled), mean reward and length.
+
+Every figure comes with a 95% confidence interval over problems:
+
+* pass@1 (greedy) — a proportion: Wilson score interval;
+* pass@k — the unbiased estimator ``1 - C(n-c, k) / C(n, k)`` per problem
+  (``n`` samples, ``c`` correct), averaged; normal interval on the per-problem
+  estimates, clipped to [0, 1];
+* mean reward and mean length (generated tokens, end-of-sequence included)
+  of the greedy completions — normal intervals.
+
+A completion is *correct* when its reward is exactly 1.0. Rewards are the
+validator's own (:func:`rewards.reward`). ``evaluate`` takes a model
+directory (anything ``AutoModelForCausalLM.from_pretrained`` loads, trainer
+checkpoints included) or an already loaded ``(model, tokenizer)`` pair.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from rewards import Problem, reward
+from rewards.errors import TaskError, UnknownTaskError
+from rewards.tasks import generate as generate_problems
+from rewards.tasks import get_task
+from trainer.generate import SamplingParams, generate
+
+Z95 = 1.959963984540054
+DEFAULT_MAX_NEW_TOKENS = 256
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    if n == 0:
+        return (0.0, 1.0)
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return (low, high)
+
+
+def mean_interval(values: Sequence[float], z: float = Z95) -> tuple[float, float, float]:
+    """(mean, low, high) with a normal interval; a single value has zero width."""
+    n = len(values)
+    if n == 0:
+        return (float("nan"), float("nan"), float("nan"))
+    mean = sum(values) / n
+    if n == 1:
+        return (mean, mean, mean)
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    half = z * math.sqrt(var / n)
+    return (mean, mean - half, mean + half)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct (Chen et al., 2021)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError("need 0 <= c <= n and 1 <= k <= n")
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    value: float
+    ci_low: float
+    ci_high: float
+    n: int
+
+
+@dataclass(frozen=True)
+class EvalReport:
+    model: str
+    task: str
+    split: str
+    problems: int
+    metrics: tuple[Metric, ...]
+    settings: dict = field(default_factory=dict)
+
+    def metric(self, name: str) -> Metric:
+        for m in self.metrics:
+            if m.name == name:
+                return m
+        raise KeyError(name)
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "task": self.task,
+            "split": self.split,
+            "problems": self.problems,
+            "metrics": {
+                m.name: {k: v for k, v in asdict(m).items() if k != "name"} for m in self.metrics
+            },
+            "settings": self.settings,
+        }
+
+    def to_table(self) -> str:
+        head = f"{self.task} / {self.split} / {self.problems} problems / {self.model}"
+        rows = [("metric", "value", "95% CI", "n")]
+        for m in self.metrics:
+            rows.append((m.name, f"{m.value:.4f}", f"[{m.ci_low:.4f}, {m.ci_high:.4f}]", str(m.n)))
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = [head]
+        for j, r in enumerate(rows):
+            lines.append("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip())
+            if j == 0:
+                lines.append("  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+
+def load_policy(
+    model_dir: str | Path, device: str | None = None
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Model and tokenizer from a local directory (never the network)."""
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise TaskError(f"{path} is not a model directory (no config.json)")
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return model.to(device).eval(), tokenizer
+
+
+def default_max_new_tokens(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase) -> int:
+    """Room for the longest reference completion plus slack, for synthetic tasks."""
+    try:
+        gens = {p.task: get_task(p.task) for p in problems}
+    except UnknownTaskError:
+        return DEFAULT_MAX_NEW_TOKENS
+    longest = max(
+        len(tokenizer(gens[p.task].reference_completion(p), add_special_tokens=False)["input_ids"])
+        for p in problems
+    )
+    return longest + 4
+
+
+def evaluate(
+    model: str | Path | tuple[PreTrainedModel, PreTrainedTokenizerBase],
+    task: str = "arithmetic",
+    split: str = "heldout",
+    *,
+    n: int = 200,
+    k: int = 8,
+    samples: int | None = None,
+    temperature: float = 1.0,
+    seed: int = 0,
+    max_new_tokens: int | None = None,
+    batch_size: int = 64,
+    problems: Sequence[Problem] | None = None,
+    device: str | None = None,
+) -> EvalReport:
+    """Evaluate on ``problems`` or on ``n`` generated ``task``/``split`` problems (``seed``)."""
+    if isinstance(model, tuple):
+        policy, tokenizer = model
+        name = getattr(policy.config, "_name_or_path", "") or type(policy).__name__
+    else:
+        policy, tokenizer = load_policy(model, device)
+        name = str(model)
+    if problems is None:
+        problems = generate_problems(task, split, n, seed)
+    if not problems:
+        raise TaskError("no problems to evaluate")
+    samples = samples if samples is not None else k
+    if k < 1 or samples < k:
+        raise TaskError("need k >= 1 and samples >= k")
+    max_new = max_new_tokens or default_max_new_tokens(problems, tokenizer)
+    prompts = [p.prompt for p in problems]
+    greedy = generate(
+        policy, tokenizer, prompts, SamplingParams(max_new_tokens=max_new), batch_size=batch_size
+    )
+    rewards = [reward(p.task, o.text, p) for p, o in zip(problems, greedy, strict=True)]
+    correct = sum(r == 1.0 for r in rewards)
+    metrics = [
+        Metric(
+            "pass@1 (greedy)",
+            correct / len(problems),
+            *wilson_interval(correct, len(problems)),
+            len(problems),
+        )
+    ]
+    if k > 1 or samples > 1:
+        sampled = generate(
+            policy,
+            tokenizer,
+            prompts,
+            SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed),
+            num_samples=samples,
+            batch_size=batch_size,
+        )
+        per_problem = []
+        for i, p in enumerate(problems):
+            outs = sampled[i * samples : (i + 1) * samples]
+            c = sum(reward(p.task, o.text, p) == 1.0 for o in outs)
+            per_problem.append(pass_at_k(samples, c, k))
+        mean, lo, hi = mean_interval(per_problem)
+        metrics.append(
+            Metric(
+                f"pass@{k} (T={temperature:g}, {samples} samples)",
+                mean,
+                max(0.0, lo),
+                min(1.0, hi),
+                len(problems),
+            )
+        )
+    mean, lo, hi = mean_interval(rewards)  # rewards lie in [0, 1]: so does the interval
+    metrics.append(Metric("mean reward (greedy)", mean, max(0.0, lo), min(1.0, hi), len(problems)))
+    lengths = [float(len(o.token_ids)) for o in greedy]
+    metrics.append(Metric("mean length (greedy, tokens)", *mean_interval(lengths), len(problems)))
+    settings = {
+        "k": k,
+        "samples": samples,
+        "temperature": temperature,
+        "seed": seed,
+        "max_new_tokens": max_new,
+    }
+    return EvalReport(name, problems[0].task, split, len(problems), tuple(metrics), settings)
+
+
+def report_json(report: EvalReport) -> str:
+    return json.dumps(report.to_json(), indent=2, sort_keys=True)
