@@ -31,7 +31,11 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	@for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+FUZZ_SECONDS ?= 600
+fuzz: $(STAMP)
+	$(PY) -m harness.fuzz --seconds $(FUZZ_SECONDS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

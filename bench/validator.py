@@ -42,7 +42,7 @@ def model_dir(work: Path) -> Path:
         return Path(ensure_base_model("arithmetic"))
     except Exception as exc:  # the benchmark still runs on a random model
         log(f"demo base model unavailable ({exc}); using a tiny random model")
-        from tests.node.conftest import build_tiny_model
+        from harness.tiny_model import build_tiny_model
 
         return build_tiny_model(work / "tiny")
 

@@ -30,6 +30,28 @@ class BlobStore(Protocol):
     def has(self, digest: bytes) -> bool: ...
 
 
+def write_atomically(target: Path, data: bytes) -> None:
+    """Write ``data`` to ``target`` through a synced temporary file and a rename, so a
+    reader (or a crash) sees the old file or the whole new one, never a part."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    dir_fd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
 class FileBlobStore:
     def __init__(self, root: str | os.PathLike) -> None:
         self.root = Path(root)
@@ -49,23 +71,7 @@ class FileBlobStore:
         target = self.path(digest)
         if target.exists():
             return digest
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=target.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        dir_fd = os.open(target.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        write_atomically(target, data)
         return digest
 
     def get(self, digest: bytes) -> bytes:

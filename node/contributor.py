@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,6 +36,9 @@ from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.signed import open_sealed
 from verify.types import SignedAssignment, Verdict, canonical_bytes, decode
+
+# transformers' model loading is not thread-safe; contributors sharing a process load in turn.
+_LOAD_LOCK = threading.Lock()
 
 
 @dataclass
@@ -79,6 +83,10 @@ class Contributor:
     def _backend_for(self, version: int) -> Any:
         if self._version == version and self._backend is not None:
             return self._backend
+        with _LOAD_LOCK:
+            return self._load_backend(version)
+
+    def _load_backend(self, version: int) -> Any:
         if version == 0:
             model: Any = str(self.base)
         else:

@@ -15,13 +15,11 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rollout.backends import load_causal_lm, resolve_dtype
 from verify.errors import ProofTrainError
-from verify.sampling import process_logits
-from verify.spotcheck import OracleRequest
+from verify.spotcheck import LogitsOracle
 
 ModelSource = torch.nn.Module | str | Path
 
@@ -30,7 +28,7 @@ class UnknownPolicyVersion(ProofTrainError):
     """The oracle holds no weights for the requested policy version."""
 
 
-class TransformersOracle:
+class TransformersOracle(LogitsOracle):
     """Recomputes processed logprobs for any policy version it can resolve.
 
     ``models`` maps a version to a module or a local model directory (loaded on
@@ -70,29 +68,6 @@ class TransformersOracle:
                 self._loaded.popitem(last=False)
         self._loaded.move_to_end(version)
         return self._loaded[version]
-
-    # -- LogprobOracle
-    def logprobs(
-        self, version: int, input_ids: Sequence[int], prompt_len: int,
-        temperature: float, top_k: int, top_p: float,
-    ) -> np.ndarray:
-        request = OracleRequest(tuple(input_ids), prompt_len, temperature, top_k, top_p)
-        return self.logprobs_batch(version, [request])[0]
-
-    def logprobs_batch(self, version: int, requests: Sequence[OracleRequest]) -> list[np.ndarray]:
-        seqs = [(r.input_ids, r.prompt_len) for r in requests]
-        out = []
-        for r, logits in zip(requests, self.logits_batch(version, seqs), strict=True):
-            lp = process_logits(logits, r.temperature, r.top_k, r.top_p)  # (T, V)
-            target = torch.tensor(r.input_ids[r.prompt_len:], dtype=torch.long)[:, None]
-            out.append(lp.gather(-1, target)[:, 0].numpy().astype(np.float32))
-        return out
-
-    # -- DistributionOracle
-    def completion_logits(
-        self, version: int, input_ids: Sequence[int], prompt_len: int
-    ) -> np.ndarray:
-        return self.logits_batch(version, [(tuple(input_ids), prompt_len)])[0].numpy()
 
     def logits_batch(
         self, version: int, seqs: Sequence[tuple[Sequence[int], int]]

@@ -12,20 +12,18 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from trainer.pipeline import PipelineError, PipelineRunner, abort_process_group
 from trainer.stages import load_stage
 from verify.errors import ConfigError
-from verify.sampling import process_logits
-from verify.spotcheck import OracleRequest
+from verify.spotcheck import LogitsOracle
 
 _STOP, _LOGITS = 0, 1
 
 
-class PipelineOracle:
+class PipelineOracle(LogitsOracle):
     """``verify.spotcheck.LogprobOracle`` and ``DistributionOracle`` answered by the stages.
 
     Rank 0 takes the calls; every other rank runs :meth:`serve` until rank 0
@@ -54,34 +52,6 @@ class PipelineOracle:
         self.pad_token_id = pad_token_id
         self.cached_versions = max(1, cached_versions)
         self._runners: OrderedDict[int, PipelineRunner] = OrderedDict()
-
-    # -- LogprobOracle
-    def logprobs(
-        self,
-        version: int,
-        input_ids: Sequence[int],
-        prompt_len: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
-    ) -> np.ndarray:
-        request = OracleRequest(tuple(input_ids), prompt_len, temperature, top_k, top_p)
-        return self.logprobs_batch(version, [request])[0]
-
-    def logprobs_batch(self, version: int, requests: Sequence[OracleRequest]) -> list[np.ndarray]:
-        seqs = [(r.input_ids, r.prompt_len) for r in requests]
-        out = []
-        for r, logits in zip(requests, self.logits_batch(version, seqs), strict=True):
-            lp = process_logits(logits, r.temperature, r.top_k, r.top_p)  # (n, V)
-            target = torch.tensor(r.input_ids[r.prompt_len :], dtype=torch.long)[:, None]
-            out.append(lp.gather(-1, target)[:, 0].numpy().astype(np.float32))
-        return out
-
-    # -- DistributionOracle
-    def completion_logits(
-        self, version: int, input_ids: Sequence[int], prompt_len: int
-    ) -> np.ndarray:
-        return self.logits_batch(version, [(tuple(input_ids), prompt_len)])[0].numpy()
 
     def logits_batch(
         self, version: int, seqs: Sequence[tuple[Sequence[int], int]]

@@ -33,7 +33,6 @@ Invariants:
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from typing import Literal, Protocol
 import torch
 from torch import Tensor, nn
 
-from ledger.blobs import FileBlobStore
+from ledger.blobs import FileBlobStore, write_atomically
 from verify.errors import ConfigError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.manifest import blob_digest, check_manifest, manifest_digest
@@ -334,18 +333,7 @@ class LocalPolicyStore:
                 raise VerificationError(f"version {version} is already published differently",
                                         reason=Reason.WRONG_MANIFEST)
             return
-        self._manifests.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=self._manifests)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        write_atomically(target, data)
 
     def manifest(self, version: int) -> SignedManifest:
         try:

@@ -78,6 +78,41 @@ class DistributionOracle(Protocol):
         ...
 
 
+class LogitsOracle:
+    """Derives :class:`LogprobOracle` and :class:`DistributionOracle` from one method.
+
+    Subclasses implement ``logits_batch(version, seqs) -> [float32 (T_i, V) tensor]``
+    (raw logits at the completion positions); processing with the committed
+    definition (``verify.sampling.process_logits``) happens here, once.
+    """
+
+    def logits_batch(self, version: int, seqs: Sequence[tuple[Sequence[int], int]]) -> Sequence[Any]:
+        raise NotImplementedError
+
+    def logprobs(
+        self, version: int, input_ids: Sequence[int], prompt_len: int,
+        temperature: float, top_k: int, top_p: float,
+    ) -> np.ndarray:
+        request = OracleRequest(tuple(input_ids), prompt_len, temperature, top_k, top_p)
+        return self.logprobs_batch(version, [request])[0]
+
+    def logprobs_batch(self, version: int, requests: Sequence[OracleRequest]) -> list[np.ndarray]:
+        import torch
+
+        from verify.sampling import process_logits
+
+        seqs = [(r.input_ids, r.prompt_len) for r in requests]
+        out = []
+        for r, logits in zip(requests, self.logits_batch(version, seqs), strict=True):
+            lp = process_logits(torch.as_tensor(logits), r.temperature, r.top_k, r.top_p)  # (T, V)
+            target = torch.tensor(r.input_ids[r.prompt_len :], dtype=torch.long)[:, None]
+            out.append(lp.gather(-1, target)[:, 0].numpy().astype(np.float32))
+        return out
+
+    def completion_logits(self, version: int, input_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+        return np.asarray(self.logits_batch(version, [(tuple(input_ids), prompt_len)])[0])
+
+
 @dataclass(frozen=True)
 class Tolerance:
     """Honest-noise bounds for comparing committed and recomputed logprobs."""

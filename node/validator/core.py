@@ -168,6 +168,7 @@ class Validator:
             self.state.mark_revealed(epoch)
         self._epoch = last_epoch
         self._new_epoch()
+        self.ledger.checkpoint()  # a signed tree head from the start, for auditors and proofs
 
     def _load_assignment(self, aid: bytes) -> SignedAssignment | None:
         blob = self.state.assignment(aid)

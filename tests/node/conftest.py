@@ -6,8 +6,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 
+from harness.tiny_model import build_tiny_model
 from ledger.log import Ledger
 from node.config import ValidatorConfig, load
 from node.validator.core import Validator
@@ -18,26 +18,6 @@ from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.keys import SigningKey
 from verify.spotcheck import FLOAT32_TOLERANCE
-
-
-def build_tiny_model(path: Path, seed: int = 0, layers: int = 2, scale: float = 3.0) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from trainer.tokenizer import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=128, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(scale)  # peakier distributions than a flat random init
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

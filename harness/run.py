@@ -1,0 +1,277 @@
+"""Run a scenario end to end: a validator, a simulated population, the trainer, an event log.
+
+For each run (the scenario, the all-honest baseline, the no-defence ablation)
+the runner builds an in-process network (``harness.local``: a validator core
+with its ledger, a policy-version registry) and drives it in simulated time:
+
+* every contributor that is online and idle takes an assignment at the
+  current simulated time, answers it with its strategy (honest or an
+  adversary from ``harness.adversaries``) using the policy version it was
+  assigned, and its group is delivered after its (measured, speed-scaled)
+  compute time plus a network delay drawn from its profile; dropped messages
+  are lost work;
+* the trainer (``trainer.loop.TrainerLoop``) pulls accepted samples; when the
+  stream is dry it advances the simulation to the next delivery; each
+  optimizer step advances simulated time by its measured duration, so slow
+  contributors deliver stale samples exactly as a real network would;
+* verdicts, slashes, reputation, train steps, evals and throughput go to
+  ``events.jsonl`` as they happen; at the end ``audit verify`` runs on the
+  run's ledger.
+
+Real compute is done on this machine one piece at a time; only the clock is
+simulated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from harness.adversaries.base import Context, Strategy, make_strategy
+from harness.events import (
+    EVENTS_FILE,
+    Audit,
+    Eval,
+    EventLog,
+    Reputation,
+    Slash,
+    Start,
+    Summary,
+    Throughput,
+    TrainStep,
+)
+from harness.events import Verdict as VerdictEvent
+from harness.local import LocalNetwork, LocalSettings
+from harness.network import DeliveryQueue, SimulatedNetwork
+from harness.scenario import ContributorSpec, Scenario
+from ledger.audit import verify_ledger
+from node.validator.core import SLASHED
+from rollout.backends import TransformersBackend
+from rollout.worker import open_assignment
+from trainer.config import AggregatorSection, LocalSection, LossSection, TrainerConfig
+from trainer.evals import evaluate
+from trainer.loop import TrainerLoop, ensure_process_group
+from trainer.pipeline import PipelineRunner
+from trainer.stages import load_stage
+from verify.errors import AdmissionError, Reason, VerificationError
+from verify.keys import SigningKey
+from verify.types import Verdict, decode
+
+IDLE_RETRY_S = 5.0
+"""Simulated seconds a contributor waits after a refused or lost request."""
+
+
+@dataclass
+class Member:
+    spec: ContributorSpec
+    key: SigningKey
+    strategy: Strategy
+    ctx: Context
+    free_at: float = 0.0
+    retired: bool = False
+
+
+class Simulation:
+    """The simulated population around one validator (see the module docstring)."""
+
+    def __init__(self, scenario: Scenario, net: LocalNetwork, sim: SimulatedNetwork, log: EventLog,
+                 run: str) -> None:
+        self.net, self.sim, self.log, self.run = net, sim, log, run
+        self.t = 0.0
+        self.queue = DeliveryQueue()
+        self._backends: dict[int, TransformersBackend] = {}
+        shared: dict = {}  # colluding identities share what they generated
+        self.members: list[Member] = []
+        for spec in scenario.contributors():
+            key = SigningKey.from_seed(spec.seed.to_bytes(32, "little"))
+            net.validator.register(key.public.raw, spec.id)
+            ctx = Context(key, self._backend(0), net.codec, net.validator.key.public,
+                          oracle=_registry_oracle(net), shared=shared)
+            import numpy as np
+
+            ctx.rng = np.random.default_rng(spec.seed)
+            self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
+        self.accepted_samples = 0
+
+    def _backend(self, version: int) -> TransformersBackend:
+        if version not in self._backends:
+            self._backends = {v: b for v, b in self._backends.items() if v >= version - 8}
+            self._backends[version] = TransformersBackend(self.net.registry[version])
+        return self._backends[version]
+
+    # -- the trainer's wait hook
+    def pump(self) -> None:
+        """Start work for idle contributors, then advance to the next delivery and make it."""
+        for m in self.members:
+            if not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t):
+                self._start(m)
+        nxt = self.queue.next_ready_at()
+        if nxt is None:
+            waiting = [m.free_at for m in self.members if not m.retired]
+            self.t = max(self.t, min(waiting, default=self.t)) + 1e-3
+            return
+        self.t = max(self.t, nxt)
+        for m, body in self.queue.pop_ready(self.t):
+            self._deliver(m, body)
+
+    def _start(self, m: Member) -> None:
+        try:
+            sealed = self.net.validator.assign(m.key.public.raw)
+        except AdmissionError as exc:
+            if exc.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
+                m.retired = True
+            m.free_at = self.t + IDLE_RETRY_S
+            return
+        version = open_assignment(sealed, self.net.validator.key.public, m.key.public).policy_version
+        m.ctx.backend = self._backend(version)
+        start = time.perf_counter()
+        body = m.strategy.answer(m.ctx, sealed)
+        ready = self.t + self.sim.compute_time(m.spec.id, time.perf_counter() - start)
+        delay = self.sim.delay(m.spec.id, "submit")
+        if delay is None:  # lost on the way: the assignment expires unanswered
+            m.free_at = ready + IDLE_RETRY_S
+            return
+        m.free_at = ready + delay
+        self.queue.push((m, body), m.free_at)
+
+    def _deliver(self, m: Member, body: bytes) -> None:
+        v = self.net.validator
+        try:
+            signed = v.submit(body)
+        except (AdmissionError, VerificationError) as exc:
+            self.log.write(VerdictEvent(t=self.t, run=self.run, contributor=m.spec.id,
+                                        strategy=m.spec.strategy, accepted=False,
+                                        reason=exc.reason.value, audited=False, reward=None))
+            return
+        verdicts = [decode(Verdict, s.verdict, max_bytes=len(s.verdict)) for s in signed]
+        accepted = all(x.accepted for x in verdicts)
+        reasons = [x.reason for x in verdicts if x.reason and x.reason != Reason.GROUP_REJECTED.value]
+        reason = "" if accepted else (reasons[0] if reasons else Reason.GROUP_REJECTED.value)
+        self.accepted_samples += sum(x.accepted for x in verdicts)
+        self.log.write(VerdictEvent(
+            t=self.t, run=self.run, contributor=m.spec.id, strategy=m.spec.strategy, accepted=accepted,
+            reason=reason, audited=any(x.audited for x in verdicts),
+            reward=sum(x.reward for x in verdicts) / len(verdicts)))
+        if reason and Reason(reason) in SLASHED:
+            self.log.write(Slash(t=self.t, run=self.run, contributor=m.spec.id,
+                                 strategy=m.spec.strategy, reason=reason))
+        rep = v.ledger.reputation(m.key.public.raw)
+        self.log.write(Reputation(t=self.t, run=self.run, contributor=m.spec.id,
+                                  strategy=m.spec.strategy, score=rep.score, banned=rep.banned,
+                                  audit_rate=v.ledger.audit_rate(m.key.public.raw)))
+
+
+def _registry_oracle(net: LocalNetwork):  # type: ignore[no-untyped-def]
+    from harness.local import RegistryOracle
+
+    return RegistryOracle(net.registry)
+
+
+def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
+    t, v = s.trainer, s.validator
+    return TrainerConfig(
+        model_dir=model_dir, task=s.task.name, steps=t.steps or 1_000_000, lr=t.learning_rate,
+        loss=LossSection(name=t.loss.name, params=t.loss.params),
+        aggregator=AggregatorSection(name=t.aggregator.name, params=t.aggregator.params),
+        max_staleness=v.max_staleness, batch_groups=t.batch_groups, mode=t.mode,
+        eval_every=t.eval_every, eval_problems=min(t.eval_problems, s.task.heldout), seed=s.seed,
+        starve_timeout_s=600.0,
+        local=LocalSection(group_size=max(2, v.group_size), max_tokens=v.max_tokens,
+                           temperature=v.temperature, audit_rate=v.audit_rate),
+    )
+
+
+def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True,
+                say: Callable[[str], None] = print) -> dict:
+    """One run (``s.run`` names it); returns its summary figures."""
+    run = s.run
+    model_dir = s.model.ensure(s.task.name, progress=progress)
+    cfg = trainer_config(s, model_dir)
+    v = s.validator
+    settings = LocalSettings(contributors=0, group_size=v.group_size, max_tokens=v.max_tokens,
+                             temperature=v.temperature, pool=s.task.train_pool, task=s.task.name,
+                             seed=s.task.seed, audit_rate=v.audit_rate, max_staleness=v.max_staleness,
+                             groups_per_fetch=0)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # tiny models: more threads only contend on a shared machine
+    torch.manual_seed(s.seed)
+    ensure_process_group()
+    net = LocalNetwork(model_dir, settings, work_dir=work)
+    sim = Simulation(s, net, s.network_model(), log, run)
+    log.write(Start(run=run, scenario=s.name, seed=s.seed,
+                    contributors={m.spec.id: m.spec.strategy for m in sim.members}))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def eval_event(step: int) -> float:
+        report = evaluate((net.registry[step], tokenizer), s.task.name, "heldout", n=cfg.eval_problems,
+                          k=1, samples=1, seed=s.seed)
+        p = report.metric("pass@1 (greedy)")
+        reward = report.metric("mean reward (greedy)").value
+        log.write(Eval(t=sim.t, run=run, step=step, version=step, pass_at_1=p.value,
+                       ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
+        return p.value
+
+    stage = load_stage(model_dir, 0, 1)
+    runner = PipelineRunner(stage, 0, 1, temperature=v.temperature, seed=s.seed)
+    loop = TrainerLoop(cfg, runner, net, publish=net.publish, weights=net.weights,
+                       wait=sim.pump, progress=False)
+    first = eval_event(0)
+    last = first
+    wall0 = time.monotonic()
+    budget = s.trainer.budget_s or float("inf")
+    steps = s.trainer.steps or 1_000_000
+    trained = 0
+    from tqdm import tqdm
+
+    bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
+    while loop.version < steps and time.monotonic() - wall0 < budget:
+        metrics = loop.train_step()
+        sim.t += metrics.get("perf/step_s", 0.0)
+        trained += int(metrics.get("train/samples", 0))
+        stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
+                 for _ in range(int(metrics[k]))]
+        log.write(TrainStep(
+            t=sim.t, run=run, step=loop.version, version=loop.version,
+            samples=int(metrics.get("train/samples", 0)), staleness=stale,
+            loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
+            ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
+            masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
+            grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
+                        if k.startswith("aggregate/grad_norm/")}))
+        log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", pass1=f"{last:.2f}")
+        if cfg.eval_every and loop.version % cfg.eval_every == 0:
+            last = eval_event(loop.version)
+    bar.close()
+    if loop.version and (not cfg.eval_every or loop.version % cfg.eval_every):
+        last = eval_event(loop.version)
+    report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
+    log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))
+    values = {"steps": loop.version, "samples_trained": trained, "sim_seconds": round(sim.t, 2),
+              "wall_seconds": round(time.monotonic() - wall0, 2), "pass_at_1_first": first,
+              "pass_at_1_last": last, "ledger": str(work / "ledger.sqlite"),
+              "ledger_entries": report.size, "audit_ok": report.ok}
+    log.write(Summary(run=run, t=sim.t, values=values))
+    say(f"{run}: pass@1 {first:.3f} -> {last:.3f} in {loop.version} steps; audit "
+        f"{'ok' if report.ok else 'FAILED'}")
+    net.close()
+    return values
+
+
+def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True) -> Path:
+    """Run the scenario and its enabled baselines into ``out_dir``; returns ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    events = out / EVENTS_FILE
+    if events.exists():
+        events.unlink()  # a rerun replaces the previous log, never mixes with it
+    with EventLog(events) as log:
+        for run in scenario.runs():
+            run_variant(scenario.variant(run), out / "runs" / run, log, progress=progress)
+    return out

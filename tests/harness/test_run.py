@@ -1,0 +1,68 @@
+"""The scenario runner end to end on a tiny scenario: events, detection, audit, report."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from harness.events import Audit, Eval, Slash, Start, TrainStep, Verdict, read_run_dir
+from harness.scenario import load_scenario
+
+TINY = """
+name = "tiny"
+seed = 0
+[task]
+name = "arithmetic"
+train_pool = 256
+heldout = 32
+[[population.groups]]
+strategy = "honest"
+count = 2
+[[population.groups]]
+strategy = "tampered-logprobs"
+count = 1
+params = { shift = 0.1 }
+[network.profiles.default]
+latency = { model = "pareto", params = { scale_ms = 50, alpha = 1.5 } }
+drop_rate = 0.05
+[validator]
+group_size = 4
+max_tokens = 8
+[trainer]
+steps = 3
+batch_groups = 2
+eval_every = 3
+eval_problems = 16
+[baselines]
+run_honest_baseline = false
+run_no_defence = false
+"""
+
+
+def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY)
+    assert load_scenario(path).adversarial_fraction() > 0.3
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "report:" in result.stdout and (out / "report.md").is_file()
+    events = read_run_dir(out)
+    kinds = {type(e) for e in events}
+    assert {Start, Eval, TrainStep, Verdict, Audit} <= kinds
+    starts = [e for e in events if isinstance(e, Start)]
+    cheat = next(cid for cid, strategy in starts[0].contributors.items() if strategy != "honest")
+    honest = {cid for cid, strategy in starts[0].contributors.items() if strategy == "honest"}
+    slashes = [e for e in events if isinstance(e, Slash)]
+    assert slashes and {e.contributor for e in slashes} == {cheat}
+    assert not any(isinstance(e, Verdict) and e.contributor in honest and not e.accepted
+                   and e.reason not in ("stale", "expired_assignment") for e in events)
+    audit = next(e for e in events if isinstance(e, Audit))
+    assert audit.ok and audit.size > 0
+    steps = [e for e in events if isinstance(e, TrainStep)]
+    assert [e.step for e in steps] == [1, 2, 3]
+    times = [e.t for e in events if hasattr(e, "t") and not isinstance(e, Start)]
+    assert times == sorted(times) and times[-1] > 0  # simulated time only moves forward
+    assert (out / "pass_at_1.png").stat().st_size > 1000

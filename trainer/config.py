@@ -1,0 +1,156 @@
+"""The trainer's configuration: one pydantic model, loaded from TOML, checked on load.
+
+Unknown keys are errors; every number is bounded; every field says what it
+does. ``load_trainer_config(path, overrides)`` names the file and the
+offending keys in its ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from trainer.losses import POLICY_LOSSES, get_policy_loss
+from verify.aggregate import AGGREGATORS, get_aggregator
+from verify.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class LossSection(_Section):
+    name: str = "tis"
+    """Policy loss from ``trainer.losses`` (tis, ppo-decoupled, icepop)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the loss (e.g. ``cap`` for tis)."""
+    importance_sampling: bool = True
+    """Weight tokens by current/behaviour ratios. False treats every sample as on-policy
+    (ratio 1): a baseline for benchmarks only."""
+    normalize_std: bool = True
+    """GRPO advantages divide by the group's reward std; False gives r - mean (Dr. GRPO)."""
+
+
+class AggregatorSection(_Section):
+    name: str = "centered-clip"
+    """Robust aggregator of per-contributor gradients (``verify.aggregate``)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the aggregator (e.g. ``tau`` for centered-clip)."""
+    reputation_weights: bool = False
+    """Weight each contributor's gradient by its reputation score."""
+
+
+class LocalSection(_Section):
+    """The in-process network used when no validator URL is given (``harness.local``)."""
+
+    contributors: int = Field(4, ge=1, le=256)
+    """Honest contributors."""
+    adversaries: list[str] = Field(default_factory=list)
+    """Adversary strategies (``harness.adversaries``), one extra contributor each."""
+    group_size: int = Field(8, ge=2, le=64)
+    """Completions per prompt (GRPO group)."""
+    max_tokens: int = Field(8, ge=1, le=4096)
+    """Completion length limit."""
+    temperature: float = Field(1.0, gt=0.0, le=4.0)
+    """Sampling temperature of the rollouts (the trainer scores at the same one)."""
+    pool: int = Field(8192, ge=16)
+    """Train-split problems the validator assigns from."""
+    audit_rate: float = Field(-1.0, ge=-1.0, le=1.0)
+    """Spot-check rate; -1 uses the reputation-driven rate."""
+    groups_per_fetch: int = Field(16, ge=1, le=4096)
+    """Groups the contributors produce whenever the trainer finds the stream empty."""
+
+
+class TrainerConfig(_Section):
+    model_dir: Path | None = None
+    """Base policy directory; None builds or reuses the cached demo base model."""
+    task: str = "arithmetic"
+    """Task of the demo base model and of evals."""
+    stages: int = Field(1, ge=1, le=64)
+    """Pipeline stages S (one process each; torchrun when S > 1)."""
+    steps: int = Field(400, ge=0, le=10_000_000)
+    """Optimizer steps (policy versions) to train."""
+    lr: float = Field(1e-4, gt=0.0, le=1.0)
+    """AdamW learning rate."""
+    betas: tuple[float, float] = (0.9, 0.99)
+    """AdamW betas."""
+    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
+    grad_clip: float = Field(1.0, ge=0.0)
+    """Clip the aggregated gradient to this global l2 norm; 0 disables."""
+    loss: LossSection = LossSection()
+    aggregator: AggregatorSection = AggregatorSection()
+    max_staleness: int = Field(4, ge=0, le=1_000)
+    """Samples older than this many versions when used are dropped."""
+    batch_groups: int = Field(16, ge=1, le=4096)
+    """GRPO groups per optimizer step."""
+    skip_uniform_groups: bool = True
+    """Consume groups whose rewards are all equal without training on them."""
+    mode: Literal["async", "sync"] = "async"
+    """async: train on anything within the staleness bound; sync: only on the current version."""
+    buffer_capacity: int = Field(4096, ge=1, le=1_000_000)
+    """Samples the buffer may hold."""
+    microbatches: int = Field(1, ge=1, le=1024)
+    """Pipeline micro-batches per contributor gradient."""
+    eval_every: int = Field(100, ge=0)
+    """Evaluate every this many steps (and at the start and end); 0 disables."""
+    eval_problems: int = Field(300, ge=1, le=100_000)
+    """Held-out problems per eval (greedy pass@1)."""
+    checkpoint_dir: Path | None = None
+    """Where checkpoints go; None disables them."""
+    checkpoint_every: int = Field(100, ge=1)
+    seed: int = Field(0, ge=0)
+    threads: int = Field(1, ge=1, le=256)
+    """torch intra-op threads per process; 1 avoids oversubscribing cores shared with the
+    contributors and other stages."""
+    starve_timeout_s: float = Field(600.0, gt=0)
+    """Fail when no usable samples arrive for this long."""
+    local: LocalSection = LocalSection()
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> TrainerConfig:
+        if self.loss.name not in POLICY_LOSSES:
+            raise ValueError(f"unknown loss {self.loss.name!r}; known: {sorted(POLICY_LOSSES)}")
+        if self.aggregator.name not in AGGREGATORS:
+            raise ValueError(
+                f"unknown aggregator {self.aggregator.name!r}; known: {sorted(AGGREGATORS)}"
+            )
+        get_policy_loss(self.loss.name, **self.loss.params)
+        get_aggregator(self.aggregator.name, **self.aggregator.params)
+        if self.batch_groups * self.local.group_size > self.buffer_capacity:
+            raise ValueError("buffer_capacity must hold at least batch_groups * group_size samples")
+        return self
+
+
+def load_trainer_config(
+    path: str | Path | None, overrides: dict[str, Any] | None = None
+) -> TrainerConfig:
+    """Read ``path`` (TOML, optional ``[trainer]`` table) and apply dotted ``overrides``."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+        data = data.get("trainer", data)
+    for dotted, value in (overrides or {}).items():
+        node = data
+        *parents, leaf = dotted.split(".")
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = value
+    try:
+        return TrainerConfig.model_validate(data)
+    except ConfigError as exc:
+        raise ConfigError(f"{path or 'config'}: {exc}") from None
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}"
+            for err in exc.errors()
+        )
+        raise ConfigError(f"{path or 'config'}: {problems}") from None

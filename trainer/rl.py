@@ -1,0 +1,173 @@
+"""One off-policy RL step on one pipeline stage (DESIGN.md, data flow step 8).
+
+Per step, on every stage (every rank makes the same calls in the same order):
+
+1. for ppo-decoupled, the proximal logprobs (policy before this step) are
+   computed without gradient;
+2. for each contributor c in the batch: zero the grads, ``forward_backward``
+   on c's rows only, flatten this stage's grads into row c of ``(n, d)``;
+3. aggregate the n rows with the configured ``Aggregator`` (each stage
+   aggregates its own shard; weights e.g. from reputation) and write the
+   result back into ``.grad``;
+4. clip by the global norm (squared norms summed over stages) and step.
+
+Invariants: a contributor's rows reach the optimizer only through its one
+gradient row, so a robust aggregator bounds what any one contributor does to
+the update; a non-finite contributor gradient is dropped (and counted) rather
+than poisoning the aggregate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from trainer.batch import TrainBatch
+from trainer.losses import Metrics, PolicyLoss
+from trainer.pipeline import PipelineRunner
+from verify.aggregate import Aggregator
+
+
+def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in module.parameters() if p.requires_grad]
+
+
+def flat_grad(params: list[torch.nn.Parameter]) -> Tensor:
+    """This stage's gradient as one float32 vector (missing grads count as zero)."""
+    return torch.cat(
+        [
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+            for p in params
+        ]
+    )
+
+
+def write_grad(params: list[torch.nn.Parameter], flat: Tensor) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).to(p.dtype).clone()
+        offset += n
+
+
+class RLStep:
+    """Per-contributor gradients, robust aggregation, clip, optimizer step.
+
+    ``importance_sampling=False`` scores every token as if it were on-policy
+    (behaviour logprobs replaced by the detached current ones: ratio 1); a
+    baseline for benchmarks, never the default.
+    """
+
+    def __init__(
+        self,
+        runner: PipelineRunner,
+        optimizer: torch.optim.Optimizer,
+        loss: PolicyLoss,
+        aggregator: Aggregator,
+        *,
+        grad_clip: float = 1.0,
+        importance_sampling: bool = True,
+        proximal: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.optimizer = optimizer
+        self.loss = loss
+        self.aggregator = aggregator
+        self.grad_clip = grad_clip
+        self.importance_sampling = importance_sampling
+        self.proximal = proximal
+        self.params = _params(runner.stage)
+
+    def _loss_fn(self, logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
+        mask = mb["target_mask"]
+        behaviour = mb["behaviour_logprobs"] if self.importance_sampling else logprobs.detach()
+        return self.loss(
+            logprobs,
+            behaviour,
+            mb["advantages"],
+            mask,
+            proximal_logprobs=mb.get("proximal_logprobs"),
+        )
+
+    def _pad(self, rows: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Pad with masked-out rows to a multiple of the runner's micro-batch count."""
+        m = self.runner.num_microbatches
+        extra = (-rows["input_ids"].shape[0]) % m
+        if not extra:
+            return rows
+        out = {}
+        for key, t in rows.items():
+            filler = torch.zeros((extra, *t.shape[1:]), dtype=t.dtype)
+            if key == "attention_mask":
+                filler[:, 0] = 1  # one real position keeps attention well defined
+            out[key] = torch.cat([t, filler])
+        return out
+
+    def __call__(self, batch: TrainBatch, weights: Tensor | None = None) -> Metrics:
+        """One step on ``batch``; ``weights`` (n_contributors,) or None for uniform."""
+        proximal = None
+        if self.proximal:
+            proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
+        grads, names, metric_rows, dropped = [], [], [], 0
+        for c in range(len(batch.contributors)):
+            index = (batch.contributor == c).nonzero().flatten()
+            if index.numel() == 0:
+                continue
+            rows = batch.rows(index)
+            if proximal is not None:
+                rows["proximal_logprobs"] = proximal[index]
+            self.optimizer.zero_grad(set_to_none=False)
+            result = self.runner.forward_backward(self._pad(rows), self._loss_fn)
+            g = flat_grad(self.params)
+            finite = torch.tensor([float(torch.isfinite(g).all())])
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+            if finite.item() < 1:
+                dropped += 1
+                continue
+            grads.append(g)
+            names.append(c)
+            metric_rows.append(result.metrics)
+        labels = [batch.contributors[c].hex()[:8] for c in names]
+        metrics = self._apply(grads, names, labels, weights)
+        metrics["aggregate/dropped_nonfinite"] = float(dropped)
+        for key in metric_rows[0] if metric_rows else {}:
+            metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
+        return metrics
+
+    def _apply(
+        self, grads: list[Tensor], names: list[int], labels: list[str], weights: Tensor | None
+    ) -> Metrics:
+        self.optimizer.zero_grad(set_to_none=False)
+        if not grads:
+            return {"aggregate/contributors": 0.0}
+        stacked = torch.stack(grads)  # (n, d)
+        w = None if weights is None else weights[torch.tensor(names)].to(torch.float64)
+        agg = self.aggregator(stacked, w) if len(grads) > 1 else stacked[0]
+        write_grad(self.params, agg)
+        norms = torch.linalg.vector_norm(stacked, dim=1) ** 2  # per contributor, this stage
+        local = torch.cat([norms, (agg.norm() ** 2).reshape(1)]).double()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(local)
+        per_contributor = local[:-1].sqrt()
+        total = math.sqrt(float(local[-1]))
+        if self.grad_clip > 0 and total > self.grad_clip:
+            for p in self.params:
+                assert p.grad is not None
+                p.grad.mul_(self.grad_clip / (total + 1e-6))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: Metrics = {
+            "aggregate/contributors": float(len(grads)),
+            "aggregate/contributor_grad_norm_mean": float(per_contributor.mean()),
+            "aggregate/contributor_grad_norm_max": float(per_contributor.max()),
+            "train/grad_norm": total,
+        }
+        for i, label in enumerate(labels):
+            metrics[f"aggregate/grad_norm/{label}"] = float(per_contributor[i])
+        return metrics
