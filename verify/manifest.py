@@ -61,18 +61,7 @@ def check_chain(chain: Sequence[SignedManifest], trainer: PublicKey) -> list[Pol
         manifest = check_manifest(sealed, trainer)
         if previous is not None:
             prev, prev_digest = previous
-            if manifest.version != prev.version + 1:
-                raise VerificationError("manifest versions are not consecutive",
-                                        reason=Reason.INCONSISTENT, expected=prev.version + 1,
-                                        computed=manifest.version)
-            if manifest.parent_digest != prev_digest:
-                raise VerificationError("manifest does not extend its parent",
-                                        reason=Reason.WRONG_MANIFEST, expected=prev_digest,
-                                        computed=manifest.parent_digest)
-            if manifest.base_digest != prev.base_digest:
-                raise VerificationError("manifest changes the base model",
-                                        reason=Reason.WRONG_MANIFEST, expected=prev.base_digest,
-                                        computed=manifest.base_digest)
+            check_successor(manifest, prev.version, prev_digest, prev.base_digest)
             if len(manifest.shards) != len(prev.shards):
                 raise VerificationError("manifest changes the number of stages",
                                         reason=Reason.INCONSISTENT, expected=len(prev.shards),
@@ -83,6 +72,22 @@ def check_chain(chain: Sequence[SignedManifest], trainer: PublicKey) -> list[Pol
         out.append(manifest)
         previous = (manifest, manifest_digest(sealed))
     return out
+
+
+def check_successor(manifest: PolicyManifest, parent_version: int, parent_digest: bytes,
+                    base_digest: bytes) -> None:
+    """Step 2: ``manifest`` is version ``parent_version + 1``, names ``parent_digest`` as its
+    parent (empty when the parent is the base, version 0) and keeps the base model."""
+    if manifest.version != parent_version + 1:
+        raise VerificationError("manifest does not follow its parent's version",
+                                reason=Reason.INCONSISTENT, expected=parent_version + 1,
+                                computed=manifest.version)
+    if manifest.parent_digest != parent_digest:
+        raise VerificationError("manifest does not extend its parent", reason=Reason.WRONG_MANIFEST,
+                                expected=parent_digest, computed=manifest.parent_digest)
+    if manifest.base_digest != base_digest:
+        raise VerificationError("manifest is for another base model", reason=Reason.WRONG_MANIFEST,
+                                expected=base_digest, computed=manifest.base_digest)
 
 
 def check_blob(manifest: PolicyManifest, stage: int, data: bytes) -> None:

@@ -18,7 +18,7 @@ from typing import Protocol
 from rollout.sync import base_model_digest
 from verify.errors import Reason, VerificationError
 from verify.keys import PublicKey
-from verify.manifest import check_manifest, manifest_digest
+from verify.manifest import check_manifest, check_successor, manifest_digest
 from verify.types import SignedManifest
 
 
@@ -93,19 +93,7 @@ class PolicyVersions:
             parent = self._digests[current]
             if manifest.version in self._digests and self._digests[manifest.version] == digest:
                 return manifest.version, manifest.parent_digest, digest
-            if manifest.version != current + 1:
-                raise VerificationError("manifest does not follow the current version",
-                                        reason=Reason.INCONSISTENT, expected=current + 1,
-                                        computed=manifest.version)
-            expected_parent = b"" if current == 0 else parent
-            if manifest.parent_digest != expected_parent:
-                raise VerificationError("manifest does not extend the current version",
-                                        reason=Reason.WRONG_MANIFEST, expected=expected_parent,
-                                        computed=manifest.parent_digest)
-            if manifest.base_digest != self.base_digest:
-                raise VerificationError("manifest is for another base model",
-                                        reason=Reason.WRONG_MANIFEST, expected=self.base_digest,
-                                        computed=manifest.base_digest)
+            check_successor(manifest, current, b"" if current == 0 else parent, self.base_digest)
             self._digests[manifest.version] = digest
         return manifest.version, manifest.parent_digest, digest
 
