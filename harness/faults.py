@@ -37,21 +37,6 @@ def _start(work: Path, port: int) -> subprocess.Popen:
                             stderr=subprocess.DEVNULL)
 
 
-def _wait(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("the validator exited during start-up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    raise RuntimeError("the validator did not become healthy")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=20)
@@ -65,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from ledger.storage import open_store
     from node.client import ValidatorClient
     from node.contributor import Contributor
-    from node.validator.server import free_port
+    from node.validator.server import free_port, wait_healthy
     from trainer.base_model import ensure_base_model
     from verify.keys import SigningKey, save_signing_key
 
@@ -83,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
             f'[limits]\nrequests_per_s = 1000.0\nburst = 1000\n')
         port = free_port()
         node = _start(work, port)
-        _wait(port, node)
+        wait_healthy(port, node)
         stop = threading.Event()
 
         def contributor(i: int) -> None:
@@ -113,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             audits_ok.append(verify_ledger(store).ok)
             store.close()
             node = _start(work, port)
-            _wait(port, node)
+            wait_healthy(port, node)
             print(f"kill {k + 1}/{args.kills}: audit {'ok' if audits_ok[-1] else 'FAILED'}, "
                   f"{len(told)} verdicts told", file=sys.stderr)
         time.sleep(2.0)

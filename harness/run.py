@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import AutoTokenizer
 
@@ -46,7 +47,7 @@ from harness.events import (
     TrainStep,
 )
 from harness.events import Verdict as VerdictEvent
-from harness.local import LocalNetwork, LocalSettings
+from harness.local import LocalNetwork, LocalSettings, RegistryOracle
 from harness.network import DeliveryQueue, SimulatedNetwork
 from harness.scenario import ContributorSpec, Scenario
 from ledger.audit import verify_ledger
@@ -91,9 +92,7 @@ class Simulation:
             key = SigningKey.from_seed(spec.seed.to_bytes(32, "little"))
             net.validator.register(key.public.raw, spec.id)
             ctx = Context(key, self._backend(0), net.codec, net.validator.key.public,
-                          oracle=_registry_oracle(net), shared=shared)
-            import numpy as np
-
+                          oracle=RegistryOracle(net.registry), shared=shared)
             ctx.rng = np.random.default_rng(spec.seed)
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
@@ -164,12 +163,6 @@ class Simulation:
         self.log.write(Reputation(t=self.t, run=self.run, contributor=m.spec.id,
                                   strategy=m.spec.strategy, score=rep.score, banned=rep.banned,
                                   audit_rate=v.ledger.audit_rate(m.key.public.raw)))
-
-
-def _registry_oracle(net: LocalNetwork):  # type: ignore[no-untyped-def]
-    from harness.local import RegistryOracle
-
-    return RegistryOracle(net.registry)
 
 
 def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:

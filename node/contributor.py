@@ -35,7 +35,7 @@ from rollout.worker import answer, open_assignment
 from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.signed import open_sealed
-from verify.types import SignedAssignment, Verdict, canonical_bytes, decode
+from verify.types import PolicyManifest, SignedManifest, Verdict, canonical_bytes, decode
 
 # transformers' model loading is not thread-safe; contributors sharing a process load in turn.
 _LOAD_LOCK = threading.Lock()
@@ -153,11 +153,5 @@ class Contributor:
         return self.stats
 
 
-def decode_manifest(sealed: Any) -> Any:
-    from verify.types import PolicyManifest
-
+def decode_manifest(sealed: SignedManifest) -> PolicyManifest:
     return decode(PolicyManifest, sealed.manifest, max_bytes=len(sealed.manifest))
-
-
-def parse_assignment(data: bytes) -> SignedAssignment:
-    return decode(SignedAssignment, data, max_bytes=len(data))

@@ -216,11 +216,11 @@ def honest_audit(
             b = batch_sizes[turn % len(batch_sizes)]
             batch, start, turn = items[start : start + b], start + b, turn + 1
             logits = oracle.logits_batch(0, [(p + list(c.token_ids), len(p)) for _, p, c in batch])
-            for (rollout, prompt, _), lg in zip(batch, logits, strict=True):
+            for (rollout, _, _), lg in zip(batch, logits, strict=True):
                 every_chunk = list(range(n_chunks(rollout.header.token_count, rollout.header.chunk_size)))
                 audited += 1
                 try:
-                    _check(rollout, prompt, lg.numpy(), every_chunk, tolerance)
+                    _check(rollout, lg.numpy(), every_chunk, tolerance)
                 except SpotCheckError:
                     rejected += 1
                 for shift in shifts:
@@ -228,7 +228,7 @@ def honest_audit(
                     k = min(3, len(lp))
                     lp[:k] = np.where(lp[:k] <= -shift, lp[:k] + shift, lp[:k] - shift)
                     try:
-                        _check(dataclasses.replace(rollout, logprobs=lp), prompt, lg.numpy(),
+                        _check(dataclasses.replace(rollout, logprobs=lp), lg.numpy(),
                                every_chunk, tolerance)
                     except SpotCheckError:
                         caught[shift] += 1

@@ -292,13 +292,13 @@ class Validator:
     def _judge(self, issued: Issued, members: list[_Member]) -> list[SignedVerdict]:
         failed = self._group_checks(issued, members)
         audit_rate = self._audit_rate(issued.wire.contributor_key)
-        needs_audit = failed is None and any(
-            should_audit(self._secret, m.rollout.digest, audit_rate) for m in members)
+        drawn = [m for m in members if should_audit(self._secret, m.rollout.digest, audit_rate)]
+        needs_audit = failed is None and bool(drawn)
         if needs_audit and not self._audit_slots.acquire(blocking=False):
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
         try:
             if failed is None:
-                failed = self._score_and_audit(issued, members, audit_rate)
+                failed = self._score_and_audit(issued, members, drawn)
         finally:
             if needs_audit:
                 self._audit_slots.release()
@@ -340,11 +340,10 @@ class Validator:
         override = self.cfg.audit.rate_override
         return override if override >= 0 else self.ledger.audit_rate(contributor)
 
-    def _score_and_audit(self, issued: Issued, members: list[_Member], rate: float) -> _Member | None:
+    def _score_and_audit(self, issued: Issued, members: list[_Member], audited: list[_Member]) -> _Member | None:
         for m in members:
             text = self.codec.decode(m.rollout.token_ids.tolist())
             m.reward = reward(issued.problem.task, text, issued.problem)
-        audited = [m for m in members if should_audit(self._secret, m.rollout.digest, rate)]
         if audited:
             results = spot_check_group([m.rollout for m in audited], issued.prompt_ids, self.oracle,
                                        self._secret, self.cfg.audit.chunks_per_audit, self.tolerance)

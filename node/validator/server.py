@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 
@@ -14,6 +15,23 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def wait_healthy(port: int, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
+    """Poll ``/healthz`` on 127.0.0.1:``port`` until it answers 200 (or ``proc`` exits)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            out = proc.stdout.read() if proc.stdout else ""
+            raise RuntimeError(f"the validator exited during start-up {out or ''}".rstrip())
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    raise RuntimeError("the validator did not become healthy")
 
 
 class BackgroundServer:

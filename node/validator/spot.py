@@ -65,8 +65,8 @@ class SpotCheckFailed(SpotCheckError):
 
 
 def _check(
-    rollout: VerifiedRollout, prompt_ids: Sequence[int], logits: np.ndarray, chunks: list[int],
-    tolerance: Tolerance, processed: torch.Tensor | None = None,
+    rollout: VerifiedRollout, logits: np.ndarray, chunks: list[int], tolerance: Tolerance,
+    processed: torch.Tensor | None = None,
 ) -> tuple[np.ndarray, float]:
     h = rollout.header
     s = h.sampling
@@ -123,17 +123,17 @@ def spot_check_group(
     fast = _stacked([rollouts[i] for i in live], [logits[i] for i in live], [drawn[i] for i in live],
                     tolerance, secret) if live else []
     for j, i in enumerate(live):
-        out[i] = fast[j] if fast is not None else _one(rollouts[i], prompt, logits[i], drawn[i],
+        out[i] = fast[j] if fast is not None else _one(rollouts[i], logits[i], drawn[i],
                                                        tolerance, secret)
     return out
 
 
-def _one(r: VerifiedRollout, prompt: list[int], logits: np.ndarray, chunks: list[int],
+def _one(r: VerifiedRollout, logits: np.ndarray, chunks: list[int],
          tolerance: Tolerance, secret: bytes) -> SpotCheckResult | SpotCheckFailed:
     s = r.header.sampling
     processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)
     try:
-        recomputed, worst = _check(r, prompt, logits, chunks, tolerance, processed)
+        recomputed, worst = _check(r, logits, chunks, tolerance, processed)
     except SpotCheckError as exc:
         return SpotCheckFailed(exc, chunks, _token_logprobs(processed, r.token_ids))
     pit = pit_values(r.token_ids.astype(np.int64), processed,
@@ -240,7 +240,7 @@ def recheck_evidence(
     logits = oracle.completion_logits(rollout.header.policy_version,
                                       [*prompt_ids, *rollout.token_ids.tolist()], len(prompt_ids))
     try:
-        _check(rollout, prompt_ids, logits, list(ev.chunks), tolerance)
+        _check(rollout, logits, list(ev.chunks), tolerance)
     except SpotCheckError as exc:
         if exc.reason is reason:
             return reason

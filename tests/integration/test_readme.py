@@ -22,10 +22,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SCENARIO = """
@@ -97,7 +94,7 @@ def _run(cmd: str, work: Path, subs: dict[str, str]) -> subprocess.CompletedProc
 
 
 def test_every_readme_block_runs(tmp_path: Path) -> None:
-    from node.validator.server import free_port
+    from node.validator.server import free_port, wait_healthy
     from verify.keys import load_public_key
 
     work = tmp_path / "work"
@@ -116,7 +113,7 @@ def test_every_readme_block_runs(tmp_path: Path) -> None:
                          "configs/validator.toml", "--port", str(port)],
                         cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         env=_env())
-                    _wait_healthy(port, server)
+                    wait_healthy(port, server)
                     subs["CONTRIBUTOR_KEY_HEX"] = pub.hex()
                 if "VALIDATOR_KEY_HEX" in cmd:
                     subs["VALIDATOR_KEY_HEX"] = load_public_key(work / "keys" / "validator.key.pub").hex()
@@ -135,16 +132,3 @@ def _env() -> dict[str, str]:
     import os
 
     return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
-def _wait_healthy(port: int, proc: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"validator exited: {proc.stdout.read() if proc.stdout else ''}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.3)
-    raise AssertionError("validator did not become healthy")
