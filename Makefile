@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.prooftrain-installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-all bench lint fuzz clean venv
+.PHONY: demo test test-all bench lint fuzz faults clean venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,11 @@ bench: $(STAMP)
 FUZZ_SECONDS ?= 600
 fuzz: $(STAMP)
 	$(PY) -m harness.fuzz --seconds $(FUZZ_SECONDS)
+
+KILLS ?= 20
+faults: $(STAMP)
+	$(PY) -m harness.faults --kills $(KILLS)
+	$(PY) -m harness.trainer_faults --kills $(KILLS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -93,37 +92,114 @@ def synthetic_groups(v, n: int, tokens: int, vocab: int, clients: int):  # type:
     return out
 
 
-def admission(v, per_client: list[list[bytes]]) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
-    import httpx
+def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
+    """Groups admitted per second over HTTP, and every request's latency.
+
+    Each client is its own process (as contributors are) holding one
+    keep-alive connection, so the load generator does not share the
+    validator's interpreter; the clock runs from the start signal until the
+    last client has its last answer.
+    """
+    import subprocess
+
+    import msgspec
 
     from node.validator.server import BackgroundServer
     from node.validator.service import create_app
 
-    latencies: list[float] = []
-    lock = threading.Lock()
+    procs = []
     with BackgroundServer(create_app(v)) as url:
-
-        def worker(bodies: list[bytes]) -> None:
-            with httpx.Client(base_url=url, timeout=60) as client:
-                for body in bodies:
-                    start = time.perf_counter()
-                    r = client.post("/v1/submit", content=body)
-                    took = time.perf_counter() - start
-                    assert r.status_code == 200, r.text
-                    with lock:
-                        latencies.append(took)
-
-        threads = [threading.Thread(target=worker, args=(b,)) for b in per_client]
+        for i, bodies in enumerate(per_client):
+            path = work / f"client{i}.msgpack"
+            path.write_bytes(msgspec.msgpack.encode(bodies))
+            procs.append(subprocess.Popen(
+                [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         start = time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        for proc in procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        outs = [proc.communicate()[0] for proc in procs]
         elapsed = time.perf_counter() - start
+    latencies: list[float] = []
+    for proc, out in zip(procs, outs, strict=True):
+        if proc.returncode != 0:
+            raise RuntimeError(f"a client failed: {out.strip()[-2_000:]}")
+        latencies.extend(msgspec.json.decode(out.strip().splitlines()[-1]))
     return sum(len(b) for b in per_client) / elapsed, latencies
 
 
-def spotcheck_cost(model: Path, codec, group_size: int, rounds: int = 8) -> dict:  # type: ignore[no-untyped-def]
+def client(url: str, bodies_path: str) -> None:
+    """One load-generating client: POST every body in order on one keep-alive connection."""
+    import http.client
+    import json
+    from urllib.parse import urlsplit
+
+    import msgspec
+
+    bodies = msgspec.msgpack.decode(Path(bodies_path).read_bytes(), type=list[bytes])
+    where = urlsplit(url)
+    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
+    conn.connect()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    latencies = []
+    for body in bodies:
+        start = time.perf_counter()
+        conn.request("POST", "/v1/submit", body, {"Content-Type": "application/msgpack"})
+        reply = conn.getresponse()
+        data = reply.read()
+        latencies.append(time.perf_counter() - start)
+        if reply.status != 200:
+            print(f"HTTP {reply.status}: {data[:500]!r}", flush=True)
+            sys.exit(1)
+    conn.close()
+    print(json.dumps(latencies), flush=True)
+
+
+def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
+    """Every envelope was admitted through the full pipeline: accepted verdicts in a ledger
+    that passes ``audit verify``, and every accepted sample's body stored."""
+    from ledger.audit import verify_ledger
+    from ledger.records import VerdictRecorded
+
+    verdicts = [r for _, r in v.ledger.entries() if isinstance(r, VerdictRecorded)]
+    if len(verdicts) != groups * group_size or not all(r.accepted for r in verdicts):
+        raise RuntimeError(f"expected {groups * group_size} accepted verdicts in the ledger, "
+                           f"found {sum(r.accepted for r in verdicts)} of {len(verdicts)}")
+    if any(v.state.sample(r.envelope_digest) is None for r in verdicts):
+        raise RuntimeError("an accepted sample's body is missing")
+    v.ledger.checkpoint()
+    report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier, blobs=v.ledger.blobs)
+    if not report.ok:
+        raise RuntimeError(f"audit verify failed: {report.findings[:3]}")
+
+
+def spotcheck_cost(model: Path, codec, group_size: int, rounds: int = 12, reps: int = 7) -> dict:  # type: ignore[no-untyped-def]
+    """Spot-check (recomputation) time over generation time for the same rollouts.
+
+    For each of ``rounds`` prompts: one untimed warm-up each, then ``reps``
+    timed generations of the same request (the verifiable sampler makes them
+    identical) and ``reps`` timed spot checks of the resulting group, every
+    rollout audited. Each prompt contributes its fastest timing of each (the
+    run least disturbed by other load, as ``best_rate``), and the ratio is
+    over the sums. Both sides run on one torch thread: per-core figures, with
+    no thread oversubscription on a shared machine.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _spotcheck_cost(model, codec, group_size, rounds, reps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _spotcheck_cost(model: Path, codec, group_size: int, rounds: int, reps: int) -> dict:  # type: ignore[no-untyped-def]
     from node.validator.spot import spot_check_group
     from rewards.tasks.base import generate
     from rollout.backends import GenerationRequest, TransformersBackend
@@ -144,9 +220,13 @@ def spotcheck_cost(model: Path, codec, group_size: int, rounds: int = 8) -> dict
         nonce = bytes([i]) * 32
         req = GenerationRequest(tuple(prompt), group_size, 1.0, 0, 1.0, 32, key.public.raw, nonce, i,
                                 (codec.eos_token_id,))
-        start = time.perf_counter()
-        comps = backend.generate(req)
-        gen_s += time.perf_counter() - start
+        comps = backend.generate(req)  # warm-up
+        gen_times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            again = backend.generate(req)
+            gen_times.append(time.perf_counter() - start)
+            assert [c.token_ids for c in again] == [c.token_ids for c in comps]
         rollouts = []
         for c in comps:
             fields = dict(policy_version=0, manifest_digest=b"\0" * 32, task_id="arithmetic",
@@ -155,12 +235,17 @@ def spotcheck_cost(model: Path, codec, group_size: int, rounds: int = 8) -> dict
                           group_size=group_size, created_at_ms=0)
             rollouts.append(verify_envelope(build_envelope(key, fields, c.token_ids, c.logprobs)))
             tokens += len(c.token_ids)
-        start = time.perf_counter()
-        results = spot_check_group(rollouts, prompt, oracle, b"\x03" * 32, 2, FLOAT32_TOLERANCE)
-        check_s += time.perf_counter() - start
-        assert not any(isinstance(r, Exception) for r in results)
-    return {"generation_s": round(gen_s, 3), "spotcheck_s": round(check_s, 3),
-            "spotcheck_cost_ratio": round(check_s / gen_s, 3), "rollout_tokens": tokens}
+        check_times = []
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            results = spot_check_group(rollouts, prompt, oracle, b"\x03" * 32, 2, FLOAT32_TOLERANCE)
+            check_times.append(time.perf_counter() - start)
+            assert not any(isinstance(r, Exception) for r in results)
+        gen_s += min(gen_times)
+        check_s += min(check_times[1:])  # the first one is the warm-up
+    return {"generation_s": round(gen_s, 4), "spotcheck_s": round(check_s, 4),
+            "spotcheck_cost_ratio": round(check_s / gen_s, 3), "rollout_tokens": tokens,
+            "spotcheck_rounds": rounds}
 
 
 def main() -> None:
@@ -169,7 +254,12 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--client-of", help=argparse.SUPPRESS)
+    parser.add_argument("--bodies", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.client_of:
+        client(args.client_of, args.bodies)
+        return
     from verify.envelope import verify_envelope
     from verify.types import GroupSubmission, decode
 
@@ -182,7 +272,8 @@ def main() -> None:
         sample = decode(GroupSubmission, per_client[0][0], max_bytes=1 << 26).envelopes[0]
         env_rate = best_rate(lambda: verify_envelope(sample), 300)
         log("admitting over loopback HTTP")
-        groups_per_s, latencies = admission(v, per_client)
+        groups_per_s, latencies = admission(v, per_client, work)
+        check_admitted(v, args.groups, args.group_size)
         log("measuring spot-check cost against generation")
         cost = spotcheck_cost(model, codec, args.group_size)
         v.ledger.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import time
 from pathlib import Path
 
@@ -21,9 +22,40 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     out_dir = run_scenario(s, out, progress=True)
     report = write_report(out_dir)
     runs = load_runs(out_dir)
+    release = release_demo(Path(out_dir), s.model.ensure(s.task.name, progress=False))
     print()
     for line in summary_lines(runs):
         print(line)
     print(f"report: {report} ({time.monotonic() - start:.0f} s)")
+    print(f"release: {release} (verified; prooftrain release verify {release} "
+          f"--trainer-key {out_dir / 'keys' / 'trainer.pub'} "
+          f"--validator-key {out_dir / 'keys' / 'validator.pub'})")
     result = outcome(runs)
     return 0 if result.audit_ok and not result.honest_slashed else 1
+
+
+def release_demo(out_dir: Path, base_model: Path, *, eval_problems: int = 300, k: int = 8) -> Path:
+    """Release the scenario run's last policy version into ``out_dir/release`` and verify it.
+
+    The in-process network's keys are deterministic (a simulation holds no
+    secrets); their public halves go to ``out_dir/keys`` for ``release verify``.
+    """
+    from harness.local import local_trainer_key, local_validator_key
+    from ledger.release import verify_release
+    from trainer.release import build_release
+    from verify.keys import write_public_key
+
+    keys = out_dir / "keys"
+    keys.mkdir(exist_ok=True)
+    trainer, validator = local_trainer_key().public, local_validator_key().public
+    for name, key in (("trainer.pub", trainer), ("validator.pub", validator)):
+        (keys / name).unlink(missing_ok=True)
+        write_public_key(key, keys / name)
+    target = out_dir / "release"
+    if target.exists():
+        shutil.rmtree(target)  # a rerun replaces the previous release
+    build_release(ledger=out_dir / "runs" / "scenario" / "ledger.sqlite", out=target,
+                  base_model=base_model, trainer_key=local_trainer_key(),
+                  eval_problems=eval_problems, k=k, progress=True)
+    verify_release(target, trainer_key=trainer, validator_key=validator)
+    return target

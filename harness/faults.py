@@ -12,6 +12,8 @@ sends SIGKILL after a random delay, restarts the node, and repeats. At the end:
 Prints one JSON object with the number of kills and the checks.
 
     python -m harness.faults [--kills 20] [--contributors 3]
+
+The trainer's half (kill and resume ``prooftrain trainer``) is ``harness.trainer_faults``.
 """
 
 from __future__ import annotations

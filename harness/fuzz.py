@@ -7,6 +7,8 @@ parses or raises a ``ProofTrainError`` (a typed rejection); anything else is a
 crash and is reported with its reproducer. The HTTP targets post to a live
 node on 127.0.0.1 and pass when the status is below 500 and the node still
 answers ``/healthz``; at the end the node's ledger must pass ``audit verify``.
+A share of the time (``--openapi-share``, a third by default) goes to the
+schema-driven campaign of ``harness.fuzz_openapi`` against the same validator.
 
     python -m harness.fuzz --seconds 600      (make fuzz)
 """
@@ -134,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=600.0, help="campaign length")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--openapi-share", type=float, default=1 / 3,
+                        help="fraction of the time for the OpenAPI (schemathesis) campaign; 0 skips it")
     args = parser.parse_args(argv)
     import httpx
 
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                      ("GET", "/v1/policy/0"), ("GET", "/v1/blobs/" + "00" * 32)]
         http_seed = seeds["GroupSubmission"]
         with BackgroundServer(create_app(v, alice.public)) as url, httpx.Client(base_url=url) as client:
-            deadline = time.monotonic() + args.seconds
+            deadline = time.monotonic() + args.seconds * (1 - args.openapi_share)
             last = time.monotonic()
             while time.monotonic() < deadline:
                 if rng.random() < 0.25:
@@ -184,14 +188,23 @@ def main(argv: list[str] | None = None) -> int:
                     last = time.monotonic()
                     print(f"fuzz: {sum(tried.values())} inputs, {len(crashes)} crashes", file=sys.stderr)
             healthy = client.get("/healthz").status_code == 200
+        openapi = None
+        if args.openapi_share > 0:
+            from harness.fuzz_openapi import fuzz_validator, summarize
+
+            tally, api_healthy = fuzz_validator(v, alice, args.seconds * args.openapi_share, seeds, args.seed)
+            openapi = summarize(tally, api_healthy, True, args.seconds * args.openapi_share)
+            healthy = healthy and api_healthy
         audit = verify_ledger(v.ledger.store, blobs=v.ledger.blobs)
         v.ledger.close()
         v.state.close()
     result = {"seconds": args.seconds, "inputs": sum(tried.values()), "per_target": dict(tried),
               "rejected": dict(rejected), "crashes": len(crashes), "node_healthy": healthy,
-              "ledger_audit_ok": audit.ok, "first_crashes": crashes[:5]}
+              "ledger_audit_ok": audit.ok, "first_crashes": crashes[:5], "openapi": openapi}
     print(json.dumps(result))
-    return 0 if not crashes and healthy and audit.ok else 1
+    openapi_ok = openapi is None or (openapi["failures"] == 0 and openapi["server_errors"] == 0
+                                     and openapi["operations_exercised"] == openapi["operations"])
+    return 0 if not crashes and healthy and audit.ok and openapi_ok else 1
 
 
 if __name__ == "__main__":

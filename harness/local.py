@@ -5,10 +5,15 @@ assignments (honestly, or with a strategy from ``harness.adversaries``), the
 validator core admits, scores, spot-checks and records them in its ledger, and
 accepted samples are served by cursor (``fetch``, a ``trainer.buffer.SampleSource``).
 
-Policy versions: ``publish(version, stage)`` stores a copy of the new weights
-in the registry (bounded to the staleness window), signs a manifest with the
-network's trainer key and records it with the validator, so assignments from
-then on name the new version and spot checks recompute under it.
+Policy versions: ``publish(version, stage)`` encodes the new weights as one
+compressed update (``trainer.publish.StagePublisher``: the configured codec with
+error feedback, a full snapshot every ``snapshot_every`` versions), puts the
+blob in the ledger's blob store, signs the manifest with the network's trainer
+key and records it with the validator, so assignments from then on name the
+new version and spot checks recompute under it. The registry (bounded to the
+staleness window) holds the *published copy*, the weights every contributor
+rebuilds from the chain (``rollout.sync.PolicySync``), not the trainer's own:
+contributors sample from it, spot checks recompute under it and evals score it.
 ``publish_delay = s`` holds each version back for s further publications: the
 validator then assigns version v - s while the trainer is at v, which is how
 benchmarks emulate staleness s with every sample still verified.
@@ -42,29 +47,32 @@ from node.validator.state import StateStore
 from rewards.tasks.base import generate as generate_problems
 from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle, UnknownPolicyVersion
+from rollout.sync import PolicySync
 from rollout.worker import answer
 from trainer.base_model import ensure_base_model
 from trainer.config import TrainerConfig
-from trainer.evals import EvalReport, evaluate
+from trainer.evals import EvalReport, eval_statement, evaluate
 from trainer.launch import init_distributed
 from trainer.loop import History, TrainerLoop, ensure_process_group
 from trainer.losses import Metrics
 from trainer.pipeline import PipelineRunner
+from trainer.publish import StagePublisher, build_manifest
 from trainer.stages import load_stage
 from verify.errors import AdmissionError, ConfigError
 from verify.keys import SigningKey
-from verify.manifest import blob_digest, manifest_digest
-from verify.signed import open_sealed, seal
+from verify.signed import open_sealed
 from verify.spotcheck import FLOAT32_TOLERANCE
-from verify.types import (
-    SCHEMA_VERSION,
-    PolicyManifest,
-    SampleBatch,
-    ShardEntry,
-    SignedManifest,
-    Verdict,
-    canonical_bytes,
-)
+from verify.types import SampleBatch, SignedManifest, Verdict, canonical_bytes, decode
+
+
+def local_trainer_key() -> SigningKey:
+    """The in-process network's trainer key (deterministic: simulations are not secrets)."""
+    return SigningKey.from_seed(blake3.blake3(b"local-trainer").digest())
+
+
+def local_validator_key() -> SigningKey:
+    """The in-process network's validator (ledger) key, deterministic like the trainer's."""
+    return SigningKey.from_seed(blake3.blake3(b"local-validator").digest())
 
 
 class VersionRegistry:
@@ -124,6 +132,11 @@ class LocalSettings:
     """The validator's admission staleness window."""
     groups_per_fetch: int = 16
     publish_delay: int = 0
+    codec: str = "int8-block"
+    """Codec of each published update (``verify.weights_codec.CODECS``)."""
+    codec_params: tuple[tuple[str, object], ...] = ()
+    snapshot_every: int = 50
+    """Every N-th version is a full snapshot; 0 never."""
 
 
 @dataclass
@@ -149,8 +162,8 @@ class LocalNetwork:
         base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
         self.registry = VersionRegistry(base.eval(), keep=s.max_staleness + s.publish_delay + 2)
         self.codec = HFTextCodec(self.model_dir)
-        self.trainer_key = SigningKey.from_seed(blake3.blake3(b"local-trainer").digest())
-        vkey = SigningKey.from_seed(blake3.blake3(b"local-validator").digest())
+        self.trainer_key = local_trainer_key()
+        vkey = local_validator_key()
         cfg = load(ValidatorConfig, None, {
             "assignment.group_size": s.group_size, "assignment.max_tokens": s.max_tokens,
             "assignment.temperature": s.temperature, "audit.rate_override": s.audit_rate,
@@ -172,10 +185,15 @@ class LocalNetwork:
             self.validator.register(key.public.raw, f"{name}-{i}")
             self.contributors.append((key, name))
         self._turn = itertools.cycle(range(len(self.contributors)))
-        self._held: list[tuple[int, PreTrainedModel]] = []  # published but not yet announced
-        current = self.versions.current  # > 0 when reopening a network's work_dir
-        self._last_manifest = (self.versions.digest(current) or b"") if current else b""
+        self._held: list[tuple[int, PreTrainedModel, SignedManifest]] = []  # not yet announced
+        self.publisher = StagePublisher.for_stage(base, 0, s.codec, dict(s.codec_params),
+                                                  s.snapshot_every)
+        self._parent: SignedManifest | None = None
+        self._pending_evals: list[tuple[int, EvalReport, int]] = []
         self.stats = Stats()
+        current = self.versions.current  # > 0 when reopening a network's work_dir
+        if current:
+            self._restore_publisher(current)
 
     def close(self) -> None:
         self.ledger.close()
@@ -224,64 +242,105 @@ class LocalNetwork:
     # -- policy versions
 
     def publish(self, version: int, stage: torch.nn.Module) -> None:
-        """Trainer hook: register the weights of ``version`` (a whole-model stage)."""
+        """Trainer hook: publish ``version`` from a whole-model stage."""
         self.publish_state(version, stage.state_dict())
 
     def publish_state(self, version: int, state: dict[str, torch.Tensor]) -> None:
-        """Register ``version`` from a full state dict under Hugging Face names."""
-        model = copy.deepcopy(self.registry[0])
-        missing, unexpected = model.load_state_dict(state, strict=False)
-        missing = [k for k in missing if "rotary" not in k]
-        if missing or unexpected:
-            raise ValueError(f"weights do not match the model: {missing[:3]} {unexpected[:3]}")
-        self._held.append((version, model))
+        """Publish ``version`` from a full state dict under Hugging Face names.
+
+        The update is encoded, stored and signed now; the validator hears of it
+        after ``publish_delay`` further publications.
+        """
+        if version != self.publisher.version + 1:
+            raise ConfigError(f"the network has published version {self.publisher.version}; "
+                              f"cannot publish {version}")
+        update = self.publisher.update(state)
+        assert self.ledger.blobs is not None
+        self.ledger.blobs.put(update.blob)
+        sealed = build_manifest(version, self._parent, self.versions.base_digest, [update],
+                                self.publisher.codec_name, self.trainer_key, self.validator.clock())
+        self._parent = sealed
+        self._held.append((version, self._published_model(), sealed))
         while len(self._held) > self.settings.publish_delay:
-            v, m = self._held.pop(0)
+            v, m, manifest = self._held.pop(0)
             self.registry.add(v, m)
-            self._announce(v, m)
+            self.validator.publish_policy(manifest)
+        self._record_pending_evals()
+
+    def record_eval(self, version: int, report: EvalReport, *, seed: int) -> None:
+        """Sign the trainer's evaluation of ``version`` and record it in the ledger.
+
+        A version still held back (``publish_delay``) is recorded when it is announced.
+        """
+        self._pending_evals.append((version, report, seed))
+        self._record_pending_evals()
+
+    def _record_pending_evals(self) -> None:
+        current = self.validator.versions.current
+        while self._pending_evals and self._pending_evals[0][0] <= current:
+            version, report, seed = self._pending_evals.pop(0)
+            digest = self.versions.digest(version) if version else b""
+            self.validator.record_eval(eval_statement(
+                report, version=version, manifest_digest=digest or b"", task=report.task,
+                split=report.split, seed=seed, key=self.trainer_key,
+                created_at_ms=self.validator.clock()))
+
+    def _published_model(self) -> PreTrainedModel:
+        model = copy.deepcopy(self.registry[0])
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, value in self.publisher.published_state().items():
+                params[name].copy_(value)
+        return model.eval()
 
     def model(self, version: int) -> PreTrainedModel:
-        """The weights of ``version``, announced or still held back (``publish_delay``)."""
-        for v, m in self._held:
+        """The published weights of ``version``, announced or still held back."""
+        for v, m, _ in self._held:
             if v == version:
                 return m
         return self.registry[version]
 
+    def manifest(self, version: int) -> SignedManifest:
+        """The signed manifest of an announced ``version`` (as the validator recorded it)."""
+        raw = self.state.manifest(version)
+        if raw is None:
+            raise UnknownPolicyVersion(f"policy version {version} was never announced")
+        return decode(SignedManifest, raw, max_bytes=len(raw))
+
     def adopt(self, version: int, stage: torch.nn.Module) -> None:
-        """After a trainer resume: hold the weights of ``version``, already announced."""
+        """After a trainer resume at ``version``: continue the published chain from there."""
         self.adopt_state(version, stage.state_dict())
 
-    def adopt_state(self, version: int, state: dict[str, torch.Tensor]) -> None:
+    def adopt_state(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Resume publication at ``version``, which the validator must hold as current.
+
+        The published copy is rebuilt from the ledger's own chain of signed
+        manifests and blobs (every signature and digest checked), so the next
+        update continues exactly what contributors hold; the trainer's weights
+        (``state``) only need to be of the same model.
+        """
         current = self.validator.versions.current
         if current != version:
             raise ConfigError(
                 f"the network's validator is at policy version {current} but the checkpoint "
                 f"is at {version}; resume needs a checkpoint of the last published version"
             )
-        if version > 0:
-            model = copy.deepcopy(self.registry[0])
-            model.load_state_dict(state, strict=False)
-            self.registry.add(version, model)
+        if self.publisher.version != version:
+            self._restore_publisher(version)
 
-    def _announce(self, version: int, model: PreTrainedModel) -> None:
-        h = blake3.blake3()
-        for name, t in sorted(model.state_dict().items()):
-            h.update(name.encode())
-            h.update(t.detach().contiguous().numpy().tobytes())
-        data = h.digest()  # the blob stands in for the weights: their digest
-        assert self.ledger.blobs is not None
-        self.ledger.blobs.put(data)
-        manifest = PolicyManifest(
-            schema_version=SCHEMA_VERSION, version=version, parent_digest=self._last_manifest,
-            base_digest=self.versions.base_digest,
-            shards=[ShardEntry(stage=0, digest=blob_digest(data), codec="local-full",
-                               nbytes=len(data), kind="full")],
-            trainer_key=self.trainer_key.public.raw, created_at_ms=0,
-        )
-        sealed = seal(self.trainer_key, manifest)
-        assert isinstance(sealed, SignedManifest)
-        self.validator.publish_policy(sealed)
-        self._last_manifest = manifest_digest(sealed)
+    def _restore_publisher(self, version: int) -> None:
+        blobs = self.ledger.blobs
+        assert blobs is not None
+        sync = PolicySync(self.model_dir, self.trainer_key.public, self.manifest, blobs.get, 1)
+        rebuilt = sync.state_at(version)
+        own = self.publisher.published_state()
+        self.publisher.load_state({
+            "version": version, "own": {n: rebuilt[n] for n in own}, "mirror": {},
+            "residual": {},
+        })
+        self._parent = self.manifest(version) if version else None
+        if version:
+            self.registry.add(version, self._published_model())
 
     def weight(self, contributor: bytes) -> float:
         """Reputation score in (0, 1): a contributor weight for robust aggregation."""
@@ -298,7 +357,9 @@ def settings_from(cfg: TrainerConfig) -> LocalSettings:
         contributors=c.contributors, adversaries=tuple(c.adversaries), group_size=c.group_size,
         max_tokens=c.max_tokens, temperature=c.temperature, pool=c.pool, task=cfg.task,
         seed=cfg.seed, audit_rate=c.audit_rate, max_staleness=cfg.max_staleness,
-        groups_per_fetch=c.groups_per_fetch,
+        groups_per_fetch=c.groups_per_fetch, codec=cfg.publish.codec,
+        codec_params=tuple(sorted(cfg.publish.codec_params.items())),
+        snapshot_every=cfg.publish.snapshot_every,
     )
 
 
@@ -322,15 +383,18 @@ def run_local(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def evaluate_version(version: int) -> EvalReport:
-        return evaluate((net.model(version), tokenizer), cfg.task, "heldout",
-                        n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        report = evaluate((net.model(version), tokenizer), cfg.task, "heldout",
+                          n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        net.record_eval(version, report, seed=cfg.seed)
+        return report
 
     stage = load_stage(model_dir, 0, 1)
     runner = PipelineRunner(stage, 0, 1, num_microbatches=cfg.microbatches,
                             temperature=cfg.local.temperature, seed=cfg.seed)
     loop = TrainerLoop(cfg, runner, net, publish=net.publish, evaluate=evaluate_version,
                        weights=net.weights, on_metrics=on_metrics, progress=progress)
-    if resume and cfg.checkpoint_dir is not None and loop.resume(cfg.checkpoint_dir):
+    if resume and cfg.checkpoint_dir is not None and loop.resume(
+            cfg.checkpoint_dir, published=net.validator.versions.current):
         net.adopt(loop.version, stage)
     return loop.run(), net
 
@@ -382,8 +446,10 @@ def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
     def evaluate_version(version: int) -> EvalReport | None:
         if net is None:
             return None
-        return evaluate((net.model(version), tokenizer), cfg.task, "heldout",
-                        n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        report = evaluate((net.model(version), tokenizer), cfg.task, "heldout",
+                          n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        net.record_eval(version, report, seed=cfg.seed)
+        return report
 
     runner = PipelineRunner(load_stage(model_dir, rank, world), rank, world,
                             num_microbatches=cfg.microbatches,
@@ -392,8 +458,11 @@ def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
                        evaluate=evaluate_version, on_metrics=on_metrics if rank == 0 else None,
                        progress=progress)
     try:
-        if resume and cfg.checkpoint_dir is not None and loop.resume(cfg.checkpoint_dir):
-            publish(-loop.version, runner.stage)  # negative: adopt, do not announce
+        if resume and cfg.checkpoint_dir is not None:
+            head = [net.validator.versions.current if net is not None else 0]
+            dist.broadcast_object_list(head, src=0)  # every rank re-runs up to the same version
+            if loop.resume(cfg.checkpoint_dir, published=head[0]):
+                publish(-loop.version, runner.stage)  # negative: adopt, do not announce
         history = loop.run()
         if net is not None:
             print(f"network: {dict(net.stats.verdicts)} audited={net.stats.audited}",

@@ -84,6 +84,7 @@ class Simulation:
                  run: str) -> None:
         self.net, self.sim, self.log, self.run = net, sim, log, run
         self.t = 0.0
+        self._pumped_at = 0.0
         self.queue = DeliveryQueue()
         self._backends: dict[int, TransformersBackend] = {}
         shared: dict = {}  # colluding identities share what they generated
@@ -105,32 +106,38 @@ class Simulation:
 
     # -- the trainer's wait hook
     def pump(self) -> None:
-        """Start work for idle contributors, then advance to the next delivery and make it."""
+        """Start work for idle contributors, then advance to the next delivery and make it.
+
+        A contributor that fell idle while the trainer was busy (between two
+        pumps) starts its next job when it fell idle, not when the trainer next
+        waits: contributors work while the trainer trains.
+        """
         for m in self.members:
             if not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t):
-                self._start(m)
+                self._start(m, at=max(m.free_at, self._pumped_at))
         nxt = self.queue.next_ready_at()
         if nxt is None:
             waiting = [m.free_at for m in self.members if not m.retired]
             self.t = max(self.t, min(waiting, default=self.t)) + 1e-3
-            return
-        self.t = max(self.t, nxt)
-        for m, body in self.queue.pop_ready(self.t):
-            self._deliver(m, body)
+        else:
+            self.t = max(self.t, nxt)
+            for m, body in self.queue.pop_ready(self.t):
+                self._deliver(m, body)
+        self._pumped_at = self.t
 
-    def _start(self, m: Member) -> None:
+    def _start(self, m: Member, at: float) -> None:
         try:
             sealed = self.net.validator.assign(m.key.public.raw)
         except AdmissionError as exc:
             if exc.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
                 m.retired = True
-            m.free_at = self.t + IDLE_RETRY_S
+            m.free_at = at + IDLE_RETRY_S
             return
         version = open_assignment(sealed, self.net.validator.key.public, m.key.public).policy_version
         m.ctx.backend = self._backend(version)
         start = time.perf_counter()
         body = m.strategy.answer(m.ctx, sealed)
-        ready = self.t + self.sim.compute_time(m.spec.id, time.perf_counter() - start)
+        ready = at + self.sim.compute_time(m.spec.id, time.perf_counter() - start)
         delay = self.sim.delay(m.spec.id, "submit")
         if delay is None:  # lost on the way: the assignment expires unanswered
             m.free_at = ready + IDLE_RETRY_S
@@ -203,6 +210,7 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     def eval_event(step: int) -> float:
         report = evaluate((net.registry[step], tokenizer), s.task.name, "heldout", n=cfg.eval_problems,
                           k=1, samples=1, seed=s.seed)
+        net.record_eval(step, report, seed=s.seed)
         p = report.metric("pass@1 (greedy)")
         reward = report.metric("mean reward (greedy)").value
         log.write(Eval(t=sim.t, run=run, step=step, version=step, pass_at_1=p.value,

@@ -9,10 +9,13 @@ Invariants:
 - Checkpoints only grow; each is signed over a root computed from stored
   nodes, so it is consistent with every earlier one by construction (and
   ``audit verify`` re-checks that from the entries).
+- Writes from threads of one process are serialized by one lock (the
+  store's writer lock serializes processes); readers never take it.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
@@ -52,6 +55,7 @@ class Ledger:
         self.origin = genesis.origin
         self.verifier = Verifier(genesis.origin, 0x01, PublicKey(genesis.log_key))
         self._signer = signer
+        self._write_lock = threading.RLock()
 
     @classmethod
     def open(cls, url: str | Path, *, signing_key: SigningKey | None = None,
@@ -115,7 +119,7 @@ class Ledger:
                 raise LedgerError("log_created may only be entry 0", reason=Reason.INCONSISTENT)
             check_record(rec)
             bodies.append(canonical_bytes(rec))
-        with self.store.write() as tx:
+        with self._write_lock, self.store.write() as tx:
             size = tx.size()
             if _genesis:
                 if size != 0:
@@ -165,7 +169,7 @@ class Ledger:
         """Sign the current tree head (or return the latest checkpoint if nothing was added)."""
         if self._signer is None:
             raise ConfigError("signing a checkpoint needs the log's signing key")
-        with self.store.write() as tx:
+        with self._write_lock, self.store.write() as tx:
             size = tx.size()
             ids = merkle.range_nodes(0, size)
             found = tx.nodes(ids)
@@ -234,7 +238,7 @@ class Ledger:
         return self.add_signature(latest.checkpoint.size, sig)
 
     def add_signature(self, size: int, sig: Signature) -> SignedCheckpoint:
-        with self.store.write() as tx:
+        with self._write_lock, self.store.write() as tx:
             rows = dict(self.store.checkpoints())
             if size not in rows:
                 raise LedgerError(f"no checkpoint at size {size}", reason=Reason.INCONSISTENT)

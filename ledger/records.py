@@ -113,6 +113,19 @@ class PolicyPublished(_Record, tag="policy_published", frozen=True):
     at_ms: U64
 
 
+class EvalRecorded(_Record, tag="eval_recorded", frozen=True):
+    """A trainer-signed ``verify.types.EvalStatement`` of policy ``version``.
+
+    ``statement_digest`` is ``verify.signed.sealed_digest(EvalStatement, sealed)``;
+    the sealed statement's canonical bytes are in the blob store.
+    """
+
+    version: U64
+    statement_digest: Digest
+    trainer_key: Key
+    at_ms: U64
+
+
 class EpochCommitted(_Record, tag="epoch_commit", frozen=True):
     """Start of an epoch: ``commitment = verify.challenge.epoch_commitment(epoch, secret)``."""
 
@@ -134,7 +147,7 @@ class Note(_Record, tag="note", frozen=True):
 
 Record = (
     LogCreated | ContributorRegistered | AssignmentIssued | VerdictRecorded | Slashed
-    | PolicyPublished | EpochCommitted | EpochRevealed | Note
+    | PolicyPublished | EpochCommitted | EpochRevealed | Note | EvalRecorded
 )
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -192,6 +205,8 @@ def subject_digests(record: Record) -> tuple[bytes, ...]:
         return (record.evidence_digest,)
     if isinstance(record, PolicyPublished):
         return (record.manifest_digest,)
+    if isinstance(record, EvalRecorded):
+        return (record.statement_digest,)
     if isinstance(record, AssignmentIssued):
         return (record.prompt_digest,)
     if isinstance(record, EpochCommitted):

@@ -20,6 +20,7 @@ from verify.types import (
     GroupSubmission,
     SampleBatch,
     SignedAssignment,
+    SignedEvalStatement,
     SignedManifest,
     SignedVerdict,
     canonical_bytes,
@@ -97,6 +98,11 @@ class ValidatorClient:
 
     def publish(self, sealed: SignedManifest) -> int:
         return int(self._request("POST", "/v1/policy", canonical_bytes(sealed), signed=True).json()["version"])
+
+    def record_eval(self, sealed: SignedEvalStatement) -> int:
+        """Record a trainer-signed eval statement; returns its ledger index."""
+        body = canonical_bytes(sealed)
+        return int(self._request("POST", "/v1/trainer/eval", body, signed=True).json()["index"])
 
     def manifest(self, version: int) -> SignedManifest:
         data = self._request("GET", f"/v1/policy/{version}").content

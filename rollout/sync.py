@@ -34,35 +34,25 @@ import os
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
 
 from verify.errors import ConfigError, Reason, VerificationError
-from verify.hashing import BLOB, blake3_digest
 from verify.keys import PublicKey
-from verify.manifest import check_blob, check_chain, check_manifest, manifest_digest
+from verify.manifest import (
+    base_model_digest,
+    check_blob,
+    check_chain,
+    check_manifest,
+    manifest_digest,
+)
 from verify.types import PolicyManifest, SignedManifest
 from verify.weights_codec import DEFAULT_LIMITS, DecodeLimits, apply_state_delta
 
 State = dict[str, Tensor]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
-
-
-def base_model_digest(model_dir: str | os.PathLike) -> bytes:
-    """Digest of a model directory's ``*.safetensors`` files: the manifests' ``base_digest``.
-
-    Same value as the validator's ``model_dir_digest``.
-    """
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise ConfigError(f"no .safetensors files in {model_dir}")
-    parts: list[bytes] = []
-    for f in files:
-        parts += [f.name.encode(), b"\x00", blake3_digest(BLOB, f.read_bytes())]
-    return blake3_digest(BLOB, *parts)
 
 
 def layer_stages(num_layers: int, num_stages: int) -> list[int]:

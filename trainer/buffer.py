@@ -47,6 +47,8 @@ class Taken:
     stale_dropped: int = 0
     uniform_dropped: int = 0
     staleness: Counter[int] = field(default_factory=Counter)
+    dropped: list[int] = field(default_factory=list)
+    """Ledger indices of the samples consumed without training (stale or uniform)."""
 
 
 class SampleBuffer:
@@ -111,6 +113,7 @@ class SampleBuffer:
             age = version - members[0].policy_version
             if self._too_old(age):
                 out.stale_dropped += len(members)
+                out.dropped += [s.ledger_index for s in members]
                 self._drop(aid)
                 continue
             if len(out.groups) >= n_groups or len(members) < members[0].group_size or age < 0:
@@ -119,6 +122,7 @@ class SampleBuffer:
             self._drop(aid)
             if self.skip_uniform and uniform_reward(group):
                 out.uniform_dropped += len(group)
+                out.dropped += [s.ledger_index for s in group]
                 continue
             out.groups.append(group)
             out.staleness[age] += len(group)
@@ -146,6 +150,7 @@ class SampleBuffer:
             got.stale_dropped += part.stale_dropped
             got.uniform_dropped += part.uniform_dropped
             got.staleness += part.staleness
+            got.dropped += part.dropped
             if len(got.groups) >= n_groups:
                 return got
             if time.monotonic() > deadline:

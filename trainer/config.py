@@ -14,8 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from trainer.losses import POLICY_LOSSES, get_policy_loss
+from trainer.rl import LR_SCHEDULES
 from verify.aggregate import AGGREGATORS, get_aggregator
 from verify.errors import ConfigError
+from verify.weights_codec import get_codec
 
 
 class _Section(BaseModel):
@@ -64,6 +66,14 @@ class LocalSection(_Section):
     """Groups the contributors produce whenever the trainer finds the stream empty."""
 
 
+class PublishSection(_Section):
+    codec: str = "int8-block"
+    """Codec of each published update (``verify.weights_codec.CODECS``)."""
+    codec_params: dict[str, Any] = Field(default_factory=dict)
+    snapshot_every: int = Field(50, ge=0)
+    """Every N-th version is a full fp32 snapshot (bounds the delta chain); 0 never."""
+
+
 class TrainerConfig(_Section):
     model_dir: Path | None = None
     """Base policy directory; None builds or reuses the cached demo base model."""
@@ -77,6 +87,15 @@ class TrainerConfig(_Section):
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    """AdamW epsilon."""
+    lr_schedule: str = "constant"
+    """Decay after warm-up (``trainer.rl.LR_SCHEDULES``): constant, linear or cosine over
+    ``steps``."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear learning-rate warm-up steps."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Floor of the decay as a fraction of ``lr`` (constant ignores it)."""
     weight_decay: float = Field(0.0, ge=0.0, le=1.0)
     grad_clip: float = Field(1.0, ge=0.0)
     """Clip the aggregated gradient to this global l2 norm; 0 disables."""
@@ -108,6 +127,7 @@ class TrainerConfig(_Section):
     starve_timeout_s: float = Field(600.0, gt=0)
     """Fail when no usable samples arrive for this long."""
     local: LocalSection = LocalSection()
+    publish: PublishSection = PublishSection()
 
     @model_validator(mode="after")
     def _cross_checks(self) -> TrainerConfig:
@@ -117,8 +137,13 @@ class TrainerConfig(_Section):
             raise ValueError(
                 f"unknown aggregator {self.aggregator.name!r}; known: {sorted(AGGREGATORS)}"
             )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"unknown lr_schedule {self.lr_schedule!r}; known: {sorted(LR_SCHEDULES)}"
+            )
         get_policy_loss(self.loss.name, **self.loss.params)
         get_aggregator(self.aggregator.name, **self.aggregator.params)
+        get_codec(self.publish.codec, **self.publish.codec_params)
         if self.batch_groups * self.local.group_size > self.buffer_capacity:
             raise ValueError("buffer_capacity must hold at least batch_groups * group_size samples")
         return self

@@ -36,6 +36,9 @@ from rewards.errors import TaskError, UnknownTaskError
 from rewards.tasks import generate as generate_problems
 from rewards.tasks import get_task
 from trainer.generate import SamplingParams, generate
+from verify.keys import SigningKey
+from verify.signed import seal
+from verify.types import SCHEMA_VERSION, EvalMetric, EvalStatement, SignedEvalStatement
 
 Z95 = 1.959963984540054
 DEFAULT_MAX_NEW_TOKENS = 256
@@ -235,3 +238,36 @@ def evaluate(
 
 def report_json(report: EvalReport) -> str:
     return json.dumps(report.to_json(), indent=2, sort_keys=True)
+
+
+def eval_statement(
+    report: EvalReport,
+    *,
+    version: int,
+    manifest_digest: bytes,
+    task: str,
+    split: str,
+    seed: int,
+    key: SigningKey,
+    created_at_ms: int,
+) -> SignedEvalStatement:
+    """Sign ``report`` as the evaluation of policy ``version`` (``manifest_digest``: empty for 0).
+
+    The trainer calls this at every published version and hands the result to
+    the validator (``Validator.record_eval`` / ``ValidatorClient.record_eval``).
+    """
+    metrics = [EvalMetric(m.name[:256], float(m.value), float(m.ci_low), float(m.ci_high))
+               for m in report.metrics]
+    stmt = EvalStatement(SCHEMA_VERSION, version, bytes(manifest_digest), task, split,
+                         report.problems, seed, metrics, key.public.raw, created_at_ms)
+    sealed = seal(key, stmt)
+    assert isinstance(sealed, SignedEvalStatement)
+    return sealed
+
+
+def report_from_statement(stmt: EvalStatement) -> EvalReport:
+    """The :class:`EvalReport` an :class:`EvalStatement` states (``n`` = its problem count)."""
+    metrics = tuple(Metric(m.name, m.value, m.lo, m.hi, stmt.problems) for m in stmt.metrics)
+    settings = {"seed": stmt.seed, "version": stmt.version}
+    return EvalReport(f"policy v{stmt.version}", stmt.task_id, stmt.split, stmt.problems, metrics,
+                      settings)

@@ -13,6 +13,15 @@ samples it holds), the RNG states and the publish hook's state. Resuming from
 it trains every served sample exactly once (or drops it as stale) and never
 skips one. ``latest`` names the newest complete checkpoint and is written
 (atomically) by rank 0 after every rank saved its file.
+
+Crash consistency: each step is written to the step journal
+(``trainer.journal``) before it is published, so a kill between a
+publication and the next checkpoint leaves the journal ahead of the
+checkpoint. ``resume(directory, published=v)`` then re-runs the journaled
+steps up to ``v`` without publishing them, each checked against its journal
+line (same samples, same aggregation weights, same resulting parameters), and
+steps past ``v`` are re-run, checked and published by ``run``. No version is
+published twice and no sample is trained twice or skipped.
 """
 
 from __future__ import annotations
@@ -34,11 +43,13 @@ from trainer.batch import build_batch
 from trainer.buffer import SampleBuffer, SampleSource
 from trainer.config import TrainerConfig
 from trainer.evals import EvalReport
+from trainer.journal import StepJournal, StepRecord, journal_path, params_digest
 from trainer.losses import Metrics, get_policy_loss
 from trainer.pipeline import PipelineRunner
-from trainer.rl import RLStep
+from trainer.rl import RLStep, lr_multiplier
 from trainer.stages import Stage
 from verify.aggregate import get_aggregator
+from verify.errors import ProofTrainError
 
 Publish = Callable[[int, Stage], None]
 """Called after every optimizer step with the new version and this rank's stage."""
@@ -94,7 +105,7 @@ class TrainerLoop:
         self.on_metrics, self.wait, self.progress = on_metrics, wait, progress
         self.optimizer = torch.optim.AdamW(
             [p for p in self.stage.parameters() if p.requires_grad],
-            lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+            lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
         )
         loss = get_policy_loss(cfg.loss.name, **cfg.loss.params)
         self.step_fn = RLStep(
@@ -108,6 +119,8 @@ class TrainerLoop:
         )
         self.version = 0
         self.history = History()
+        self.journal = (None if cfg.checkpoint_dir is None
+                        else StepJournal(journal_path(cfg.checkpoint_dir, runner.rank)))
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -126,8 +139,18 @@ class TrainerLoop:
         )
         use_weights = self.cfg.aggregator.reputation_weights and self.weights is not None
         w = self.weights(batch.contributors) if use_weights else None  # type: ignore[misc]
+        done = self.journal.get(self.version + 1) if self.journal is not None else None
+        if done is not None and done.weights is not None:  # a re-run uses the weights it had
+            w = torch.tensor(done.weights, dtype=torch.float64)
+        self._set_lr()
         metrics = self.step_fn(batch, w)
+        metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.version += 1
+        if self.journal is not None:
+            self.journal.record(StepRecord(
+                self.version, self.buffer.cursor,
+                tuple(s.ledger_index for g in taken.groups for s in g), tuple(taken.dropped),
+                None if w is None else tuple(float(x) for x in w), params_digest(self.stage)))
         if self.publish is not None:
             self.publish(self.version, self.stage)
         metrics.update(staleness_metrics(dict(taken.staleness)))
@@ -142,6 +165,15 @@ class TrainerLoop:
             "perf/step_s": time.monotonic() - t1,
         })
         return metrics
+
+    def _set_lr(self) -> None:
+        """The scheduled learning rate of step ``version`` (pure in the version: resumable)."""
+        lr = self.cfg.lr * lr_multiplier(
+            self.cfg.lr_schedule, self.version, self.cfg.steps,
+            warmup=self.cfg.warmup_steps, min_ratio=self.cfg.min_lr_ratio,
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
 
     def run(self, steps: int | None = None) -> History:
         """Train until version ``cfg.steps`` (or ``steps`` more steps)."""
@@ -210,8 +242,33 @@ class TrainerLoop:
                           lambda f: f.write(folder.name.encode()))
         return folder
 
-    def resume(self, directory: Path) -> bool:
-        """Load the newest checkpoint under ``directory``; False when there is none."""
+    def resume(self, directory: Path, published: int | None = None) -> bool:
+        """Load the newest checkpoint under ``directory``; False when there is none.
+
+        ``published``: the newest version the validator holds. When it is past the
+        checkpoint, the journaled steps up to it are re-run (not published) from
+        the checkpoint, or from the start when there is none (see the module docstring).
+        """
+        loaded = self._load(directory)
+        if published is not None and published > self.version:
+            self._replay(published)
+            return True
+        return loaded
+
+    def _replay(self, target: int) -> None:
+        publish, self.publish = self.publish, None
+        try:
+            while self.version < target:
+                if self.journal is None or self.journal.get(self.version + 1) is None:
+                    raise ProofTrainError(
+                        f"version {self.version + 1} was published but the step journal has "
+                        "no record of it; cannot re-run it"
+                    )
+                self.train_step()
+        finally:
+            self.publish = publish
+
+    def _load(self, directory: Path) -> bool:
         pointer = Path(directory) / "latest"
         if not pointer.is_file():
             return False
@@ -228,6 +285,12 @@ class TrainerLoop:
         if "publish" in state and self.publish is not None and hasattr(self.publish, "load_state"):
             self.publish.load_state(state["publish"])  # type: ignore[attr-defined]
         return True
+
+
+def checkpoint_version(directory: Path) -> int:
+    """The version of the newest complete checkpoint under ``directory`` (0 when none)."""
+    pointer = Path(directory) / "latest"
+    return int(pointer.read_text().strip().removeprefix("v")) if pointer.is_file() else 0
 
 
 def _atomic_write(path: Path, write: Callable[[Any], Any]) -> None:

@@ -20,7 +20,7 @@ than poisoning the aggregate.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -31,6 +31,34 @@ from trainer.batch import TrainBatch
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
 from verify.aggregate import Aggregator
+from verify.errors import ConfigError
+
+LrSchedule = Callable[[float], float]
+"""Decay shape: training progress in [0, 1] after warm-up -> multiplier in [0, 1]."""
+
+LR_SCHEDULES: dict[str, LrSchedule] = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: 1.0 - progress,
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * progress)),
+}
+
+
+def lr_multiplier(
+    name: str, step: int, total: int, *, warmup: int = 0, min_ratio: float = 0.0
+) -> float:
+    """Learning-rate multiplier for optimizer step ``step`` (0-based) of ``total``.
+
+    Linear warm-up from ``1 / (warmup + 1)`` to 1 over the first ``warmup`` steps, then
+    ``min_ratio + (1 - min_ratio) * shape(progress)``; steps past ``total`` keep the final
+    value. Pure in ``step``, so a resumed run follows the same schedule.
+    """
+    if name not in LR_SCHEDULES:
+        raise ConfigError(f"unknown lr schedule {name!r}; known: {sorted(LR_SCHEDULES)}")
+    if step < warmup:
+        return (step + 1) / (warmup + 1)
+    span = max(1, total - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return min_ratio + (1.0 - min_ratio) * LR_SCHEDULES[name](progress)
 
 
 def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -16,9 +16,11 @@ Pure: callers fetch the blobs; this module only checks them.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
-from verify.errors import DecodeError, Reason, VerificationError
+from verify.errors import ConfigError, DecodeError, Reason, VerificationError
 from verify.hashing import BLOB, blake3_digest
 from verify.keys import PublicKey
 from verify.signed import open_sealed, sealed_digest
@@ -100,3 +102,18 @@ def check_blob(manifest: PolicyManifest, stage: int, data: bytes) -> None:
     if got != shard.digest:
         raise VerificationError("blob digest does not match the manifest",
                                 reason=Reason.DIGEST_MISMATCH, expected=shard.digest, computed=got)
+
+
+def base_model_digest(model_dir: str | os.PathLike) -> bytes:
+    """Digest of a model directory's ``*.safetensors`` files: the manifests' ``base_digest``.
+
+    Names and contents of every weights file, in name order; config and
+    tokenizer files are not part of it.
+    """
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise ConfigError(f"no .safetensors files in {model_dir}")
+    parts: list[bytes] = []
+    for f in files:
+        parts += [f.name.encode(), b"\x00", blake3_digest(BLOB, f.read_bytes())]
+    return blake3_digest(BLOB, *parts)

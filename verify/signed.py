@@ -1,4 +1,5 @@
-"""Signed wire objects other than rollout headers: assignments, verdicts, manifests.
+"""Signed wire objects other than rollout headers: assignments, verdicts, manifests,
+eval statements and release manifests.
 
 Each signed struct travels as (canonical bytes, signature); the signature
 covers ``SIG_<KIND> || 0x00 || canonical bytes``. ``seal`` makes the pair,
@@ -16,9 +17,13 @@ from msgspec import Struct
 from verify.errors import Reason, SignatureError
 from verify.hashing import (
     ASSIGNMENT,
+    EVAL_STATEMENT,
     POLICY_MANIFEST,
+    RELEASE_MANIFEST,
     SIG_ASSIGNMENT,
+    SIG_EVAL_STATEMENT,
     SIG_POLICY_MANIFEST,
+    SIG_RELEASE_MANIFEST,
     SIG_VERDICT,
     VERDICT,
     blake3_digest,
@@ -26,9 +31,13 @@ from verify.hashing import (
 )
 from verify.keys import PublicKey, SigningKey, public_key
 from verify.types import (
+    EvalStatement,
     PolicyManifest,
+    ReleaseManifest,
     SignedAssignment,
+    SignedEvalStatement,
     SignedManifest,
+    SignedRelease,
     SignedVerdict,
     Verdict,
     WorkAssignment,
@@ -43,6 +52,8 @@ _KINDS: dict[type, tuple[bytes, bytes, type, str]] = {
     WorkAssignment: (SIG_ASSIGNMENT, ASSIGNMENT, SignedAssignment, "assignment"),
     Verdict: (SIG_VERDICT, VERDICT, SignedVerdict, "verdict"),
     PolicyManifest: (SIG_POLICY_MANIFEST, POLICY_MANIFEST, SignedManifest, "manifest"),
+    EvalStatement: (SIG_EVAL_STATEMENT, EVAL_STATEMENT, SignedEvalStatement, "statement"),
+    ReleaseManifest: (SIG_RELEASE_MANIFEST, RELEASE_MANIFEST, SignedRelease, "manifest"),
 }
 
 

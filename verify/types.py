@@ -7,7 +7,7 @@ IEEE-754 float64. Token ids travel as little-endian uint32 bytes and logprobs
 as little-endian float32 bytes.
 
 Signed structs (``RolloutHeader``, ``PolicyManifest``, ``WorkAssignment``,
-``Verdict``) are carried as their canonical bytes next to the signature, so the
+``Verdict``, ``EvalStatement``, ``ReleaseManifest``) are carried as their canonical bytes next to the signature, so the
 signature covers exactly the bytes on the wire. ``canonical_bytes`` is the one
 function that makes those bytes; decoders re-encode what they parsed and
 reject any input that is not byte-for-byte canonical (a float32 where a float64
@@ -252,6 +252,91 @@ class SlashEvidence(_Wire, frozen=True):
     token_abs: float
     chunk_mean_abs: float
     detail: Annotated[str, Meta(max_length=1_024)]
+
+
+MAX_EVAL_METRICS = 64
+MAX_RELEASE_VERSIONS = 1 << 20
+MAX_RELEASE_FILES = 1 << 16
+ReleaseBytes = Annotated[bytes, Meta(max_length=32 * 1024 * 1024)]
+
+
+class EvalMetric(_Wire, frozen=True):
+    """trainer -> validator, release readers (inside an ``EvalStatement``): one figure and its
+    95% interval [lo, hi]."""
+
+    name: ShortStr
+    value: float
+    lo: float
+    hi: float
+
+
+class EvalStatement(_Wire, frozen=True):
+    """trainer -> validator, ledger, release readers (signed): an evaluation of one policy version.
+
+    ``manifest_digest`` is that version's manifest digest, empty for version 0
+    (the base model). ``problems`` problems of ``task_id``/``split`` drawn with ``seed``.
+    """
+
+    schema_version: U32
+    version: U64
+    manifest_digest: Annotated[bytes, Meta(max_length=32)]
+    task_id: ShortStr
+    split: ShortStr
+    problems: U32
+    seed: U64
+    metrics: Annotated[list[EvalMetric], Meta(max_length=MAX_EVAL_METRICS)]
+    trainer_key: Key
+    created_at_ms: U64
+
+
+class SignedEvalStatement(_Wire, frozen=True):
+    """trainer -> validator: canonical ``EvalStatement`` bytes + trainer signature."""
+
+    statement: ManifestBytes
+    signature: Sig
+
+
+class ReleaseFile(_Wire, frozen=True):
+    """trainer -> release readers (inside a ``ReleaseManifest``): one file of a release
+    directory, its '/'-separated relative path, blob digest and size."""
+
+    path: ShortStr
+    digest: Digest
+    nbytes: U64
+
+
+class ReleaseManifest(_Wire, frozen=True):
+    """trainer -> anyone (signed): what a release directory holds and where it came from.
+
+    ``manifest_digests`` are the policy manifests of versions 1..``version``;
+    ``weights_digest`` is the release verifier's ``tensor_digest`` of the released
+    weights; the checkpoint fields name the validator-signed tree head every
+    shipped proof verifies against; ``verdict_count``/``verdicts_digest``
+    summarise the accepted verdicts before ``version`` was published; ``files``
+    lists every other file of the directory (the release verifier checks it).
+    """
+
+    schema_version: U32
+    version: U64
+    base_digest: Digest
+    manifest_digests: Annotated[list[Digest], Meta(max_length=MAX_RELEASE_VERSIONS)]
+    weights_digest: Digest
+    origin: ShortStr
+    log_key: Key
+    checkpoint_size: U64
+    checkpoint_root: Digest
+    verdict_count: U64
+    verdicts_digest: Digest
+    files: Annotated[list[ReleaseFile], Meta(max_length=MAX_RELEASE_FILES)]
+    trainer_key: Key
+    created_at_ms: U64
+
+
+class SignedRelease(_Wire, frozen=True):
+    """trainer -> anyone: canonical ``ReleaseManifest`` bytes + trainer signature."""
+
+    manifest: ReleaseBytes
+    signature: Sig
 
 
 T = TypeVar("T", bound=Struct)

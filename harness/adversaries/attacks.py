@@ -250,6 +250,38 @@ class Poisoning:
 
 @register_strategy
 @dataclass
+class GradientInflation:
+    """Keeps the first ``keep`` fraction of the group as sampled and fills the rest with
+    ``max_tokens`` random non-special tokens, committing the policy's honest logprobs for them.
+    The validator scores the filler 0, so whenever a sampled member is right the group trains
+    with a negative advantage on tokens of probability ~0: the largest per-token gradients the
+    loss allows, pointing nowhere useful. Under a plain mean this contributor's gradient
+    dominates the update and the global clip shrinks the honest signal with it. Caught as
+    SAMPLER_REPLAY_MISMATCH / TOKEN_OUTSIDE_SUPPORT when audited; unaudited groups are bounded
+    by centered clipping. Expect "bounded"."""
+
+    keep: float = 0.5
+    name: ClassVar[str] = "gradient-inflation"
+    expect: ClassVar[str] = "bounded"
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = ctx.generate(a)
+        kept = max(1, int(round(self.keep * len(comps))))
+        special = {getattr(ctx.tokenizer, n, None) for n in
+                   ("eos_token_id", "bos_token_id", "pad_token_id")}
+        vocab = [t for t in range(int(getattr(ctx.tokenizer, "vocab_size", 0))) if t not in special]
+        if not vocab:
+            raise ValueError("gradient-inflation needs a tokenizer with a vocab_size")
+        out = list(comps[:kept])
+        for c in comps[kept:]:
+            junk = [int(t) for t in ctx.rng.choice(vocab, size=a.sampling.max_tokens)]
+            out.append(completion(c.group_index, junk, ctx.honest_logprobs(a, junk)))
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
+
+
+@register_strategy
+@dataclass
 class RewardHacker:
     """Plants completions built to fool a reward function (several candidate answers, a huge
     output). The validator's reward scores them 0 or low; audited ones fail replay.

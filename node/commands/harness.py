@@ -25,6 +25,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "PNG plots into the output directory.")
     r.add_argument("scenario", help="scenario TOML file (see configs/scenarios/)")
     r.add_argument("--out", help="output directory (default: runs/<scenario name>)")
+    r.add_argument("--release", action="store_true",
+                   help="also release the scenario run's last policy version into OUT/release "
+                   "and verify it (as `prooftrain demo` does); public keys go to OUT/keys")
     r.set_defaults(func=run_run)
 
     rep = sub.add_parser("report", help="regenerate report.md and plots from a run's events",
@@ -64,6 +67,11 @@ def run_run(args: argparse.Namespace) -> int:
     path = write_report(out)
     print("\n".join(summary_lines(load_runs(out))))
     print(f"report: {path}")
+    if args.release:
+        from harness.demo import release_demo  # noqa: PLC0415
+
+        release = release_demo(out, scenario.model.ensure(scenario.task.name, progress=False))
+        print(f"release: {release} (verified)")
     return 0
 
 

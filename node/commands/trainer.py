@@ -2,7 +2,9 @@
 
 Without ``--validator`` it trains against an in-process network
 (``harness.local``: a validator core and honest contributors, optionally
-adversaries) and prints the held-out eval table before and after training.
+adversaries); with ``--validator URL --trainer-key FILE`` against a validator
+node over HTTP (``trainer.remote``). Either way it prints the held-out eval
+table before and after training.
 """
 
 from __future__ import annotations
@@ -12,8 +14,13 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verify.errors import ConfigError
+
+if TYPE_CHECKING:
+    from harness.local import LocalNetwork
+    from trainer.config import TrainerConfig
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,16 +32,46 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs against an in-process network and prints a before/after eval table.",
     )
     p.add_argument("--config", type=Path, help="trainer TOML (default: built-in defaults)")
-    p.add_argument("--validator", help="validator URL (remote mode)")
+    p.add_argument("--validator", help="validator URL (remote mode; the node must trust "
+                   "--trainer-key, and local.temperature must match its assignments)")
     p.add_argument("--trainer-key", type=Path, help="trainer signing key file (remote mode)")
     p.add_argument("--steps", type=int, help="override the number of optimizer steps")
     p.add_argument("--checkpoint-dir", type=Path, help="override checkpoint_dir")
     p.add_argument("--resume", action="store_true", help="resume from checkpoint_dir/latest")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
+                   help="stages > 1: let torchrun restart the stages N times after a failure "
+                   "(each restart resumes from the last checkpoint)")
     p.add_argument("--metrics", type=Path, help="append metrics as JSON lines to this file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (dotted, JSON value), e.g. --set lr=1e-4")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
+
+
+def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
+    from node.commands.keys import load_key_file  # noqa: PLC0415
+    from trainer.remote import run_remote  # noqa: PLC0415
+
+    if args.trainer_key is None:
+        raise ConfigError("--validator needs --trainer-key (the key the validator trusts)")
+    key = load_key_file(args.trainer_key)
+    sink = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
+    try:
+        history = run_remote(cfg, args.validator, key, progress=not args.quiet,
+                             resume=args.resume, on_metrics=_metrics_writer(sink))
+    finally:
+        if sink is not None:
+            sink.close()
+    print(eval_table(history.evals))
+    return 0
+
+
+def _metrics_writer(sink):  # type: ignore[no-untyped-def]
+    def on_metrics(version: int, metrics: dict) -> None:
+        if sink is not None:
+            sink.write(json.dumps({"version": version, **metrics}) + "\n")
+            sink.flush()
+    return on_metrics
 
 
 def _overrides(args: argparse.Namespace) -> dict:
@@ -63,39 +100,36 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     cfg = load_trainer_config(args.config, _overrides(args))
     if args.validator:
-        raise ConfigError(
-            "remote training needs weight publication to the validator, which this build "
-            "does not include; run without --validator for the in-process network"
-        )
+        return _run_remote(cfg, args)
     if cfg.stages > 1 and "RANK" not in os.environ:
         from trainer.launch import run_torchrun  # noqa: PLC0415
 
-        done = run_torchrun("node.cli", cfg.stages, args=_forward(args), timeout_s=7 * 24 * 3600)
+        done = run_torchrun("node.cli", cfg.stages, args=_forward(args),
+                            max_restarts=args.max_restarts, timeout_s=7 * 24 * 3600)
         sys.stdout.write(done.stdout)
         sys.stderr.write(done.stderr[-4000:])
         return 0
     sink = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
+    on_metrics = _metrics_writer(sink)
 
-    def on_metrics(version: int, metrics: dict) -> None:
-        if sink is not None:
-            sink.write(json.dumps({"version": version, **metrics}) + "\n")
-            sink.flush()
-
+    # torchrun sets TORCHELASTIC_RESTART_COUNT > 0 when it restarted the stages after a failure.
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if cfg.stages > 1:
         from harness.local import run_local_pipeline  # noqa: PLC0415
 
         try:
             history = run_local_pipeline(cfg, progress=not args.quiet, on_metrics=on_metrics,
-                                         resume=args.resume)
+                                         resume=args.resume or restarted)
         finally:
             if sink is not None:
                 sink.close()
         if history is not None:
             print(eval_table(history.evals))
         return 0
+    network = _caught_up_network(cfg) if args.resume and cfg.checkpoint_dir else None
     try:
-        history, net = run_local(cfg, progress=not args.quiet, on_metrics=on_metrics,
-                                 resume=args.resume)
+        history, net = run_local(cfg, network=network, progress=not args.quiet,
+                                 on_metrics=on_metrics, resume=args.resume)
     finally:
         if sink is not None:
             sink.close()
@@ -106,6 +140,37 @@ def run(args: argparse.Namespace) -> int:
     finally:
         net.close()
     return 0
+
+
+def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
+    """Open the in-process network under ``checkpoint_dir`` and bring the checkpoint up to
+    the newest version its validator recorded.
+
+    A kill after a publication and before the next checkpoint leaves the validator
+    ahead of the checkpoint; the journaled steps in between are re-run, checked and
+    saved (``TrainerLoop.resume(published=...)``), never published again.
+    """
+    import torch  # noqa: PLC0415
+
+    from harness.local import LocalNetwork, settings_from  # noqa: PLC0415
+    from trainer.base_model import ensure_base_model  # noqa: PLC0415
+    from trainer.loop import TrainerLoop, checkpoint_version, ensure_process_group  # noqa: PLC0415
+    from trainer.pipeline import PipelineRunner  # noqa: PLC0415
+    from trainer.stages import load_stage  # noqa: PLC0415
+
+    assert cfg.checkpoint_dir is not None
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
+    net = LocalNetwork(model_dir, settings_from(cfg), work_dir=Path(cfg.checkpoint_dir) / "network")
+    head = net.validator.versions.current
+    if head > checkpoint_version(cfg.checkpoint_dir):
+        torch.set_num_threads(cfg.threads)
+        ensure_process_group()
+        runner = PipelineRunner(load_stage(model_dir, 0, 1), 0, 1, num_microbatches=cfg.microbatches,
+                                temperature=cfg.local.temperature, seed=cfg.seed)
+        loop = TrainerLoop(cfg, runner, net, weights=net.weights, progress=False)
+        loop.resume(cfg.checkpoint_dir, published=head)
+        loop.save(cfg.checkpoint_dir)
+    return net
 
 
 def _forward(args: argparse.Namespace) -> list[str]:

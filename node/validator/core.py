@@ -18,7 +18,16 @@ B. Attributed checks. The group is now provably the contributor's; any failure
    the pooled sampling-distribution test.
 C. Record. Accepted sample bodies go to the state store, then verdicts and
    slashes to the ledger in one transaction, then the signed verdicts are
-   kept for idempotent resubmission.
+   kept for idempotent resubmission. Concurrent submissions share these
+   writes (``node.validator.commit``): one state transaction, one ledger
+   transaction and one fsync per batch; a submission is answered only after
+   the batch holding it is durable.
+
+Concurrency: ``admit`` may run on several threads at once. The assignment is
+claimed (in flight) before any check; completion digests are reserved while
+a group is judged, so two concurrent copies cannot both pass the duplicate
+check; the epoch secret a group was drawn with is revealed only after that
+group's verdicts are in the ledger.
 
 Invariant: a sample is served to the trainer only if its envelope verified,
 its reward was computed here, and its accepted verdict is in the ledger.
@@ -40,13 +49,16 @@ from ledger.records import (
     ContributorRegistered,
     EpochCommitted,
     EpochRevealed,
+    EvalRecorded,
     PolicyPublished,
     Record,
     Slashed,
     VerdictRecorded,
+    check_record,
     evidence_digest,
 )
 from node.config import ValidatorConfig
+from node.validator.commit import GroupCommitter
 from node.validator.policy import PolicyVersions, TextCodec
 from node.validator.spot import SpotCheckFailed, build_evidence, header_matches, spot_check_group
 from node.validator.state import StateStore
@@ -59,14 +71,17 @@ from verify.hashing import COMPLETION, blake3_digest
 from verify.keys import SigningKey
 from verify.manifest import check_blob, check_manifest
 from verify.sampling import pit_uniformity_test
-from verify.signed import open_sealed, seal
+from verify.signed import open_sealed, seal, sealed_digest
 from verify.spotcheck import DistributionOracle, Tolerance
 from verify.types import (
     SCHEMA_VERSION,
     AcceptedSample,
+    EvalStatement,
+    RolloutEnvelope,
     SampleBatch,
     SamplingParams,
     SignedAssignment,
+    SignedEvalStatement,
     SignedManifest,
     SignedVerdict,
     Verdict,
@@ -95,17 +110,37 @@ class SubmitResult:
     verdicts: list[SignedVerdict]
     fresh: bool
     """False when this was an identical resubmission answered from the stored verdicts."""
+    reasons: tuple[str, ...] = ()
+    """For fresh verdicts: each one's reason, "" when accepted (saves parsing them again)."""
 
 
 @dataclass
 class _Member:
     rollout: VerifiedRollout
-    raw: bytes
+    envelope: RolloutEnvelope
     reward: float = 0.0
     audited: bool = False
     reason: Reason | None = None
     evidence: bytes = b""
     pit: np.ndarray | None = None
+    completion: bytes = b""
+
+    @property
+    def raw(self) -> bytes:
+        """The envelope's canonical bytes (only evidence needs them)."""
+        return canonical_bytes(self.envelope)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """One judged group's writes, handed to the group committer."""
+
+    assignment_id: bytes
+    group_digest: bytes
+    verdicts: bytes
+    samples: list[tuple[bytes, bytes]]
+    completions: list[bytes]
+    records: list[Record]
 
 
 class Validator:
@@ -127,8 +162,14 @@ class Validator:
                              max_group_bytes=cfg.limits.max_body_bytes)
         self._lock = threading.RLock()
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
+        self._oracle_lock = threading.Lock()  # one spot-check forward pass at a time
+        self._epoch_cv = threading.Condition(self._lock)
+        self._epoch_users = 0  # admissions holding the current epoch's secret
+        self._rolling = False  # an epoch change waits for those admissions
+        self._committer: GroupCommitter[_Pending] = GroupCommitter(self._write_batch)
         self._issued: dict[bytes, Issued] = {}
         self._inflight: set[bytes] = set()
+        self._pending_completions: set[bytes] = set()
         self._registered: set[bytes] = set()
         self._used_prompts: set[tuple[str, int]] = set()
         self._cursor = 0
@@ -183,14 +224,31 @@ class Validator:
                                               self.clock()))
             self._submissions_in_epoch = 0
 
-    def _end_epoch_if_due(self) -> None:
-        with self._lock:
-            self._submissions_in_epoch += 1
-            if self._submissions_in_epoch < self.cfg.audit.epoch_groups:
+    def _draw_epoch(self) -> bytes:
+        """The current epoch secret, held until :meth:`_release_epoch`."""
+        with self._epoch_cv:
+            while self._rolling:
+                self._epoch_cv.wait()
+            self._epoch_users += 1
+            return self._secret
+
+    def _release_epoch(self, recorded: bool) -> None:
+        """Count a recorded submission; end the epoch when due and nobody holds its secret."""
+        with self._epoch_cv:
+            self._epoch_users -= 1
+            if recorded:
+                self._submissions_in_epoch += 1
+                if self._submissions_in_epoch >= self.cfg.audit.epoch_groups:
+                    self._rolling = True
+            if not self._rolling or self._epoch_users:
                 return
-            self.ledger.append(EpochRevealed(self._epoch, self._secret, self.clock()))
-            self.state.mark_revealed(self._epoch)
-            self._new_epoch()
+            try:
+                self.ledger.append(EpochRevealed(self._epoch, self._secret, self.clock()))
+                self.state.mark_revealed(self._epoch)
+                self._new_epoch()
+            finally:
+                self._rolling = False
+                self._epoch_cv.notify_all()
 
     # -- registration and assignment -------------------------------------
     def register(self, contributor: bytes, name: str = "") -> bool:
@@ -255,7 +313,7 @@ class Validator:
         return self.admit(raw).verdicts
 
     def admit(self, raw: bytes) -> SubmitResult:
-        """:meth:`submit`, also saying whether the verdicts are new."""
+        """:meth:`submit`, also saying whether the verdicts are new. Thread-safe."""
         group = decode_group(raw, self.limits)
         group_digest = blake3_digest(COMPLETION, b"group", raw)
         aid = group.assignment_id
@@ -274,41 +332,50 @@ class Validator:
             self._check_key(issued.wire.contributor_key)
             self._inflight.add(aid)
         try:
-            members = [
-                _Member(verify_envelope(env, self.limits, issued.wire.contributor_key),
-                        canonical_bytes(env))
-                for env in group.envelopes
-            ]
-            verdicts = self._judge(issued, members)
+            key = issued.wire.contributor_key
+            members = [_Member(verify_envelope(env, self.limits, key), env) for env in group.envelopes]
+            secret = self._draw_epoch()
+            recorded = False
+            try:
+                verdicts = self._judge(issued, members, secret, group_digest)
+                recorded = True
+            finally:
+                self._release_epoch(recorded)
+            with self._lock:
+                self._issued.pop(aid, None)  # answered: its verdicts are stored
         finally:
             with self._lock:
                 self._inflight.discard(aid)
-        self.state.put_submission(aid, group_digest, msgspec.msgpack.encode(verdicts))
-        with self._lock:
-            self._issued.pop(aid, None)
-        self._end_epoch_if_due()
-        return SubmitResult(verdicts, fresh=True)
+        return SubmitResult(verdicts, True, tuple(m.reason.value if m.reason else "" for m in members))
 
-    def _judge(self, issued: Issued, members: list[_Member]) -> list[SignedVerdict]:
-        failed = self._group_checks(issued, members)
-        audit_rate = self._audit_rate(issued.wire.contributor_key)
-        drawn = [m for m in members if should_audit(self._secret, m.rollout.digest, audit_rate)]
-        needs_audit = failed is None and bool(drawn)
-        if needs_audit and not self._audit_slots.acquire(blocking=False):
-            raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
+    def _judge(self, issued: Issued, members: list[_Member], secret: bytes,
+               group_digest: bytes) -> list[SignedVerdict]:
+        reserved: set[bytes] = set()
         try:
-            if failed is None:
-                failed = self._score_and_audit(issued, members, drawn)
+            failed = self._group_checks(issued, members, reserved)
+            audit_rate = self._audit_rate(issued.wire.contributor_key)
+            drawn = [m for m in members if should_audit(secret, m.rollout.digest, audit_rate)]
+            needs_audit = failed is None and bool(drawn)
+            if needs_audit and not self._audit_slots.acquire(blocking=False):
+                raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
+            try:
+                if failed is None:
+                    failed = self._score_and_audit(issued, members, drawn, secret)
+            finally:
+                if needs_audit:
+                    self._audit_slots.release()
+            if failed is not None:
+                for m in members:
+                    if m.reason is None:
+                        m.reason = Reason.GROUP_REJECTED
+            return self._record(issued, members, group_digest)
         finally:
-            if needs_audit:
-                self._audit_slots.release()
-        if failed is not None:
-            for m in members:
-                if m.reason is None:
-                    m.reason = Reason.GROUP_REJECTED
-        return self._record(issued, members)
+            if reserved:  # recorded by now (accepted ones are in the store) or abandoned
+                with self._lock:
+                    self._pending_completions.difference_update(reserved)
 
-    def _group_checks(self, issued: Issued, members: list[_Member]) -> _Member | None:
+    def _group_checks(self, issued: Issued, members: list[_Member],
+                      reserved: set[bytes]) -> _Member | None:
         a = issued.wire
         indices = [m.rollout.header.group_index for m in members]
         if len(set(indices)) != len(indices):
@@ -330,9 +397,19 @@ class Validator:
             return _fail(members[0], Reason.STALE)
         vocab = self.codec.vocab_size
         for m in members:
+            m.completion = _completion_digest(m.rollout)
+        digests = {m.completion for m in members}
+        with self._lock:  # reserve, then read the store: a racing copy sees one or the other
+            if not digests.isdisjoint(self._pending_completions):
+                raise AdmissionError("a group with the same completion is being recorded",
+                                     reason=Reason.BACKPRESSURE)
+            self._pending_completions.update(digests)
+            reserved.update(digests)
+        seen = self.state.seen_completions(list(digests))
+        for m in members:
             if m.rollout.token_ids.size and int(m.rollout.token_ids.max()) >= vocab:
                 return _fail(m, Reason.MALFORMED)
-            if self.state.seen_completion(_completion_digest(m.rollout)):
+            if m.completion in seen:
                 return _fail(m, Reason.DUPLICATE_COMPLETION)
         return None
 
@@ -340,13 +417,16 @@ class Validator:
         override = self.cfg.audit.rate_override
         return override if override >= 0 else self.ledger.audit_rate(contributor)
 
-    def _score_and_audit(self, issued: Issued, members: list[_Member], audited: list[_Member]) -> _Member | None:
+    def _score_and_audit(self, issued: Issued, members: list[_Member], audited: list[_Member],
+                         secret: bytes) -> _Member | None:
         for m in members:
             text = self.codec.decode(m.rollout.token_ids.tolist())
             m.reward = reward(issued.problem.task, text, issued.problem)
         if audited:
-            results = spot_check_group([m.rollout for m in audited], issued.prompt_ids, self.oracle,
-                                       self._secret, self.cfg.audit.chunks_per_audit, self.tolerance)
+            with self._oracle_lock:
+                results = spot_check_group([m.rollout for m in audited], issued.prompt_ids,
+                                           self.oracle, secret, self.cfg.audit.chunks_per_audit,
+                                           self.tolerance)
             for m, result in zip(audited, results, strict=True):
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
@@ -374,13 +454,15 @@ class Validator:
             return _fail(audited[-1], Reason.SAMPLING_DISTRIBUTION)
         return None
 
-    def _record(self, issued: Issued, members: list[_Member]) -> list[SignedVerdict]:
+    def _record(self, issued: Issued, members: list[_Member], group_digest: bytes) -> list[SignedVerdict]:
+        """Build and seal the verdicts, then store them durably (group commit) before returning."""
         a = issued.wire
         now = self.clock()
         records: list[Record] = []
         samples: list[tuple[bytes, bytes]] = []
         completions: list[bytes] = []
         verdicts: list[SignedVerdict] = []
+        prompt_ids = np.asarray(issued.prompt_ids, _U32).tobytes()
         for m in members:
             h = m.rollout.header
             accepted = m.reason is None
@@ -393,17 +475,26 @@ class Validator:
             if m.reason in SLASHED:
                 records.append(self._slash_record(a.contributor_key, m, now))
             if accepted:
-                samples.append((m.rollout.digest, canonical_bytes(self._sample(issued, m))))
-                completions.append(_completion_digest(m.rollout))
+                samples.append((m.rollout.digest, canonical_bytes(self._sample(m, prompt_ids))))
+                completions.append(m.completion or _completion_digest(m.rollout))
             verdict = Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
                               m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
                               m.reward, m.audited, ev_digest, now)
             verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
-        if samples:
-            self.state.put_samples(samples, completions)
-        with self._lock:
-            self.ledger.append_many(records, checkpoint=self._checkpoint_due())
+        for rec in records:  # a bad record fails this group alone, not its whole batch
+            check_record(rec)
+        self._committer.commit(_Pending(a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts),
+                                        samples, completions, records))
         return verdicts
+
+    def _write_batch(self, batch: list[_Pending]) -> None:
+        """Bodies, then verdicts (one ledger transaction), then stored answers; see C. above."""
+        samples = [row for p in batch for row in p.samples]
+        if samples:
+            self.state.put_samples(samples, [d for p in batch for d in p.completions])
+        self.ledger.append_many([r for p in batch for r in p.records],
+                                checkpoint=self._checkpoint_due(len(batch)))
+        self.state.put_submissions([(p.assignment_id, p.group_digest, p.verdicts) for p in batch])
 
     def _slash_record(self, contributor: bytes, m: _Member, now: int) -> Slashed:
         digest = evidence_digest(m.evidence)
@@ -414,20 +505,21 @@ class Validator:
         return Slashed(contributor, m.reason.value, f"group member {m.rollout.header.group_index}",  # type: ignore[union-attr]
                        digest, inline, now)
 
-    def _checkpoint_due(self) -> bool:
-        self._records_since_checkpoint += 1
-        if self._records_since_checkpoint >= self.cfg.node.checkpoint_every:
-            self._records_since_checkpoint = 0
-            return True
-        return False
+    def _checkpoint_due(self, groups: int = 1) -> bool:
+        with self._lock:
+            self._records_since_checkpoint += groups
+            if self._records_since_checkpoint >= self.cfg.node.checkpoint_every:
+                self._records_since_checkpoint = 0
+                return True
+            return False
 
-    def _sample(self, issued: Issued, m: _Member) -> AcceptedSample:
+    def _sample(self, m: _Member, prompt_ids: bytes) -> AcceptedSample:
         h = m.rollout.header
         return AcceptedSample(
             ledger_index=0, envelope_digest=m.rollout.digest, contributor_key=h.contributor_key,
             assignment_id=h.assignment_id, group_index=h.group_index, group_size=h.group_size,
             policy_version=h.policy_version, task_id=h.task_id, prompt_id=h.prompt_id,
-            prompt_ids=np.asarray(issued.prompt_ids, _U32).tobytes(),
+            prompt_ids=prompt_ids,
             token_ids=m.rollout.token_ids.tobytes(), logprobs=m.rollout.logprobs.tobytes(),
             temperature=h.sampling.temperature, top_k=h.sampling.top_k, top_p=h.sampling.top_p,
             reward=m.reward, audited=m.audited,
@@ -468,11 +560,55 @@ class Validator:
             check_blob(manifest, shard.stage, blobs.get(shard.digest))
         version, parent, digest = self.versions.publish(sealed_manifest)
         self.state.put_manifest(version, canonical_bytes(sealed_manifest))
+        if self.ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
+            self.ledger.blobs.put(canonical_bytes(sealed_manifest))
         with self._lock:
-            self.ledger.append(PolicyPublished(version, parent, digest,
-                                               self.versions.trainer.raw,  # type: ignore[union-attr]
-                                               self.clock()))
+            self.ledger.append_many([PolicyPublished(version, parent, digest,
+                                                     self.versions.trainer.raw,  # type: ignore[union-attr]
+                                                     self.clock())], checkpoint=True)
         return version
+
+    def record_eval(self, sealed: SignedEvalStatement) -> int:
+        """Record a trainer-signed evaluation of a published version; return its ledger index.
+
+        The statement must verify under the trainer key, name that key, and
+        name a published version with its manifest digest (empty for version
+        0, the base model). Its canonical sealed bytes go to the blob store,
+        then ``EvalRecorded`` (with a new checkpoint) to the ledger.
+        """
+        trainer = self.versions.trainer
+        if trainer is None:
+            raise AdmissionError("this validator has no trainer key", reason=Reason.UNAUTHORIZED)
+        if not isinstance(sealed, SignedEvalStatement):
+            raise AdmissionError("expected a SignedEvalStatement", reason=Reason.MALFORMED)
+        try:
+            stmt = open_sealed(EvalStatement, sealed, trainer)
+        except VerificationError as exc:
+            raise AdmissionError(f"eval statement does not verify: {exc}",
+                                 reason=exc.reason) from None
+        if stmt.trainer_key != trainer.raw:
+            raise AdmissionError("eval statement names another trainer key",
+                                 reason=Reason.WRONG_SIGNER, expected=trainer.raw,
+                                 computed=stmt.trainer_key)
+        if stmt.schema_version != SCHEMA_VERSION:
+            raise AdmissionError("unknown eval statement schema", reason=Reason.SCHEMA_VERSION,
+                                 expected=SCHEMA_VERSION, computed=stmt.schema_version)
+        known = self.versions.digest(stmt.version)
+        if known is None:
+            raise AdmissionError(f"policy version {stmt.version} is not published",
+                                 reason=Reason.FUTURE_VERSION, computed=stmt.version)
+        want = b"" if stmt.version == 0 else known
+        if stmt.manifest_digest != want:
+            raise AdmissionError("eval statement names another manifest",
+                                 reason=Reason.WRONG_MANIFEST, expected=want,
+                                 computed=stmt.manifest_digest)
+        if self.ledger.blobs is None:
+            raise AdmissionError("this validator has no blob store", reason=Reason.NOT_FOUND)
+        self.ledger.blobs.put(canonical_bytes(sealed))
+        record = EvalRecorded(stmt.version, sealed_digest(EvalStatement, sealed), trainer.raw,
+                              self.clock())
+        with self._lock:
+            return self.ledger.append_many([record], checkpoint=True)[0]
 
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_sealed(WorkAssignment, sealed, self.key.public)

@@ -10,13 +10,16 @@ Endpoints (OpenAPI at /openapi.json):
     POST /v1/submit                  msgpack GroupSubmission -> msgpack list[SignedVerdict]
     GET  /v1/policy/{version}        msgpack SignedManifest
     POST /v1/policy          trainer msgpack SignedManifest -> {"version": v}
+    POST /v1/trainer/eval    trainer msgpack SignedEvalStatement -> {"index": ledger index}
     GET  /v1/blobs/{digest}          a content-addressed blob (weight updates, evidence)
     POST /v1/blobs           trainer store a blob -> {"digest": hex}
     GET  /v1/samples         trainer accepted samples from ?cursor=N&limit=M (msgpack SampleBatch)
 
-Every validator call runs on one worker thread (the ledger and the model are
-used from one thread, and the queue in front of it is the audit queue): when
-more than ``audit.queue`` requests wait, submissions get 429 with Retry-After.
+Submissions run on a pool of admission threads (``Validator.admit`` is
+thread-safe; signature checks, hashing and SQLite release the GIL, so several
+groups' work overlaps, and their ledger writes share one transaction). Every
+other validator call runs on one worker thread. When ``audit.queue`` calls
+are already waiting, submissions get 429 with Retry-After.
 Errors are JSON ``{"reason": ..., "message": ...}`` with a status chosen from
 the reason; malformed input never produces a 500.
 """
@@ -27,10 +30,11 @@ import asyncio
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import msgspec
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -40,12 +44,18 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from pydantic import BaseModel
 
 from node.validator.auth import verify_request
 from node.validator.core import Validator
 from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey
-from verify.types import SignedManifest, SignedVerdict, Verdict, canonical_bytes, decode
+from verify.types import (
+    SignedEvalStatement,
+    SignedManifest,
+    canonical_bytes,
+    decode,
+)
 
 MSGPACK = "application/msgpack"
 _STATUS = {
@@ -54,6 +64,55 @@ _STATUS = {
     Reason.RATE_LIMITED: 429, Reason.BACKPRESSURE: 429,
 }
 T = TypeVar("T")
+INT64_MAX = 2**63 - 1  # SQLite INTEGER range: a larger version or cursor cannot be looked up
+# OpenAPI: every signed endpoint needs all three X-Prooftrain-* headers (see node/validator/auth.py).
+SIGNED = [{"prooftrainKey": [], "prooftrainTime": [], "prooftrainSignature": []}]
+_SECURITY_SCHEMES = {
+    name: {"type": "apiKey", "in": "header", "name": header, "description": text}
+    for name, header, text in [
+        ("prooftrainKey", "X-Prooftrain-Key", "64 hex digits: the caller's Ed25519 public key"),
+        ("prooftrainTime", "X-Prooftrain-Time", "milliseconds since the epoch, within 120 s of the node's clock"),
+        ("prooftrainSignature", "X-Prooftrain-Signature",
+         "128 hex digits: Ed25519 over method, path with query, time and the body's blake3 digest"),
+    ]
+}
+_ERROR_TEXT = {400: "malformed input", 401: "missing, stale or invalid request signature",
+               403: "unknown or banned key", 404: "not found", 409: "replayed submission",
+               413: "body over limits.max_body_bytes", 429: "rate limited or audit queue full (Retry-After)"}
+
+
+class ErrorBody(BaseModel):
+    """Every error response: a ``Reason`` code and a human-readable message."""
+
+    reason: str
+    message: str
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody, "description": _ERROR_TEXT[code]} for code in codes}
+
+
+def _binary(media_type: str, max_bytes: int | None = None) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string", "format": "binary"}
+    if max_bytes is not None:
+        schema["maxLength"] = max_bytes
+    return {media_type: {"schema": schema}}
+
+
+def _ok_binary(media_type: str, what: str) -> dict[int | str, dict[str, Any]]:
+    return {200: {"description": what, "content": _binary(media_type)}}
+
+
+def _finish_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """Add the signature schemes; drop FastAPI's 422 (validation errors answer 400 ``ErrorBody``)."""
+    components = spec.setdefault("components", {})
+    components["securitySchemes"] = _SECURITY_SCHEMES
+    for schema in ("HTTPValidationError", "ValidationError"):
+        components.get("schemas", {}).pop(schema, None)
+    for item in spec.get("paths", {}).values():
+        for op in item.values():
+            op.get("responses", {}).pop("422", None)
+    return spec
 
 
 class ApiError(Exception):
@@ -98,16 +157,20 @@ class Metrics:
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
-               clock_ms: Callable[[], int] | None = None) -> FastAPI:
-    """The FastAPI app around one validator."""
+               clock_ms: Callable[[], int] | None = None, admission_threads: int = 4) -> FastAPI:
+    """The FastAPI app around one validator; ``admission_threads`` admit submissions."""
     cfg = validator.cfg
     clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validator")
+    admitters = ThreadPoolExecutor(max_workers=max(1, admission_threads), thread_name_prefix="admit")
     buckets = TokenBuckets(cfg.limits.requests_per_s, cfg.limits.burst)
     metrics = Metrics()
     state = {"waiting": 0}
     app = FastAPI(title="prooftrain validator", version="1",
                   description="Assigns work, admits signed rollout groups, serves accepted samples.")
+    max_body = cfg.limits.max_body_bytes
+    default_openapi = app.openapi
+    app.openapi = lambda: app.openapi_schema or _finish_spec(default_openapi())  # type: ignore[method-assign]
 
     async def call(fn: Callable[[], T], *, queued: bool = False) -> T:
         if queued and state["waiting"] >= cfg.audit.queue:
@@ -115,7 +178,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         state["waiting"] += 1
         metrics.queue.set(state["waiting"])
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn)
+            return await asyncio.get_running_loop().run_in_executor(admitters if queued else executor, fn)
         finally:
             state["waiting"] -= 1
             metrics.queue.set(state["waiting"])
@@ -153,6 +216,11 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
         return _error(exc.reason, str(exc), request, metrics)
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
+        where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors()[:5])
+        return _error(Reason.MALFORMED, f"invalid parameter: {where}", request, metrics)
+
     @app.exception_handler(ProofTrainError)
     async def _domain_error(request: Request, exc: ProofTrainError) -> JSONResponse:
         reason = getattr(exc, "reason", Reason.MALFORMED)
@@ -164,7 +232,9 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         metrics.ledger_size.set(size)
         return {"ok": True, "ledger_size": size, "policy_version": validator.versions.current}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"description": "Prometheus text exposition",
+                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -176,25 +246,33 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
                 "trainer_key": trainer.hex() if trainer else None,
                 "checkpoint": cp.to_text() if cp else None}
 
-    @app.post("/v1/register")
+    @app.post("/v1/register", responses=_errors(400, 401, 403, 413, 429), openapi_extra={
+        "security": SIGNED, "requestBody": {"required": False, "content": {"application/json": {"schema": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 256}}}}}}})
     async def register(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         key = await caller(request, body)
         try:
-            name = str(msgspec.json.decode(body or b"{}").get("name", ""))[:256]
+            name = msgspec.json.decode(body or b"{}").get("name", "")
         except (msgspec.DecodeError, AttributeError):
-            raise ApiError(Reason.MALFORMED, 'body must be JSON {"name": "..."}') from None
+            name = None
+        if not isinstance(name, str) or len(name) > 256:  # as declared: a string of at most 256 characters
+            raise ApiError(Reason.MALFORMED, 'body must be JSON {"name": "<at most 256 characters>"}')
         added = await call(lambda: validator.register(key.raw, name))
         return {"registered": added, "fingerprint": key.fingerprint}
 
-    @app.post("/v1/assign")
+    @app.post("/v1/assign", response_class=Response, openapi_extra={"security": SIGNED},
+              responses={**_ok_binary(MSGPACK, "msgpack SignedAssignment"), **_errors(400, 401, 403, 413, 429)})
     async def assign(request: Request) -> Response:
         body = await body_of(request)
         key = await caller(request, body)
         sealed = await call(lambda: validator.assign(key.raw))
         return Response(canonical_bytes(sealed), media_type=MSGPACK)
 
-    @app.post("/v1/submit")
+    @app.post("/v1/submit", response_class=Response,
+              openapi_extra={"requestBody": {"required": True, "content": _binary(MSGPACK, max_body)}},
+              responses={**_ok_binary(MSGPACK, "msgpack list[SignedVerdict]"),
+                         **_errors(400, 403, 404, 409, 413, 429)})
     async def submit(request: Request) -> Response:
         body = await body_of(request)
         limit_rate(f"ip:{request.client.host if request.client else '?'}")
@@ -202,26 +280,38 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         result = await call(lambda: validator.admit(body), queued=True)
         metrics.latency.observe(time.perf_counter() - start)
         if result.fresh:
-            for sv in result.verdicts:
-                _count_verdict(sv, metrics)
+            for reason in result.reasons:
+                metrics.verdicts.labels(str(not reason).lower(), reason or "accepted").inc()
         return Response(msgspec.msgpack.encode(result.verdicts), media_type=MSGPACK)
 
-    @app.get("/v1/policy/{version}")
-    async def get_policy(version: int) -> Response:
+    @app.get("/v1/policy/{version}", response_class=Response,
+             responses={**_ok_binary(MSGPACK, "msgpack SignedManifest"), **_errors(400, 404)})
+    async def get_policy(version: Annotated[int, Path(ge=0, le=INT64_MAX)]) -> Response:
         data = await call(lambda: validator.state.manifest(version))
         if data is None:
             raise ApiError(Reason.NOT_FOUND, f"no manifest for policy version {version}")
         return Response(data, media_type=MSGPACK)
 
-    @app.post("/v1/policy")
+    @app.post("/v1/policy", responses=_errors(400, 401, 403, 404, 409, 413, 429), openapi_extra={
+        "security": SIGNED, "requestBody": {"required": True, "content": _binary(MSGPACK, max_body)}})
     async def post_policy(request: Request) -> dict[str, int]:
         body = await body_of(request)
         await trainer_only(request, body)
         sealed = decode(SignedManifest, body, max_bytes=len(body))
         return {"version": await call(lambda: validator.publish_policy(sealed))}
 
-    @app.get("/v1/blobs/{digest}")
-    async def get_blob(digest: str) -> Response:
+    @app.post("/v1/trainer/eval", responses=_errors(400, 401, 403, 404, 409, 413, 429), openapi_extra={
+        "security": SIGNED, "requestBody": {"required": True, "content": _binary(MSGPACK, max_body)}})
+    async def post_eval(request: Request) -> dict[str, int]:
+        body = await body_of(request)
+        await trainer_only(request, body)
+        sealed = decode(SignedEvalStatement, body, max_bytes=len(body))
+        return {"index": await call(lambda: validator.record_eval(sealed))}
+
+    @app.get("/v1/blobs/{digest}", response_class=Response,
+             responses={**_ok_binary("application/octet-stream", "the blob's bytes"), **_errors(400, 404)})
+    async def get_blob(digest: Annotated[str, Path(min_length=64, max_length=64,
+                                                   pattern="^[0-9a-fA-F]{64}$")]) -> Response:
         blobs = validator.ledger.blobs
         try:
             raw = bytes.fromhex(digest)
@@ -231,7 +321,9 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
             raise ApiError(Reason.NOT_FOUND, "no such blob")
         return Response(blobs.get(raw), media_type="application/octet-stream")
 
-    @app.post("/v1/blobs")
+    @app.post("/v1/blobs", responses=_errors(400, 401, 413, 429), openapi_extra={
+        "security": SIGNED,
+        "requestBody": {"required": True, "content": _binary("application/octet-stream", max_body)}})
     async def post_blob(request: Request) -> dict[str, str]:
         body = await body_of(request)
         await trainer_only(request, body)
@@ -239,8 +331,10 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
             raise ApiError(Reason.MALFORMED, "this validator has no blob store")
         return {"digest": validator.ledger.blobs.put(body).hex()}
 
-    @app.get("/v1/samples")
-    async def samples(request: Request, cursor: int = 0, limit: int = 256) -> Response:
+    @app.get("/v1/samples", response_class=Response, openapi_extra={"security": SIGNED},
+             responses={**_ok_binary(MSGPACK, "msgpack SampleBatch"), **_errors(400, 401, 429)})
+    async def samples(request: Request, cursor: Annotated[int, Query(ge=0, le=INT64_MAX)] = 0,
+                      limit: Annotated[int, Query(ge=1, le=4_096)] = 256) -> Response:
         await trainer_only(request, b"")
         if cursor < 0 or not 1 <= limit <= 4_096:
             raise ApiError(Reason.MALFORMED, "cursor must be >= 0 and limit in [1, 4096]")
@@ -250,11 +344,6 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     app.state.validator = validator
     app.state.metrics = metrics
     return app
-
-
-def _count_verdict(sealed: SignedVerdict, metrics: Metrics) -> None:
-    v = decode(Verdict, sealed.verdict, max_bytes=len(sealed.verdict))
-    metrics.verdicts.labels(str(v.accepted).lower(), v.reason or "accepted").inc()
 
 
 def _error(reason: Reason, message: str, request: Request, metrics: Metrics) -> JSONResponse:

@@ -62,13 +62,21 @@ class StateStore:
         with self._lock:
             self._db.close()
 
-    def put_samples(self, rows: list[tuple[bytes, bytes]], completion_digests: list[bytes]) -> None:
+    def _many(self, *statements: tuple[str, list[tuple]]) -> None:
+        """``executemany`` each statement, all in one transaction."""
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.executemany("INSERT OR REPLACE INTO samples VALUES (?, ?)", rows)
-            self._db.executemany("INSERT OR IGNORE INTO completions VALUES (?)",
-                                 [(d,) for d in completion_digests])
+            try:
+                for sql, rows in statements:
+                    self._db.executemany(sql, rows)
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
             self._db.execute("COMMIT")
+
+    def put_samples(self, rows: list[tuple[bytes, bytes]], completion_digests: list[bytes]) -> None:
+        self._many(("INSERT OR REPLACE INTO samples VALUES (?, ?)", rows),
+                   ("INSERT OR IGNORE INTO completions VALUES (?)", [(d,) for d in completion_digests]))
 
     def sample(self, envelope_digest: bytes) -> bytes | None:
         with self._lock:
@@ -80,6 +88,17 @@ class StateStore:
         with self._lock:
             return self._db.execute("SELECT 1 FROM completions WHERE digest = ?",
                                     (digest,)).fetchone() is not None
+
+    def seen_completions(self, digests: list[bytes]) -> set[bytes]:
+        """The subset of ``digests`` already stored (one query)."""
+        wanted = list(set(digests))
+        if not wanted:
+            return set()
+        marks = ",".join("?" * len(wanted))
+        with self._lock:
+            rows = self._db.execute(f"SELECT digest FROM completions WHERE digest IN ({marks})",
+                                    wanted).fetchall()
+        return {bytes(r[0]) for r in rows}
 
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:
         with self._lock:
@@ -116,9 +135,11 @@ class StateStore:
                 "SELECT epoch, secret FROM epochs WHERE revealed = 0 ORDER BY epoch"))
 
     def put_submission(self, assignment_id: bytes, group_digest: bytes, verdicts: bytes) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO submissions VALUES (?, ?, ?)",
-                             (assignment_id, group_digest, verdicts))
+        self.put_submissions([(assignment_id, group_digest, verdicts)])
+
+    def put_submissions(self, rows: list[tuple[bytes, bytes, bytes]]) -> None:
+        """(assignment id, group digest, verdicts) rows, in one transaction."""
+        self._many(("INSERT OR REPLACE INTO submissions VALUES (?, ?, ?)", rows))
 
     def submission(self, assignment_id: bytes) -> tuple[bytes, bytes] | None:
         with self._lock:

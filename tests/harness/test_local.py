@@ -118,3 +118,51 @@ def test_reopened_network_resumes_the_version_chain(tiny: Path, tmp_path: Path) 
         assert later.samples and {s.policy_version for s in later.samples} == {3}
     finally:
         net.close()
+
+
+@pytest.mark.parametrize("codec", ["int8-block", "topk"])
+def test_published_chain_rebuilds_bit_exactly_from_the_ledger(tiny: Path, codec: str) -> None:
+    from rollout.sync import PolicySync
+
+    net = LocalNetwork(tiny, small(codec=codec, snapshot_every=3))
+    try:
+        stages = [nudged_stage(tiny, v) for v in (1, 2, 3, 4)]
+        for v, stage in enumerate(stages, start=1):
+            net.publish(v, stage)
+        kinds = [net.manifest(v) for v in (1, 2, 3, 4)]
+        assert len({m.manifest for m in kinds}) == 4
+        assert net.ledger.blobs is not None
+        sync = PolicySync(tiny, net.trainer_key.public, net.manifest, net.ledger.blobs.get, 1)
+        rebuilt = sync.state_at(4)
+        published = dict(net.model(4).named_parameters())
+        assert set(rebuilt) == set(published)
+        for name, value in rebuilt.items():
+            assert torch.equal(value, published[name].detach()), name
+        # the published copy is the codec's, not the trainer's weights
+        trained = dict(stages[-1].named_parameters())
+        assert any(not torch.equal(trained[n].detach(), published[n].detach()) for n in trained
+                   if n in published) or codec == "fp32"
+    finally:
+        net.close()
+
+
+def test_evals_are_recorded_once_their_version_is_announced(tiny: Path) -> None:
+    from ledger.records import EvalRecorded
+    from trainer.evals import EvalReport, Metric
+
+    def report(v: float) -> EvalReport:
+        return EvalReport("m", "arithmetic", "heldout", 10,
+                          (Metric("pass@1 (greedy)", v, 0.0, 1.0, 10),))
+
+    net = LocalNetwork(tiny, small(publish_delay=1, max_staleness=2))
+    try:
+        net.record_eval(0, report(0.1), seed=0)
+        net.publish(1, nudged_stage(tiny, 1))  # held back: not announced yet
+        net.record_eval(1, report(0.2), seed=0)
+        recorded = [r for _, r in net.ledger.entries() if isinstance(r, EvalRecorded)]
+        assert [r.version for r in recorded] == [0]
+        net.publish(2, nudged_stage(tiny, 2))  # announces 1
+        recorded = [r for _, r in net.ledger.entries() if isinstance(r, EvalRecorded)]
+        assert [r.version for r in recorded] == [0, 1]
+    finally:
+        net.close()

@@ -37,7 +37,11 @@ CASES = [
     ("cherry-pick", {}),
     ("wrong-prompt", {}),
     ("reward-hacker", {}),
+    ("gradient-inflation", {}),
+    ("poisoning", {}),
 ]
+PLANTED = make_strategy("fabricated-tokens").expect
+"""What a "bounded" strategy's planted tokens are rejected with when audited."""
 
 
 def _verdicts(v, signed) -> list[Verdict]:  # type: ignore[no-untyped-def]
@@ -90,7 +94,8 @@ def test_each_adversary_is_rejected_with_its_reason(node, backend, codec, tiny_m
     got = _verdicts(v, cheat.submit(raw))
     assert not any(x.accepted for x in got)
     reasons = {Reason(x.reason) for x in got} - {Reason.GROUP_REJECTED}
-    assert reasons and reasons <= strategy.expect, (name, reasons)
+    expect = PLANTED if strategy.expect == "bounded" else strategy.expect
+    assert reasons and reasons <= expect, (name, reasons)
     _run_honest(v, url, hctx, honest)
     slashes = [r for _, r in v.ledger.entries() if isinstance(r, Slashed)]
     for slash in slashes:

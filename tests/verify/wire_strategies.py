@@ -85,6 +85,23 @@ slash_evidence = st.builds(
     detail=short,
 )
 
+metric = st.builds(T.EvalMetric, name=short, value=st.floats(-1e6, 1e6), lo=st.floats(-1e6, 1e6),
+                   hi=st.floats(-1e6, 1e6))
+eval_statement = st.builds(
+    T.EvalStatement, schema_version=u32, version=u63, manifest_digest=st.one_of(st.just(b""), d32),
+    task_id=short, split=short, problems=u32, seed=u63, metrics=st.lists(metric, max_size=4),
+    trainer_key=d32, created_at_ms=u63,
+)
+signed_eval = st.builds(T.SignedEvalStatement, statement=st.binary(max_size=300), signature=sig)
+release_file = st.builds(T.ReleaseFile, path=short, digest=d32, nbytes=u63)
+release_manifest = st.builds(
+    T.ReleaseManifest, schema_version=u32, version=u63, base_digest=d32,
+    manifest_digests=st.lists(d32, max_size=4), weights_digest=d32, origin=short, log_key=d32,
+    checkpoint_size=u63, checkpoint_root=d32, verdict_count=u63, verdicts_digest=d32,
+    files=st.lists(release_file, max_size=4), trainer_key=d32, created_at_ms=u63,
+)
+signed_release = st.builds(T.SignedRelease, manifest=st.binary(max_size=300), signature=sig)
+
 ALL = {
     T.SamplingParams: sampling,
     T.WorkAssignment: assignment,
@@ -101,4 +118,10 @@ ALL = {
     T.AcceptedSample: accepted_sample,
     T.SampleBatch: sample_batch,
     T.SlashEvidence: slash_evidence,
+    T.EvalMetric: metric,
+    T.EvalStatement: eval_statement,
+    T.SignedEvalStatement: signed_eval,
+    T.ReleaseFile: release_file,
+    T.ReleaseManifest: release_manifest,
+    T.SignedRelease: signed_release,
 }

@@ -1,0 +1,124 @@
+"""Remote mode: trainer, validator node and contributor as three parties over loopback HTTP.
+
+The trainer pulls accepted samples by cursor, publishes each version as a
+signed int8 delta, evaluates the published copy and records the eval in the
+ledger; a contributor process keeps generating, following the new versions
+from the manifest chain, and the validator spot-checks every rollout under
+its own rebuild of the version it assigned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ledger.audit import verify_ledger
+from ledger.records import EvalRecorded, PolicyPublished, VerdictRecorded
+from node.client import ValidatorClient
+from node.contributor import Contributor
+from node.validator.server import BackgroundServer
+from node.validator.service import create_app
+from rollout.sync import PolicySync
+from tests.integration.test_policy_flow import ALICE, TRAINER, _validator
+from trainer.config import load_trainer_config
+from trainer.remote import run_remote
+from verify.errors import ConfigError
+
+
+def _config(model: Path, tmp: Path, **extra):  # type: ignore[no-untyped-def]
+    return load_trainer_config(None, {
+        "model_dir": str(model), "steps": 3, "batch_groups": 1, "eval_every": 2,
+        "eval_problems": 8, "skip_uniform_groups": False, "checkpoint_dir": str(tmp / "ckpt"),
+        "checkpoint_every": 1, "local.group_size": 8, "local.temperature": 1.0,
+        "buffer_capacity": 64, "starve_timeout_s": 120.0, **extra,
+    })
+
+
+@contextlib.contextmanager
+def _contributing(url: str, model: Path, state_dir: Path) -> Iterator[tuple[Contributor, list[int]]]:
+    """A contributor generating in a background thread; yields it and the versions it served."""
+    alice = ValidatorClient(url, ALICE)
+    alice.register("alice")
+    worker = Contributor(alice, ALICE, model, state_dir, log=lambda _: None)
+    stop = threading.Event()
+    seen: list[int] = []
+
+    def contribute() -> None:
+        while not stop.is_set():
+            worker.step()
+            seen.append(worker._version)
+
+    thread = threading.Thread(target=contribute, daemon=True)
+    thread.start()
+    try:
+        yield worker, seen
+    finally:
+        stop.set()
+        thread.join(60)
+
+
+def test_remote_trainer_publishes_versions_contributors_follow(tmp_path: Path,
+                                                               tiny_model: Path) -> None:
+    torch.set_num_threads(1)
+    v = _validator(tmp_path, tiny_model)
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        with _contributing(url, tiny_model, tmp_path / "alice") as (worker, seen):
+            history = run_remote(_config(tiny_model, tmp_path), url, TRAINER, progress=False,
+                                 poll_s=0.05)
+            deadline = time.monotonic() + 60
+            while max(seen, default=0) < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        assert v.versions.current == 3
+        records = [r for _, r in v.ledger.entries()]
+        published = [r.version for r in records if isinstance(r, PolicyPublished)]
+        assert published == [1, 2, 3]
+        assert [r.version for r in records if isinstance(r, EvalRecorded)] == [0, 2, 3]
+        assert set(history.evals) == {0, 2, 3}
+        verdicts = [r for r in records if isinstance(r, VerdictRecorded)]
+        assert verdicts and all(r.accepted for r in verdicts)
+        assert max(seen) == 3  # the contributor followed the published chain
+        assert verify_ledger(v.ledger.store, blobs=v.ledger.blobs).ok
+
+        # Anyone rebuilds version 3 from what the validator serves; it equals the
+        # contributor's rebuild bit for bit.
+        client = ValidatorClient(url, ALICE)
+        sync = PolicySync(tiny_model, TRAINER.public, client.manifest, client.blob, 1)
+        for name, value in sync.state_at(3).items():
+            assert torch.equal(value, worker._sync.state_at(3)[name]), name
+
+        # A second trainer cannot start over a validator that is past the base version.
+        with pytest.raises(ConfigError, match="policy version 3"):
+            run_remote(_config(tiny_model, tmp_path / "other"), url, TRAINER, progress=False)
+
+
+def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from verify.keys import save_signing_key
+
+    key_file = tmp_path / "trainer.key"
+    save_signing_key(TRAINER, key_file)
+    config = tmp_path / "trainer.toml"
+    config.write_text("[trainer]\n")
+    v = _validator(tmp_path, tiny_model)
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        sets = {"model_dir": str(tiny_model), "batch_groups": 1, "eval_every": 0,
+                "eval_problems": 4, "skip_uniform_groups": False, "local.temperature": 1.0,
+                "buffer_capacity": 64}
+        with _contributing(url, tiny_model, tmp_path / "alice"):
+            done = subprocess.run(
+                [sys.executable, "-m", "node.cli", "trainer", "--config", str(config),
+                 "--validator", url, "--trainer-key", str(key_file), "--steps", "1", "--quiet",
+                 *[a for k, val in sets.items() for a in ("--set", f"{k}={json.dumps(val)}")]],
+                capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert v.versions.current == 1
+        assert "pass@1" in done.stdout

@@ -1,0 +1,124 @@
+"""Remote mode: the trainer against a validator node over HTTP.
+
+The trainer holds the trainer key; the validator holds the ledger. Each step:
+
+1. accepted samples come from ``GET /v1/samples`` by cursor (the trainer's
+   buffer cursor is a ledger index, so a resumed trainer asks for exactly the
+   samples it has not trained on);
+2. after the optimizer step the new weights are published as a compressed
+   delta: ``POST /v1/blobs`` for the blob, then ``POST /v1/policy`` for the
+   signed manifest naming it (``trainer.publish.PublishHook``); contributors
+   and the validator rebuild that version from the chain;
+3. when an eval is due, the *published* copy (what contributors hold, not the
+   trainer's float32 master weights) is evaluated on the held-out split and the
+   signed :class:`verify.types.EvalStatement` goes to ``POST /v1/trainer/eval``,
+   which records it in the ledger.
+
+One stage (S = 1) only: a pipeline job publishes from several processes and
+needs rank 0 to gather their shard digests (``trainer.publish.gather_distributed``).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from node.client import ValidatorClient
+from rollout.sync import base_model_digest
+from trainer.base_model import ensure_base_model
+from trainer.config import TrainerConfig
+from trainer.evals import EvalReport, eval_statement, evaluate
+from trainer.loop import History, TrainerLoop, ensure_process_group
+from trainer.losses import Metrics
+from trainer.pipeline import PipelineRunner
+from trainer.publish import PublishHook, StagePublisher
+from trainer.stages import load_stage
+from verify.errors import ConfigError
+from verify.keys import SigningKey
+from verify.manifest import manifest_digest
+from verify.types import SampleBatch
+
+MAX_FETCH = 4096
+"""The most samples one ``/v1/samples`` request may ask for (``SampleBatch`` bound)."""
+
+
+class ClientSource:
+    """``trainer.buffer.SampleSource`` over a validator's accepted-sample stream."""
+
+    def __init__(self, client: ValidatorClient) -> None:
+        self.client = client
+
+    def fetch(self, cursor: int, limit: int) -> SampleBatch:
+        return self.client.samples(cursor, min(limit, MAX_FETCH))
+
+
+def run_remote(
+    cfg: TrainerConfig, url: str, key: SigningKey, *, progress: bool = True,
+    on_metrics: Callable[[int, Metrics], None] | None = None, resume: bool = False,
+    poll_s: float = 0.5,
+) -> History:
+    """Train against the validator at ``url`` with trainer key ``key``; returns the history.
+
+    The validator must have been started with this trainer's public key, at
+    the base version (or, with ``resume``, at the version of the checkpoint's
+    publications: the loop replays journaled steps the validator already
+    holds instead of publishing them again).
+    """
+    if cfg.stages != 1:
+        raise ConfigError("remote mode trains a one-stage policy (stages = 1)")
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
+    client = ValidatorClient(url, key)
+    info = client.info()
+    if info.get("trainer_key") != key.public.hex():
+        raise ConfigError(f"the validator at {url} expects trainer key "
+                          f"{info.get('trainer_key')}, not {key.public.hex()}")
+    published = int(info["policy_version"])
+    if published and not resume:
+        raise ConfigError(f"the validator is at policy version {published}; start from a "
+                          "checkpoint of that run with --resume")
+    torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    ensure_process_group()
+    stage = load_stage(model_dir, 0, 1)
+    p = cfg.publish
+    publisher = StagePublisher.for_stage(stage, 0, p.codec, p.codec_params, p.snapshot_every)
+    hook = PublishHook(publisher, client, base_digest=base_model_digest(model_dir),
+                       trainer_key=key)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    template = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def evaluate_version(version: int) -> EvalReport:
+        if publisher.version != version:
+            raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
+        model = copy.deepcopy(template)
+        with torch.no_grad():
+            params = dict(model.named_parameters())
+            for name, value in publisher.published_state().items():
+                params[name].copy_(value)
+        report = evaluate((model, tokenizer), cfg.task, "heldout", n=cfg.eval_problems, k=1,
+                          samples=1, seed=cfg.seed)
+        digest = manifest_digest(hook.parent) if version and hook.parent is not None else b""
+        client.record_eval(eval_statement(
+            report, version=version, manifest_digest=digest, task=cfg.task, split="heldout",
+            seed=cfg.seed, key=key, created_at_ms=int(time.time() * 1000)))
+        return report
+
+    runner = PipelineRunner(stage, 0, 1, num_microbatches=cfg.microbatches,
+                            temperature=cfg.local.temperature, seed=cfg.seed)
+    loop = TrainerLoop(cfg, runner, ClientSource(client), publish=hook,
+                       evaluate=evaluate_version, on_metrics=on_metrics, progress=progress,
+                       wait=lambda: time.sleep(poll_s))
+    try:
+        if resume and cfg.checkpoint_dir is not None:
+            loop.resume(Path(cfg.checkpoint_dir), published=published)
+        if loop.version != published:
+            raise ConfigError(f"the validator is at policy version {published} but the trainer "
+                              f"resumed at {loop.version}")
+        return loop.run()
+    finally:
+        client.close()
