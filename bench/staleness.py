@@ -32,9 +32,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                               [--staleness 0,4,8] [--corrections is,no_is]
 
 ``--full`` trains 300 steps per run and evaluates on 1000 problems (six runs;
-about 5 minutes per run on 2 otherwise idle CPU cores at the default batch of
-configs/trainer.toml); the default is a quick smoke-sized run whose ratios are
-noisy.
+about 6 minutes per run with configs/trainer.toml on a lightly loaded 2-core
+machine, up to 15 for s8 without correction, whose stalled policy makes most
+groups uniform); the default is a quick smoke-sized run whose ratios are noisy.
 """
 
 from __future__ import annotations

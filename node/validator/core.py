@@ -18,10 +18,10 @@ B. Attributed checks. The group is now provably the contributor's; any failure
    the pooled sampling-distribution test.
 C. Record. Accepted sample bodies go to the state store, then verdicts and
    slashes to the ledger in one transaction, then the signed verdicts are
-   kept for idempotent resubmission. Concurrent submissions share these
-   writes (``node.validator.commit``): one state transaction, one ledger
-   transaction and one fsync per batch; a submission is answered only after
-   the batch holding it is durable.
+   kept for idempotent resubmission. Concurrent submissions share the
+   ledger write (``node.validator.commit``): one transaction and one fsync
+   per batch of groups; a submission is answered only after the batch
+   holding its verdicts is durable.
 
 Concurrency: ``admit`` may run on several threads at once. The assignment is
 claimed (in flight) before any check; completion digests are reserved while
@@ -131,18 +131,6 @@ class _Member:
         return canonical_bytes(self.envelope)
 
 
-@dataclass(frozen=True)
-class _Pending:
-    """One judged group's writes, handed to the group committer."""
-
-    assignment_id: bytes
-    group_digest: bytes
-    verdicts: bytes
-    samples: list[tuple[bytes, bytes]]
-    completions: list[bytes]
-    records: list[Record]
-
-
 class Validator:
     """Assigns work, admits groups, records verdicts, serves accepted samples."""
 
@@ -166,7 +154,7 @@ class Validator:
         self._epoch_cv = threading.Condition(self._lock)
         self._epoch_users = 0  # admissions holding the current epoch's secret
         self._rolling = False  # an epoch change waits for those admissions
-        self._committer: GroupCommitter[_Pending] = GroupCommitter(self._write_batch)
+        self._committer: GroupCommitter[list[Record]] = GroupCommitter(self._write_batch)
         self._issued: dict[bytes, Issued] = {}
         self._inflight: set[bytes] = set()
         self._pending_completions: set[bytes] = set()
@@ -483,18 +471,17 @@ class Validator:
             verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
         for rec in records:  # a bad record fails this group alone, not its whole batch
             check_record(rec)
-        self._committer.commit(_Pending(a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts),
-                                        samples, completions, records))
+        if samples:  # bodies first: every accepted verdict in the ledger has its body
+            self.state.put_samples(samples, completions)
+        self._committer.commit(records)  # returns once durable in the ledger
+        # Still in flight, so a resubmission meanwhile gets BACKPRESSURE, never a second judgement.
+        self.state.put_submission(a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
         return verdicts
 
-    def _write_batch(self, batch: list[_Pending]) -> None:
-        """Bodies, then verdicts (one ledger transaction), then stored answers; see C. above."""
-        samples = [row for p in batch for row in p.samples]
-        if samples:
-            self.state.put_samples(samples, [d for p in batch for d in p.completions])
-        self.ledger.append_many([r for p in batch for r in p.records],
+    def _write_batch(self, batch: list[list[Record]]) -> None:
+        """Several groups' verdicts and slashes in one ledger transaction."""
+        self.ledger.append_many([r for records in batch for r in records],
                                 checkpoint=self._checkpoint_due(len(batch)))
-        self.state.put_submissions([(p.assignment_id, p.group_digest, p.verdicts) for p in batch])
 
     def _slash_record(self, contributor: bytes, m: _Member, now: int) -> Slashed:
         digest = evidence_digest(m.evidence)
