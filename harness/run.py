@@ -222,7 +222,8 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     loop = TrainerLoop(cfg, runner, net, publish=net.publish, weights=net.weights,
                        wait=sim.pump, progress=False)
     first = eval_event(0)
-    last = first
+    last, evaluated = first, 0
+    every_version = s.trainer.eval_every_version and run == "scenario"
     wall0 = time.monotonic()
     budget = s.trainer.budget_s or float("inf")
     steps = s.trainer.steps or 1_000_000
@@ -247,10 +248,11 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
         log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
         bar.update(1)
         bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", pass1=f"{last:.2f}")
-        if cfg.eval_every and loop.version % cfg.eval_every == 0:
+        if every_version or (cfg.eval_every and loop.version % cfg.eval_every == 0):
             last = eval_event(loop.version)
+            evaluated = loop.version
     bar.close()
-    if loop.version and (not cfg.eval_every or loop.version % cfg.eval_every):
+    if loop.version != evaluated:
         last = eval_event(loop.version)
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))

@@ -207,6 +207,9 @@ class TrainerSpec(_Section):
     """Held-out eval interval, in optimizer steps (plus one before the first step)."""
     eval_problems: int = Field(64, ge=1, le=100_000)
     """Held-out problems per eval (at most ``task.heldout``)."""
+    eval_every_version: bool = False
+    """Also evaluate (and record in the ledger) every published version of the ``scenario``
+    run, the one a release is built from, so the model card's curve covers every version."""
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSpec:

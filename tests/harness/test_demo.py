@@ -33,8 +33,9 @@ max_tokens = 6
 [trainer]
 steps = 3
 batch_groups = 1
-eval_every = 1
+eval_every = 3
 eval_problems = 16
+eval_every_version = true
 [baselines]
 run_honest_baseline = false
 run_no_defence = false
