@@ -176,6 +176,7 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
     t, v = s.trainer, s.validator
     return TrainerConfig(
         model_dir=model_dir, task=s.task.name, steps=t.steps or 1_000_000, lr=t.learning_rate,
+        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio,
         loss=LossSection(name=t.loss.name, params=t.loss.params),
         aggregator=AggregatorSection(name=t.aggregator.name, params=t.aggregator.params),
         max_staleness=v.max_staleness, batch_groups=t.batch_groups, mode=t.mode,

@@ -195,7 +195,13 @@ class TrainerSpec(_Section):
     batch_groups: int = Field(4, ge=1, le=4_096)
     """Accepted groups per optimizer step."""
     learning_rate: float = Field(1e-4, gt=0, le=1)
-    """Optimizer learning rate."""
+    """Optimizer (peak) learning rate."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """Decay over ``steps`` after the warm-up (``trainer.rl.LR_SCHEDULES``)."""
+    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    """Linear warm-up steps."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """The decay ends at ``learning_rate * min_lr_ratio``."""
     loss: NamedParams = NamedParams(name="tis")
     """Policy loss (``trainer.losses``: tis, ppo-decoupled, icepop) and its parameters."""
     aggregator: NamedParams = NamedParams(name="centered-clip")
