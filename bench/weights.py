@@ -183,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.eval:
         result["sft_proxy"] = sft_proxy(model, tokenizer, pubs, args)
     if args.train_steps <= 0:
+        result["pass_at_1"] = None
         result["pass_at_1_note"] = "skipped: pass --train-steps N to run the RL comparison"
     else:
         runs = {key: train_and_eval(key, args.train_steps, args.train_eval) for key in CODECS}
