@@ -287,10 +287,7 @@ class LocalNetwork:
 
     def _published_model(self) -> PreTrainedModel:
         model = copy.deepcopy(self.registry[0])
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for name, value in self.publisher.published_state().items():
-                params[name].copy_(value)
+        self.publisher.load_into(model)
         return model.eval()
 
     def model(self, version: int) -> PreTrainedModel:

@@ -96,10 +96,7 @@ def run_remote(
         if publisher.version != version:
             raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
         model = copy.deepcopy(template)
-        with torch.no_grad():
-            params = dict(model.named_parameters())
-            for name, value in publisher.published_state().items():
-                params[name].copy_(value)
+        publisher.load_into(model)
         report = evaluate((model, tokenizer), cfg.task, "heldout", n=cfg.eval_problems, k=1,
                           samples=1, seed=cfg.seed)
         digest = manifest_digest(hook.parent) if version and hook.parent is not None else b""
