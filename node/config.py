@@ -36,6 +36,9 @@ class NodeSection(_Section):
     and publish policies. Empty disables those endpoints."""
     checkpoint_every: int = Field(64, ge=1)
     """Sign a checkpoint after this many submissions."""
+    admission_threads: int = Field(16, ge=1, le=256)
+    """Submissions admitted concurrently. Groups waiting for a spot check share one forward
+    pass and groups waiting for the ledger share one commit, so this also bounds those batches."""
 
 
 class PolicySection(_Section):

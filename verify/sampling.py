@@ -193,14 +193,23 @@ def gumbel_noise(
     in float64; ``G_j = -log(-log(u_j))``. ``position`` counts completion tokens
     from 0; ``sample_index`` is the completion's index in its group.
     """
+    return _gumbel(_gumbel_stream(key, nonce, seed, position, vocab, sample_index), 1, vocab)[0]
+
+
+def _gumbel_stream(key: bytes, nonce: bytes, seed: int, position: int, vocab: int,
+                   sample_index: int) -> bytes:
     if len(key) != SAMPLER_KEY_SIZE:
         raise ValueError(f"sampler key must be {SAMPLER_KEY_SIZE} bytes, got {len(key)}")
     if vocab <= 0 or position < 0 or sample_index < 0 or not 0 <= seed < 2**64:
         raise ValueError("vocab must be > 0 and seed, position, sample_index non-negative")
     head = struct.pack("<I", len(nonce)) + nonce
     tail = struct.pack("<QIQ", seed, sample_index, position)
-    raw = blake3_keyed_stream(key, SAMPLER_GUMBEL, head, tail, length=8 * vocab)
-    words = np.frombuffer(raw, dtype="<u8")
+    return blake3_keyed_stream(key, SAMPLER_GUMBEL, head, tail, length=8 * vocab)
+
+
+def _gumbel(raw: bytes, rows: int, vocab: int) -> torch.Tensor:
+    """The Gumbel transform of concatenated streams -> ``(rows, vocab)`` float64."""
+    words = np.frombuffer(raw, dtype="<u8").reshape(rows, vocab)
     u = ((words >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0**-53)
     return torch.from_numpy(-np.log(-np.log(u)))
 
@@ -209,9 +218,22 @@ def noise_for_positions(
     key: bytes, nonce: bytes, seed: int, positions: range | list[int], vocab: int,
     *, sample_index: int = 0,
 ) -> torch.Tensor:
-    """Stack :func:`gumbel_noise` for several positions -> ``(T, vocab)`` float64."""
-    rows = [gumbel_noise(key, nonce, seed, p, vocab, sample_index=sample_index) for p in positions]
-    return torch.stack(rows) if rows else torch.empty((0, vocab), dtype=torch.float64)
+    """:func:`gumbel_noise` for several positions -> ``(T, vocab)`` float64, row t equal to
+    ``gumbel_noise(..., positions[t], ...)``."""
+    return noise_for_streams([(key, nonce, seed, sample_index, positions)], vocab)
+
+
+NoiseSpec = tuple[bytes, bytes, int, int, "range | list[int]"]
+"""``(key, nonce, seed, sample_index, positions)`` of one completion."""
+
+
+def noise_for_streams(specs: list[NoiseSpec], vocab: int) -> torch.Tensor:
+    """:func:`noise_for_positions` of several completions stacked -> ``(sum T, vocab)``."""
+    raw = b"".join(_gumbel_stream(key, nonce, seed, p, vocab, index)
+                   for key, nonce, seed, index, positions in specs for p in positions)
+    if not raw:
+        return torch.empty((0, vocab), dtype=torch.float64)
+    return _gumbel(raw, len(raw) // (8 * vocab), vocab)
 
 
 def sample_verifiable(processed_logprobs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:

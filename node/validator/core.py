@@ -58,9 +58,16 @@ from ledger.records import (
     evidence_digest,
 )
 from node.config import ValidatorConfig
-from node.validator.commit import GroupCommitter
+from node.validator.commit import Batcher, GroupCommitter
 from node.validator.policy import PolicyVersions, TextCodec
-from node.validator.spot import SpotCheckFailed, build_evidence, header_matches, spot_check_group
+from node.validator.spot import (
+    SpotCheckFailed,
+    SpotCheckResult,
+    SpotJob,
+    build_evidence,
+    header_matches,
+    spot_check_jobs,
+)
 from node.validator.state import StateStore
 from rewards.base import Problem
 from rewards.registry import reward
@@ -150,7 +157,9 @@ class Validator:
                              max_group_bytes=cfg.limits.max_body_bytes)
         self._lock = threading.RLock()
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
-        self._oracle_lock = threading.Lock()  # one spot-check forward pass at a time
+        # One spot-check forward pass at a time, shared by every group waiting for one.
+        self._auditor: Batcher[SpotJob, list[SpotCheckResult | SpotCheckFailed]] = Batcher(
+            self._spot_batch, max_batch=cfg.audit.queue)
         self._epoch_cv = threading.Condition(self._lock)
         self._epoch_users = 0  # admissions holding the current epoch's secret
         self._rolling = False  # an epoch change waits for those admissions
@@ -411,10 +420,7 @@ class Validator:
             text = self.codec.decode(m.rollout.token_ids.tolist())
             m.reward = reward(issued.problem.task, text, issued.problem)
         if audited:
-            with self._oracle_lock:
-                results = spot_check_group([m.rollout for m in audited], issued.prompt_ids,
-                                           self.oracle, secret, self.cfg.audit.chunks_per_audit,
-                                           self.tolerance)
+            results = self._auditor.run(SpotJob([m.rollout for m in audited], issued.prompt_ids, secret))
             for m, result in zip(audited, results, strict=True):
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
@@ -424,6 +430,13 @@ class Validator:
                     return _fail(m, result.reason)
                 m.pit = result.pit
         return self._pit_check(issued.wire.contributor_key, members)
+
+    def _spot_batch(self, jobs: list[SpotJob]) -> list[list[SpotCheckResult | SpotCheckFailed]]:
+        results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
+        self.metrics["audit/batch_groups"] = float(len(jobs))
+        self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)
+        self.metrics["audit/batches"] = self.metrics.get("audit/batches", 0.0) + 1
+        return results
 
     def _pit_check(self, contributor: bytes, members: list[_Member]) -> _Member | None:
         audited = [m for m in members if m.pit is not None]

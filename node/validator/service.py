@@ -157,12 +157,14 @@ class Metrics:
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
-               clock_ms: Callable[[], int] | None = None, admission_threads: int = 4) -> FastAPI:
-    """The FastAPI app around one validator; ``admission_threads`` admit submissions."""
+               clock_ms: Callable[[], int] | None = None, admission_threads: int | None = None) -> FastAPI:
+    """The FastAPI app around one validator; ``admission_threads`` (default: the validator's
+    ``node.admission_threads``) admit submissions."""
     cfg = validator.cfg
     clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validator")
-    admitters = ThreadPoolExecutor(max_workers=max(1, admission_threads), thread_name_prefix="admit")
+    threads = validator.cfg.node.admission_threads if admission_threads is None else admission_threads
+    admitters = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="admit")
     buckets = TokenBuckets(cfg.limits.requests_per_s, cfg.limits.burst)
     metrics = Metrics()
     state = {"waiting": 0}

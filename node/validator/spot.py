@@ -31,7 +31,9 @@ from verify.envelope import Limits, VerifiedRollout, verify_envelope
 from verify.errors import Reason, SpotCheckError, VerificationError
 from verify.keys import PublicKey
 from verify.sampling import (
+    NoiseSpec,
     noise_for_positions,
+    noise_for_streams,
     pit_randomizer,
     pit_values,
     process_logits,
@@ -101,31 +103,62 @@ def spot_check(
     return result
 
 
+@dataclass(frozen=True)
+class SpotJob:
+    """The audited rollouts of one assignment: one prompt, version and sampling parameters."""
+
+    rollouts: Sequence[VerifiedRollout]
+    prompt_ids: Sequence[int]
+    secret: bytes
+
+
 def spot_check_group(
     rollouts: Sequence[VerifiedRollout], prompt_ids: Sequence[int], oracle: DistributionOracle,
     secret: bytes, chunks_per_audit: int, tolerance: Tolerance,
 ) -> list[SpotCheckResult | SpotCheckFailed]:
-    """Checks 1-3 for rollouts of one assignment (one prompt, version and sampling parameters).
+    """Checks 1-3 for rollouts of one assignment (one prompt, version and sampling parameters)."""
+    return spot_check_jobs([SpotJob(rollouts, prompt_ids, secret)], oracle, chunks_per_audit,
+                           tolerance)[0]
 
-    One batched forward pass for the whole group, and each check runs once over
-    the rows of every rollout stacked together; only when a stacked check fails
-    are the rollouts re-checked one by one to attribute the failure.
+
+def spot_check_jobs(
+    jobs: Sequence[SpotJob], oracle: DistributionOracle, chunks_per_audit: int, tolerance: Tolerance,
+) -> list[list[SpotCheckResult | SpotCheckFailed]]:
+    """Checks 1-3 for several assignments at once; one result list per job, in order.
+
+    One batched forward pass per policy version over every rollout of every
+    job, then each check runs once over the stacked rows of all rollouts that
+    share sampling parameters and audit secret; only when a stacked check
+    fails are those rollouts re-checked one by one to attribute the failure.
+    A job's results do not depend on which other jobs share its batch.
     """
-    prompt = list(prompt_ids)
-    drawn = [chunks_to_open(secret, r.digest, n_chunks(r.header.token_count, r.header.chunk_size),
-                            chunks_per_audit) for r in rollouts]
-    live = [i for i, r in enumerate(rollouts) if r.header.token_count]
-    seqs = [(prompt + rollouts[i].token_ids.tolist(), len(prompt)) for i in live]
-    raw = oracle.logits_batch(rollouts[live[0]].header.policy_version, seqs) if live else []
-    logits = {i: np.asarray(lg, dtype=np.float32) for i, lg in zip(live, raw, strict=True)}
+    flat = [(j, r, job) for j, job in enumerate(jobs) for r in job.rollouts]
+    drawn = [chunks_to_open(job.secret, r.digest, n_chunks(r.header.token_count, r.header.chunk_size),
+                            chunks_per_audit) for _, r, job in flat]
     out: list[SpotCheckResult | SpotCheckFailed] = [
-        SpotCheckResult(drawn[i], np.zeros(0, np.float32), np.zeros(0), 0.0) for i in range(len(rollouts))]
-    fast = _stacked([rollouts[i] for i in live], [logits[i] for i in live], [drawn[i] for i in live],
-                    tolerance, secret) if live else []
-    for j, i in enumerate(live):
-        out[i] = fast[j] if fast is not None else _one(rollouts[i], logits[i], drawn[i],
-                                                       tolerance, secret)
-    return out
+        SpotCheckResult(d, np.zeros(0, np.float32), np.zeros(0), 0.0) for d in drawn]
+    live = [i for i, (_, r, _) in enumerate(flat) if r.header.token_count]
+    logits: dict[int, np.ndarray] = {}
+    for version in sorted({flat[i][1].header.policy_version for i in live}):
+        idx = [i for i in live if flat[i][1].header.policy_version == version]
+        seqs = [(list(flat[i][2].prompt_ids) + flat[i][1].token_ids.tolist(), len(flat[i][2].prompt_ids))
+                for i in idx]
+        for i, lg in zip(idx, oracle.logits_batch(version, seqs), strict=True):
+            logits[i] = np.asarray(lg, dtype=np.float32)
+    parts: dict[tuple, list[int]] = {}
+    for i in live:
+        s = flat[i][1].header.sampling
+        parts.setdefault((s.temperature, s.top_k, s.top_p, flat[i][2].secret), []).append(i)
+    for (*_, secret), idx in parts.items():
+        fast = _stacked([flat[i][1] for i in idx], [logits[i] for i in idx], [drawn[i] for i in idx],
+                        tolerance, secret)
+        for j, i in enumerate(idx):
+            out[i] = fast[j] if fast is not None else _one(flat[i][1], logits[i], drawn[i],
+                                                           tolerance, secret)
+    results: list[list[SpotCheckResult | SpotCheckFailed]] = [[] for _ in jobs]
+    for (j, _, _), result in zip(flat, out, strict=True):
+        results[j].append(result)
+    return results
 
 
 def _one(r: VerifiedRollout, logits: np.ndarray, chunks: list[int],
@@ -150,35 +183,50 @@ def _stacked(rollouts: list[VerifiedRollout], logits: list[np.ndarray], drawn: l
     tokens = np.concatenate([r.token_ids for r in rollouts]).astype(np.int64)
     recomputed = _token_logprobs(processed, tokens)
     starts = np.cumsum([0] + [r.header.token_count for r in rollouts])
+    worst = _chunk_worst(rollouts, recomputed, starts, tolerance)
+    if worst is None:
+        return None
     rows: list[int] = []
-    noise = []
-    worst = []
+    specs: list[NoiseSpec] = []
+    for k, r in enumerate(rollouts):
+        h, base = r.header, int(starts[k])
+        for c in drawn[k]:
+            lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
+            rows.extend(range(base + lo, base + hi))
+            specs.append((h.contributor_key, h.nonce, h.sampling.seed, h.group_index, range(lo, hi)))
     try:
-        for k, r in enumerate(rollouts):
-            h, base = r.header, int(starts[k])
-            w = 0.0
-            for c in range(n_chunks(h.token_count, h.chunk_size)):
-                lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
-                stats = compare_chunk(r.logprobs[lo:hi], recomputed[base + lo : base + hi], tolerance, c,
-                                      position_offset=lo)
-                w = max(w, stats.max_abs_diff)
-            worst.append(w)
-            for c in drawn[k]:
-                lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
-                rows.extend(range(base + lo, base + hi))
-                noise.append(noise_for_positions(h.contributor_key, h.nonce, h.sampling.seed, range(lo, hi),
-                                                 stacked.shape[-1], sample_index=h.group_index))
         if rows:
             sel = np.asarray(rows)
             support_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p)
-            replay_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p, torch.cat(noise),
-                         eps=2 * tolerance.token_abs)
+            replay_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p,
+                         noise_for_streams(specs, stacked.shape[-1]), eps=2 * tolerance.token_abs)
     except SpotCheckError:
         return None
     randomizer = np.concatenate([pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts])
     pit = pit_values(tokens, processed, randomizer)
     return [SpotCheckResult(drawn[k], recomputed[starts[k] : starts[k + 1]], pit[starts[k] : starts[k + 1]],
                             worst[k]) for k in range(len(rollouts))]
+
+
+def _chunk_worst(rollouts: list[VerifiedRollout], recomputed: np.ndarray, starts: np.ndarray,
+                 tolerance: Tolerance) -> list[float] | None:
+    """``compare_chunk`` over every chunk of every rollout at once: each rollout's largest
+    |diff|, or None if any chunk fails (the caller re-checks one by one for the error)."""
+    claimed = np.concatenate([r.logprobs for r in rollouts]).astype(np.float64)
+    if claimed.size == 0:
+        return [0.0] * len(rollouts)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(claimed - recomputed.astype(np.float64))
+    diff[~np.isfinite(claimed) | (claimed > tolerance.token_abs) | ~np.isfinite(diff)] = np.inf
+    bounds = [int(starts[k]) + lo for k, r in enumerate(rollouts)
+              for lo in range(0, r.header.token_count, r.header.chunk_size)]
+    edges = np.asarray(bounds + [claimed.size])
+    chunk_max = np.maximum.reduceat(diff, edges[:-1])
+    chunk_mean = np.add.reduceat(diff, edges[:-1]) / np.diff(edges)
+    if bool((chunk_max > tolerance.token_abs).any() | (chunk_mean > tolerance.chunk_mean_abs).any()):
+        return None
+    return [float(diff[starts[k]:starts[k + 1]].max()) if starts[k + 1] > starts[k] else 0.0
+            for k in range(len(rollouts))]
 
 
 def _token_logprobs(processed: torch.Tensor, token_ids: np.ndarray) -> np.ndarray:

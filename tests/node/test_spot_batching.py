@@ -1,0 +1,147 @@
+"""Spot checks batched across groups: same verdicts as one group at a time, shared forward passes."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from node.validator.commit import Batcher
+from node.validator.spot import SpotCheckFailed, SpotJob, spot_check_group, spot_check_jobs
+from rollout.oracle import TransformersOracle
+from rollout.worker import answer, generation_request, header_fields, open_assignment
+from verify.envelope import build_envelope, verify_envelope
+from verify.errors import Reason
+from verify.keys import SigningKey
+from verify.signed import open_sealed
+from verify.spotcheck import FLOAT32_TOLERANCE
+from verify.types import GroupSubmission, Verdict, canonical_bytes
+
+KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(6)]
+SECRET = b"\x07" * 32
+
+
+def test_batcher_gives_each_caller_its_own_result_and_shares_calls() -> None:
+    calls: list[list[int]] = []
+
+    def fn(items: list[int]) -> list[int]:
+        calls.append(list(items))
+        time.sleep(0.05)
+        return [x * 10 for x in items]
+
+    b: Batcher[int, int] = Batcher(fn)
+    out: dict[int, int] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, b.run(i))) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == {i: i * 10 for i in range(8)}
+    assert sorted(x for c in calls for x in c) == list(range(8))
+    assert len(calls) < 8 and b.batches == len(calls) and b.items == 8
+
+
+def test_batcher_rejects_a_wrong_number_of_results() -> None:
+    b: Batcher[int, int] = Batcher(lambda items: [1])
+    assert b.run(5) == 1
+    with pytest.raises(RuntimeError, match="2 results for 1 items"):
+        Batcher(lambda items: [1, 2]).run(5)
+
+
+def _jobs(make_validator, backend, codec, n: int, tamper: int | None = None) -> list[SpotJob]:
+    v = make_validator()
+    jobs = []
+    for i in range(n):
+        key = KEYS[i]
+        v.register(key.public.raw, f"c{i}")
+        a = open_assignment(v.assign(key.public.raw), v.key.public, key.public)
+        prompt = codec.encode(a.prompt)
+        comps = backend.generate(generation_request(a, prompt, key.public, [codec.eos_token_id]))
+        rollouts = []
+        for c in comps:
+            lps = np.array(c.logprobs, dtype=np.float32)
+            if i == tamper and c.group_index == 1:
+                lps[0] -= 0.05
+            rollouts.append(verify_envelope(build_envelope(key, header_fields(a, c.group_index, 1),
+                                                           c.token_ids, lps, 32)))
+        jobs.append(SpotJob(rollouts, prompt, SECRET))
+    return jobs
+
+
+def test_batched_spot_checks_give_each_group_its_own_verdicts(make_validator, backend, codec, tiny_model) -> None:
+    jobs = _jobs(make_validator, backend, codec, 5, tamper=2)
+    oracle = TransformersOracle({0: tiny_model}, min_prefix_savings=0)
+    batched = spot_check_jobs(jobs, oracle, 2, FLOAT32_TOLERANCE)
+    alone = [spot_check_group(j.rollouts, j.prompt_ids, TransformersOracle({0: tiny_model}), SECRET, 2,
+                              FLOAT32_TOLERANCE) for j in jobs]
+    assert len(batched) == len(jobs)
+    for j, (got, want) in enumerate(zip(batched, alone, strict=True)):
+        assert len(got) == len(want) == len(jobs[j].rollouts)
+        for g, w in zip(got, want, strict=True):
+            assert isinstance(g, SpotCheckFailed) == isinstance(w, SpotCheckFailed)
+            if isinstance(g, SpotCheckFailed):
+                assert g.reason is w.reason is Reason.LOGPROB_MISMATCH
+                assert j == 2
+            else:
+                assert g.chunks == w.chunks
+                np.testing.assert_allclose(g.recomputed, w.recomputed, atol=1e-5)
+                np.testing.assert_allclose(g.pit, w.pit, atol=1e-5)
+    # Only the tampered member of the tampered group fails; its neighbours in the batch pass.
+    failed = [(j, k) for j, rs in enumerate(batched) for k, r in enumerate(rs) if isinstance(r, SpotCheckFailed)]
+    assert failed == [(2, 1)]
+
+
+def test_shared_prompt_forward_matches_one_row_per_sequence(tiny_model) -> None:
+    rng = random.Random(3)
+    seqs = []
+    for _ in range(5):
+        prompt = [rng.randrange(3, 60) for _ in range(rng.randrange(1, 10))]
+        for _ in range(rng.randrange(1, 7)):
+            completion = [rng.randrange(3, 60) for _ in range(rng.choice([0, 1, 2, 5, 9]))]
+            seqs.append((prompt + completion, len(prompt)))
+    rng.shuffle(seqs)
+    plain = TransformersOracle({0: tiny_model}, min_prefix_savings=10**9)
+    shared = TransformersOracle({0: tiny_model}, min_prefix_savings=0, max_batch_tokens=40)
+    assert shared._shared_prompts(seqs) is not None and plain._shared_prompts(seqs) is None
+    want, got = plain.logits_batch(0, seqs), shared.logits_batch(0, seqs)
+    assert [tuple(x.shape) for x in got] == [(len(ids) - p, x.shape[-1]) for (ids, p), x in zip(seqs, want, strict=True)]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+
+
+class SlowOracle:
+    """Delegates to an oracle, taking long enough per call that concurrent audits queue up."""
+
+    def __init__(self, inner: TransformersOracle) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def logits_batch(self, version, seqs):  # type: ignore[no-untyped-def]
+        self.calls += 1
+        time.sleep(0.2)
+        return self.inner.logits_batch(version, seqs)
+
+
+def test_concurrent_submissions_share_spot_check_passes(make_validator, backend, codec, tiny_model) -> None:
+    v = make_validator()
+    v.oracle = SlowOracle(TransformersOracle({0: tiny_model}))
+    groups: list[GroupSubmission] = []
+    for key in KEYS:
+        v.register(key.public.raw, "c")
+        groups.append(answer(key, v.assign(key.public.raw), v.key.public, backend, codec))
+    results: dict[int, list] = {}
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, v.submit(canonical_bytes(groups[i]))))
+               for i in range(len(groups))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in range(len(groups)):
+        out = [open_sealed(Verdict, s, v.key.public) for s in results[i]]
+        assert all(x.accepted and x.audited for x in out)
+    assert v.metrics["audit/groups"] == len(groups)
+    assert v.metrics["audit/batches"] == v.oracle.calls < len(groups)
