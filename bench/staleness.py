@@ -19,17 +19,23 @@ of the effect being measured.
 
 Prints progress on stderr and one JSON object on the last line of stdout:
 
-  base                 pass@1 (greedy, held-out) of the base policy
-  final                {"s0_is": ..., "s0_no_is": ..., "s4_is": ..., ...}
+  base                 per seed: pass@1 (greedy, held-out) of the base policy
+  final                {"s0_is": [per seed], "s0_no_is": [...], "s4_is": [...], ...}
   final_ci             95% Wilson interval of each final figure
-  improvement          final - base, same keys
+  improvement          final - base, averaged over seeds, same keys
+  improvement_per_seed the same, per seed
   s8_is_vs_s0_is       improvement(s8_is) / improvement(s0_is)  (target >= 0.9)
+  s8_is_vs_s0_is_per_seed
   s8_no_is_vs_s0_is    improvement(s8_no_is) / improvement(s0_is)
   off_policy           per run: mean staleness, IS ratio range and clipped share
   seconds              per run wall time
 
     python bench/staleness.py [--steps 20] [--eval-problems 200] [--full] [--config FILE]
-                              [--staleness 0,4,8] [--corrections is,no_is]
+                              [--staleness 0,4,8] [--corrections is,no_is] [--seeds 0,1,2]
+
+One seed's ratio is noisy: a 1000-problem eval has a 95% interval of about
++-0.03 on each final figure, which moves a ratio of two ~0.27 improvements by
+about +-0.15; several seeds average that down.
 
 ``--full`` trains 300 steps per run and evaluates on 1000 problems (six runs;
 about 6 minutes per run with configs/trainer.toml on a lightly loaded 2-core
@@ -69,7 +75,7 @@ class RunResult:
     seconds: float
 
 
-def run_one(cfg, staleness: int, correction: bool, final_problems: int) -> RunResult:
+def run_one(cfg, staleness: int, correction: bool, final_problems: int, seed: int) -> RunResult:
     """Train one configuration; evaluate the base and the final policy on ``final_problems``."""
     from transformers import AutoTokenizer
 
@@ -78,7 +84,7 @@ def run_one(cfg, staleness: int, correction: bool, final_problems: int) -> RunRe
     from trainer.evals import evaluate
 
     cfg = cfg.model_copy(update={
-        "max_staleness": staleness + 1,
+        "max_staleness": staleness + 1, "seed": seed,
         "loss": cfg.loss.model_copy(update={"importance_sampling": correction}),
     })
     model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
@@ -126,6 +132,10 @@ def main() -> None:
     parser.add_argument("--staleness", default="0,4,8")
     parser.add_argument("--corrections", default="is,no_is",
                         help="which of is (configured loss) and no_is (ratio 1) to run")
+    parser.add_argument("--seeds", default="0",
+                        help="comma-separated seeds (problem pool, contributors, trainer, eval set); "
+                             "every configuration runs once per seed and the ratios use the "
+                             "mean improvement over seeds")
     args = parser.parse_args()
     corrections = args.corrections.split(",")
     if not corrections or set(corrections) - {"is", "no_is"}:
@@ -143,16 +153,19 @@ def main() -> None:
     # on n_eval problems, after the run.
     cfg = load_trainer_config(args.config, {"steps": steps, "eval_every": 0,
                                             "checkpoint_dir": None})
-    results: dict[str, RunResult] = {}
-    for s in (int(x) for x in args.staleness.split(",")):
-        for correction in (c == "is" for c in corrections):
-            name = f"s{s}_{'is' if correction else 'no_is'}"
-            r = run_one(cfg, s, correction, n_eval)
-            results[name] = r
-            log(f"{name}: pass@1 {r.base:.3f} -> {r.final:.3f} "
-                f"[{r.final_ci[0]:.3f}, {r.final_ci[1]:.3f}] in {r.seconds:.0f}s {r.off_policy}")
-    base = next(iter(results.values())).base
-    improvement = {k: r.final - base for k, r in results.items()}
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results: dict[str, list[RunResult]] = {}
+    for seed in seeds:
+        for s in (int(x) for x in args.staleness.split(",")):
+            for correction in (c == "is" for c in corrections):
+                name = f"s{s}_{'is' if correction else 'no_is'}"
+                r = run_one(cfg, s, correction, n_eval, seed)
+                results.setdefault(name, []).append(r)
+                log(f"seed {seed} {name}: pass@1 {r.base:.3f} -> {r.final:.3f} "
+                    f"[{r.final_ci[0]:.3f}, {r.final_ci[1]:.3f}] in {r.seconds:.0f}s {r.off_policy}")
+    # Each seed has its own eval set and base figure: improvements are per seed, then averaged.
+    per_seed = {k: [r.final - r.base for r in rs] for k, rs in results.items()}
+    improvement = {k: sum(v) / len(v) for k, v in per_seed.items()}
 
     def ratio(key: str) -> float | None:
         ref = improvement.get("s0_is")
@@ -160,14 +173,22 @@ def main() -> None:
             return None
         return round(improvement[key] / ref, 4)
 
+    def seed_ratios(key: str) -> list[float] | None:
+        if key not in per_seed or "s0_is" not in per_seed:
+            return None
+        return [round(a / b, 4) if b else None for a, b in zip(per_seed[key], per_seed["s0_is"], strict=True)]
+
     emit({
-        "bench": "staleness", "steps": steps, "eval_problems": n_eval, "base": base,
-        "final": {k: r.final for k, r in results.items()},
-        "final_ci": {k: [round(x, 4) for x in r.final_ci] for k, r in results.items()},
+        "bench": "staleness", "steps": steps, "eval_problems": n_eval, "seeds": seeds,
+        "base": [r.base for r in next(iter(results.values()))],
+        "final": {k: [r.final for r in rs] for k, rs in results.items()},
+        "final_ci": {k: [[round(x, 4) for x in r.final_ci] for r in rs] for k, rs in results.items()},
         "improvement": {k: round(v, 4) for k, v in improvement.items()},
+        "improvement_per_seed": {k: [round(x, 4) for x in v] for k, v in per_seed.items()},
         "s8_is_vs_s0_is": ratio("s8_is"), "s8_no_is_vs_s0_is": ratio("s8_no_is"),
-        "off_policy": {k: r.off_policy for k, r in results.items()},
-        "seconds": {k: round(r.seconds, 1) for k, r in results.items()},
+        "s8_is_vs_s0_is_per_seed": seed_ratios("s8_is"),
+        "off_policy": {k: [r.off_policy for r in rs] for k, rs in results.items()},
+        "seconds": {k: [round(r.seconds, 1) for r in rs] for k, rs in results.items()},
     })
 
 
