@@ -31,6 +31,7 @@ test-all: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 bench: $(STAMP)
+	$(PY) -m pip install -q -e '.[dev,bench]'
 	@for b in bench/[a-z]*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 FUZZ_SECONDS ?= 600

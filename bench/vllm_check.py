@@ -27,6 +27,7 @@ Both backends draw the same CPU Gumbel noise per token, so rates include it.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import tempfile
 import time
@@ -172,8 +173,12 @@ def main() -> int:
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="let vLLM compile and capture CUDA graphs (slower start)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("vllm_check needs a CUDA GPU")
+    missing = ("needs a CUDA GPU" if not torch.cuda.is_available()
+               else None if importlib.util.find_spec("vllm") else "vllm is not installed")
+    if missing:
+        log(f"vllm_check skipped: {missing}")
+        emit({"bench": "vllm_check", "skipped": missing})
+        return 0
     from rollout.vllm_backend import VllmBackend
 
     tolerance, eps = ((FLOAT32_TOLERANCE, 1e-4) if args.dtype == "float32"

@@ -30,7 +30,7 @@ from torch import Tensor
 from trainer.batch import TrainBatch
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
-from verify.aggregate import Aggregator
+from verify.aggregate import Aggregator, all_finite
 from verify.errors import ConfigError
 
 LrSchedule = Callable[[float], float]
@@ -65,14 +65,12 @@ def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
-def flat_grad(params: list[torch.nn.Parameter]) -> Tensor:
-    """This stage's gradient as one float32 vector (missing grads count as zero)."""
-    return torch.cat(
-        [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
-            for p in params
-        ]
-    )
+def flat_grad(params: list[torch.nn.Parameter], out: Tensor | None = None) -> Tensor:
+    """This stage's gradient as one float32 vector (missing grads count as zero), written
+    into ``out`` when given."""
+    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+             for p in params]
+    return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
 def write_grad(params: list[torch.nn.Parameter], flat: Tensor) -> None:
@@ -142,6 +140,9 @@ class RLStep:
         if self.proximal:
             proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
         grads, names, metric_rows, dropped = [], [], [], 0
+        # One row per contributor, written in place: aggregation reads them as one matrix.
+        rows_out = torch.empty((len(batch.contributors), sum(p.numel() for p in self.params)),
+                               dtype=torch.float32)
         for c in range(len(batch.contributors)):
             index = (batch.contributor == c).nonzero().flatten()
             if index.numel() == 0:
@@ -151,8 +152,8 @@ class RLStep:
                 rows["proximal_logprobs"] = proximal[index]
             self.optimizer.zero_grad(set_to_none=False)
             result = self.runner.forward_backward(self._pad(rows), self._loss_fn)
-            g = flat_grad(self.params)
-            finite = torch.tensor([float(torch.isfinite(g).all())])
+            g = flat_grad(self.params, out=rows_out[len(grads)])
+            finite = torch.tensor([float(all_finite(g))])
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             if finite.item() < 1:
@@ -162,21 +163,21 @@ class RLStep:
             names.append(c)
             metric_rows.append(result.metrics)
         labels = [batch.contributors[c].hex()[:8] for c in names]
-        metrics = self._apply(grads, names, labels, weights)
+        metrics = self._apply(rows_out[: len(grads)], names, labels, weights)
         metrics["aggregate/dropped_nonfinite"] = float(dropped)
         for key in metric_rows[0] if metric_rows else {}:
             metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
         return metrics
 
     def _apply(
-        self, grads: list[Tensor], names: list[int], labels: list[str], weights: Tensor | None
+        self, stacked: Tensor, names: list[int], labels: list[str], weights: Tensor | None
     ) -> Metrics:
+        """Aggregate ``stacked`` (n, d): one gradient row per contributor in ``names``."""
         self.optimizer.zero_grad(set_to_none=False)
-        if not grads:
+        if not len(stacked):
             return {"aggregate/contributors": 0.0}
-        stacked = torch.stack(grads)  # (n, d)
         w = None if weights is None else weights[torch.tensor(names)].to(torch.float64)
-        agg = self.aggregator(stacked, w) if len(grads) > 1 else stacked[0]
+        agg = self.aggregator(stacked, w) if len(stacked) > 1 else stacked[0]
         write_grad(self.params, agg)
         norms = torch.linalg.vector_norm(stacked, dim=1) ** 2  # per contributor, this stage
         local = torch.cat([norms, (agg.norm() ** 2).reshape(1)]).double()
@@ -191,7 +192,7 @@ class RLStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics: Metrics = {
-            "aggregate/contributors": float(len(grads)),
+            "aggregate/contributors": float(len(stacked)),
             "aggregate/contributor_grad_norm_mean": float(per_contributor.mean()),
             "aggregate/contributor_grad_norm_max": float(per_contributor.max()),
             "train/grad_norm": total,

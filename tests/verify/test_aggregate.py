@@ -27,6 +27,7 @@ from verify.aggregate import (
     Mean,
     TrimmedMean,
     get_aggregator,
+    sorted_rows,
 )
 from verify.errors import ConfigError
 
@@ -134,6 +135,36 @@ def test_mean_and_median_match_numpy(seed: int, n: int, d: int, weighted: bool) 
     np.testing.assert_allclose(
         CoordinateMedian()(torch.tensor(x)).numpy(), ref_median(x), rtol=0, atol=0
     )
+
+
+@SETTINGS
+@given(seeds, st.integers(1, 24), st.integers(1, 40), st.booleans())
+def test_sorted_rows_is_a_sort_along_rows(seed: int, n: int, d: int, ties: bool) -> None:
+    x = torch.tensor(_data(seed, n, d))
+    if ties:  # repeated values, and zeros of both signs
+        x = torch.round(x)
+        x[:, ::2] = torch.where(x[:, ::2] == 0, -0.0, x[:, ::2])
+    assert torch.equal(sorted_rows(x), torch.sort(x, dim=0).values)
+
+
+@SETTINGS
+@given(seeds, ns, st.integers(1, 60), st.integers(1, 9))
+def test_column_blocks_do_not_change_results(seed: int, n: int, d: int, block: int) -> None:
+    import verify.aggregate as agg
+
+    x = torch.tensor(_data(seed, n, d))
+    w = torch.tensor(np.random.default_rng(seed + 2).uniform(0.1, 3.0, n))
+    cases = [(CoordinateMedian(), None), (CoordinateMedian(), w), (CenteredClip(iters=4), None),
+             (CenteredClip(iters=2, tau=0.3), w), (TrimmedMean(f=(n - 1) // 2), None)]
+    whole = [a(x, wt) for a, wt in cases]
+    old = agg.COLUMN_BLOCK
+    agg.COLUMN_BLOCK = block
+    try:
+        blocked = [a(x, wt) for a, wt in cases]
+    finally:
+        agg.COLUMN_BLOCK = old
+    for a, b in zip(whole, blocked, strict=True):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12)
 
 
 @SETTINGS

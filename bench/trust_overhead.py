@@ -1,0 +1,354 @@
+"""What the trust layer costs: prooftrain's whole system against TRL's ``GRPOTrainer``.
+
+Both sides train the demo base model (``trainer.base_model.ensure_base_model``)
+on the arithmetic task with the same batch (``groups`` prompts x ``group_size``
+completions per optimizer step), the same completion length, sampling
+(temperature 1, no top-k / top-p), learning rate, AdamW betas, gradient clip
+and reward function (``rewards.reward``), no KL term, one optimizer step per
+generated batch, float32 on the CPU with one torch thread each (the harness
+runs its tiny models on one thread). Each side runs in its own Python process;
+the sides alternate ``rounds`` times and the best round of each counts (the
+one least disturbed by other load on a shared machine).
+
+* prooftrain: the harness's in-process network (``harness.run.run_variant``)
+  with ``contributors`` honest contributors on an instantaneous network (zero
+  latency, no jitter, no drops, compute speed 1) and the validator at its
+  default, reputation-driven audit rate. Every rollout is signed, admitted,
+  scored by the validator, spot-checked when drawn and recorded in the ledger;
+  the trainer aggregates one gradient per contributor robustly and publishes a
+  signed, compressed update every step, whose decoded copy the contributors
+  sample from and the spot checks recompute under (the in-process network
+  decodes it once for everyone). Timed: the trainer's ``train_step`` calls,
+  which contain all of that (contributors generate inside the trainer's
+  wait). Not timed: model loading, the held-out evals the harness runs before
+  the first and after the last step (the eval interval is set past the run so
+  none falls in between), the final offline ledger audit and the harness's
+  own event logging. Groups
+  whose rewards are all equal are trained on (``skip_uniform_groups`` off), as
+  TRL does, so both sides put the same completions through every optimizer step.
+* TRL: ``GRPOTrainer`` without vLLM, ``num_generations = group_size``,
+  ``per_device_train_batch_size = groups * group_size``, one gradient
+  accumulation step, ``beta = 0``, ``num_iterations = 1``. Timed: from the end
+  of one optimizer step to the end of the next (generation, rewards, the step).
+
+On both sides the first step is a warm-up and is not counted; the figure is
+completions trained per wall-clock second over the remaining ``steps``.
+Prints progress on stderr and one JSON object on the last line of stdout:
+
+  prooftrain_samples_per_s / trl_samples_per_s   completions trained per wall second
+  ratio                                          prooftrain / TRL (target >= 0.7)
+  prooftrain_wall_s / trl_wall_s                 timed seconds of each side's best round
+  *_rounds_samples_per_s                         every round's figure
+  audit_rate_mean                                mean spot-check probability the
+                                                 validator applied (reputation-driven)
+
+TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
+TRL figures and the ratio are null and ``skipped`` says why.
+
+    python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
+                                   [--max-tokens 8] [--contributors 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench._util import emit  # noqa: E402
+
+RATIO_TARGET = 0.7
+TASK = "arithmetic"
+SEED = 0
+TRL_MISSING = "trl not installed (pip install '.[bench]')"
+
+SCENARIO = """
+name = "trust-overhead"
+seed = {seed}
+[task]
+name = "{task}"
+train_pool = {pool}
+heldout = 1
+[[population.groups]]
+strategy = "honest"
+count = {contributors}
+[network.profiles.default]
+latency = {{ model = "constant", params = {{ ms = 0 }} }}
+jitter_ms = 0
+compute_speed = 1.0
+[validator]
+group_size = {group_size}
+max_tokens = {max_tokens}
+temperature = 1.0
+[trainer]
+steps = {total_steps}
+batch_groups = {groups}
+learning_rate = {lr}
+eval_every = 1000000
+eval_problems = 1
+[baselines]
+run_honest_baseline = false
+run_no_defence = false
+"""
+MODEL_DIR = """[model]
+dir = "{model_dir}"
+"""
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def patched(module: Any, name: str, value: Any) -> Iterator[None]:
+    """Replace ``module.name`` for the duration of the block."""
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def pool_size(args: argparse.Namespace) -> int:
+    """Distinct train prompts: enough that neither side repeats one within the run."""
+    return max(1024, (args.steps + 1) * args.groups)
+
+
+# -- prooftrain ---------------------------------------------------------------------------
+
+
+def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
+    import harness.run as hrun
+    from harness.events import EVENTS_FILE, EventLog, Reputation, read_events
+    from harness.scenario import load_scenario
+
+    durations: list[float] = []
+    samples: list[int] = []
+
+    class TimedLoop(hrun.TrainerLoop):
+        def train_step(self):  # noqa: ANN202 - same signature as the base
+            start = time.perf_counter()
+            metrics = super().train_step()
+            durations.append(time.perf_counter() - start)
+            samples.append(int(metrics.get("train/samples", 0)))
+            return metrics
+
+    def config(s, model_dir):  # noqa: ANN001, ANN202
+        return base_config(s, model_dir).model_copy(update={"skip_uniform_groups": False})
+
+    base_config = hrun.trainer_config
+    path = work / "scenario.toml"
+    path.write_text(SCENARIO.format(
+        seed=SEED, task=TASK, pool=pool_size(args), contributors=args.contributors,
+        group_size=args.group_size, max_tokens=args.max_tokens, total_steps=args.steps + 1,
+        groups=args.groups, lr=args.lr)
+        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else ""))
+    scenario = load_scenario(path)
+    log_path = work / EVENTS_FILE
+    start = time.perf_counter()
+    with patched(hrun, "TrainerLoop", TimedLoop), patched(hrun, "trainer_config", config), \
+            EventLog(log_path) as log:
+        values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
+    total = time.perf_counter() - start
+    rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
+    return {
+        "samples": sum(samples[1:]), "wall_s": sum(durations[1:]), "warmup_s": durations[0],
+        "total_wall_s": total, "steps": len(durations) - 1, "audit_ok": values["audit_ok"],
+        "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+    }
+
+
+# -- TRL ----------------------------------------------------------------------------------
+
+
+def reward_fn(prompts: list[str], completions: list[str], problem_id: list[str],
+              answer: list[str], **_: Any) -> list[float]:
+    """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
+    from rewards import Problem, reward
+
+    return [reward(TASK, c, Problem(id=i, task=TASK, prompt=p, answer=a))
+            for p, c, i, a in zip(prompts, completions, problem_id, answer, strict=True)]
+
+
+def run_trl(args: argparse.Namespace, work: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rewards.tasks import generate as generate_problems
+    from trainer.base_model import ensure_base_model
+
+    torch.set_num_threads(1)
+    torch.manual_seed(SEED)
+    model_dir = args.model_dir or ensure_base_model(TASK, SEED, progress=args.progress)
+    problems = generate_problems(TASK, "train", pool_size(args), seed=SEED)
+    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer, "problem_id": p.id}
+                                 for p in problems])
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_: Any, **__: Any) -> None:
+            ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(
+        output_dir=str(work / "trl"), max_steps=args.steps + 1, seed=SEED,
+        per_device_train_batch_size=args.groups * args.group_size, gradient_accumulation_steps=1,
+        num_generations=args.group_size, max_completion_length=args.max_tokens,
+        temperature=1.0, top_p=1.0, top_k=0, learning_rate=args.lr, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
+        beta=0.0, num_iterations=1, scale_rewards="group", use_vllm=False, use_cpu=True,
+        bf16=False, fp16=False, report_to="none", save_strategy="no",
+        logging_steps=args.steps + 1, dataloader_num_workers=0, disable_tqdm=not args.progress,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=dataset,
+                          processing_class=tokenizer, callbacks=[StepClock()])
+    start = time.perf_counter()
+    trainer.train()
+    steps = len(ends) - 1
+    return {"samples": steps * args.groups * args.group_size, "wall_s": ends[-1] - ends[0],
+            "warmup_s": ends[0] - start, "total_wall_s": time.perf_counter() - start,
+            "steps": steps}
+
+
+# -- driver -------------------------------------------------------------------------------
+
+SIDES = {"prooftrain": run_prooftrain, "trl": run_trl}
+
+
+def build_wide_model(width: int, layers: int, out: Path) -> Path:
+    """A random-init Llama of ``width`` x ``layers`` sharing the demo base model's tokenizer."""
+    import shutil
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.base_model import ensure_base_model
+
+    base = ensure_base_model(TASK, SEED, progress=False)
+    cfg = LlamaConfig.from_pretrained(base)
+    heads = max(1, width // 32)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = width, 4 * width, layers
+    cfg.num_attention_heads = cfg.num_key_value_heads = heads
+    cfg.head_dim = width // heads
+    torch.manual_seed(SEED)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (base / name).is_file():
+            shutil.copy(base / name, out / name)
+    return out
+
+
+def run_side(side: str, args: argparse.Namespace) -> dict:
+    """Run one side in a fresh Python process; its figures come back as its last stdout line."""
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side,
+           "--steps", str(args.steps), "--groups", str(args.groups),
+           "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
+           "--contributors", str(args.contributors), "--lr", str(args.lr)]
+    if args.model_dir:
+        cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
+    if not args.progress:
+        cmd.append("--quiet")
+    say(f"{side}: {args.steps} + 1 warm-up steps of {args.groups} x {args.group_size} completions")
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def rate(side: dict) -> float:
+    return side["samples"] / side["wall_s"]
+
+
+def summarise(args: argparse.Namespace, pts: list[dict], trls: list[dict],
+              skipped: str | None) -> dict:
+    """The best round of each side: the one least disturbed by other load on the machine."""
+    pt = max(pts, key=rate)
+    trl = max(trls, key=rate) if trls else None
+    pt_rate, trl_rate = rate(pt), (rate(trl) if trl else None)
+    audited = pt["audit_rate_mean"]
+    result = {
+        "bench": "trust_overhead", "steps": args.steps, "warmup_steps": 1, "rounds": args.rounds,
+        "batch_completions": args.groups * args.group_size, "groups": args.groups,
+        "group_size": args.group_size, "max_tokens": args.max_tokens,
+        "contributors": args.contributors, "threads": 1,
+        "model": args.model_dir or "demo base model",
+        "audit_rate": "reputation (validator default)",
+        "audit_rate_mean": None if audited is None else round(audited, 4),
+        "ledger_audit_ok": all(p["audit_ok"] for p in pts),
+        "prooftrain_samples_per_s": round(pt_rate, 2), "prooftrain_wall_s": round(pt["wall_s"], 2),
+        "prooftrain_rounds_samples_per_s": [round(rate(p), 2) for p in pts],
+        "trl_samples_per_s": None if trl_rate is None else round(trl_rate, 2),
+        "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
+        "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
+        "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
+        "ratio_target": RATIO_TARGET,
+    }
+    if skipped:
+        result["skipped"] = skipped
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
+    parser.add_argument("--groups", type=int, default=8, help="prompts per optimizer step")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
+    parser.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
+    parser.add_argument("--contributors", type=int, default=8, help="honest contributors")
+    parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of both sides")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating runs of each side; the best of each counts")
+    parser.add_argument("--model-dir", help="a local Hugging Face model directory for both sides "
+                        "(default: the demo base model); its tokenizer must be the arithmetic "
+                        "task's")
+    parser.add_argument("--width", type=int, help="instead: a randomly initialised Llama of this "
+                        "hidden size (and --layers) with the demo tokenizer, built for the run "
+                        "(throughput only; e.g. --width 384 --layers 6 is 14M parameters)")
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
+    parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
+    parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if min(args.steps, args.groups, args.max_tokens, args.contributors, args.rounds) < 1 \
+            or args.group_size < 2:
+        parser.error("need --group-size >= 2 and every other count >= 1")
+    if args.side:
+        with tempfile.TemporaryDirectory(prefix=f"trust-overhead-{args.side}-") as tmp:
+            print(json.dumps(SIDES[args.side](args, Path(tmp))))
+        return
+    if args.width and args.model_dir:
+        parser.error("give --model-dir or --width, not both")
+    skipped = None if importlib.util.find_spec("trl") is not None else TRL_MISSING
+    if skipped:
+        say(f"TRL side skipped: {skipped}")
+    pts: list[dict] = []
+    trls: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="trust-overhead-model-") as tmp:
+        if args.width:
+            args.model_dir = str(build_wide_model(args.width, args.layers, Path(tmp)))
+        for r in range(args.rounds):
+            say(f"round {r + 1}/{args.rounds}")
+            pts.append(run_side("prooftrain", args))
+            if not skipped:
+                trls.append(run_side("trl", args))
+    result = summarise(args, pts, trls, skipped)
+    if args.width:
+        result["model"] = f"random-init Llama, hidden {args.width}, {args.layers} layers"
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
