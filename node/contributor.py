@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from typing import Any
 
 from node.client import ServiceError, ValidatorClient
 from node.validator.policy import HFTextCodec
-from rollout.backends import make_backend
+from rollout.backends import loads_from_directory, make_backend
 from rollout.worker import answer, open_assignment
 from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
@@ -51,7 +52,7 @@ class ContributorStats:
 
 class Contributor:
     def __init__(self, client: ValidatorClient, key: SigningKey, base_model_dir: Path, state_dir: Path,
-                 *, backend: str = "transformers", device: str = "cpu", dtype: str | None = None,
+                 *, backend: str = "transformers", device: str | None = None, dtype: str | None = None,
                  log: Callable[[str], None] = print) -> None:
         self.client, self.key, self.base = client, key, Path(base_model_dir)
         self.state_path = Path(state_dir) / "contributor-state.json"
@@ -98,9 +99,33 @@ class Contributor:
                 stages = len(decode_manifest(self.client.manifest(version)).shards)
                 self._sync = PolicySync(self.base, self.trainer, self.client.manifest, self.client.blob, stages)
             model = self._sync.model_at(version)
-        self._backend = make_backend(self.backend_name, model=model, device=self.device, dtype=self.dtype)
+            if loads_from_directory(self.backend_name):
+                model = str(self._write_policy(model, version))
+        placement = {} if self.device is None else {"device": self.device}  # else the backend's default
+        if self._backend is not None and hasattr(self._backend, "close"):
+            self._backend.close()  # e.g. a vLLM engine's GPU memory, before the next one loads
+            self._backend = None
+        self._backend = make_backend(self.backend_name, model=model, dtype=self.dtype, **placement)
         self._version = version
         return self._backend
+
+    def _write_policy(self, model: Any, version: int) -> Path:
+        """The rebuilt policy as a model directory (weights, config, the base's tokenizer),
+        replacing the previous version's; written to a temporary name, then renamed."""
+        root = self.state_path.parent / "policy"
+        final, tmp = root / f"v{version}", root / f".v{version}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json"):
+            if (self.base / name).is_file() and not (tmp / name).exists():
+                shutil.copy(self.base / name, tmp / name)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        for old in root.glob("v*"):
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+        return final
 
     # -- one assignment
     def step(self) -> list[Verdict]:

@@ -98,6 +98,12 @@ def register_backend(name: str) -> Callable[[BackendFactory], BackendFactory]:
     return wrap
 
 
+def loads_from_directory(name: str) -> bool:
+    """Whether backend ``name`` takes only a model directory (not an in-memory module); its
+    class says so with ``loads_from_directory = True``."""
+    return bool(getattr(_REGISTRY.get(name), "loads_from_directory", False))
+
+
 def available_backends() -> list[str]:
     return sorted(_REGISTRY)
 

@@ -291,11 +291,18 @@ class VllmBackend:
 
     name = "vllm"
 
+    loads_from_directory = True
+    """A policy version rebuilt in memory is written to a directory first."""
+
     def __init__(
         self, model: str | Path, *, dtype: torch.dtype | str | None = "bfloat16",
         gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-        enforce_eager: bool = False, seed: int = 0, **engine_kwargs: Any,
+        enforce_eager: bool = False, seed: int = 0, device: str | torch.device = "cuda",
+        **engine_kwargs: Any,
     ) -> None:
+        if torch.device(device).type != "cuda":
+            raise ConfigError(f"the vllm backend runs on a CUDA GPU, not {device!r} "
+                              "(use the transformers backend on a CPU)")
         path = Path(model)
         if not (path.is_dir() and (path / "config.json").is_file()):
             raise ConfigError(f"vllm backend: {path} is not a local model directory "

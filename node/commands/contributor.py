@@ -23,7 +23,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default="", help="a name recorded with the registration")
     p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run forever)")
     p.add_argument("--backend", default="transformers", help="generation backend (transformers, vllm)")
-    p.add_argument("--device", default="cpu", help="torch device for the transformers backend")
+    p.add_argument("--device", default=None,
+                   help="torch device (transformers: default cpu; vllm: a CUDA device, default cuda)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="generation precision")
     p.set_defaults(func=run)
 

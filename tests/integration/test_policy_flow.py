@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -26,6 +27,7 @@ from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from node.validator.state import StateStore
 from rewards.tasks.base import generate
+from rollout.backends import TransformersBackend, register_backend
 from rollout.oracle import TransformersOracle
 from trainer.publish import StagePublisher, publish_version, publishable_state
 from verify.keys import SigningKey
@@ -34,6 +36,19 @@ from verify.spotcheck import FLOAT32_TOLERANCE
 TRAINER = SigningKey.from_seed(b"\x71" * 32)
 VALIDATOR = SigningKey.from_seed(b"\x72" * 32)
 ALICE = SigningKey.from_seed(b"\x73" * 32)
+
+
+@register_backend("test-directory-only")
+class DirectoryOnlyBackend(TransformersBackend):
+    """A backend that, like vLLM's, loads only from a model directory."""
+
+    loads_from_directory = True
+    loaded: list[str] = []
+
+    def __init__(self, model: str, **kwargs: object) -> None:
+        assert isinstance(model, str) and Path(model, "config.json").is_file(), model
+        DirectoryOnlyBackend.loaded.append(model)
+        super().__init__(model, **kwargs)  # type: ignore[arg-type]
 
 
 def _validator(tmp: Path, model: Path) -> Validator:
@@ -47,12 +62,15 @@ def _validator(tmp: Path, model: Path) -> Validator:
                      FLOAT32_TOLERANCE)
 
 
-def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tiny_model: Path) -> None:
+@pytest.mark.parametrize("backend", ["transformers", "test-directory-only"])
+def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tiny_model: Path,
+                                                             backend: str) -> None:
     v = _validator(tmp_path, tiny_model)
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         alice = ValidatorClient(url, ALICE)
         alice.register("alice")
-        worker = Contributor(alice, ALICE, tiny_model, tmp_path / "alice", log=lambda _: None)
+        worker = Contributor(alice, ALICE, tiny_model, tmp_path / "alice", log=lambda _: None,
+                             backend=backend)
         assert all(x.accepted for x in worker.step())
 
         # The trainer takes a step and publishes version 1 as an int8 delta.
@@ -73,6 +91,10 @@ def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tin
         rebuilt = dict(worker._sync.state_at(1))
         for name, value in publisher.published_state().items():
             assert torch.equal(rebuilt[name], value), name
+        if backend == "test-directory-only":  # version 1 went through a written directory
+            written = Path(DirectoryOnlyBackend.loaded[-1])
+            assert written == tmp_path / "alice" / "policy" / "v1"
+            assert sorted(p.name for p in written.parent.iterdir()) == ["v1"]
 
 
 def test_restart_resubmits_instead_of_regenerating(tmp_path: Path, tiny_model: Path) -> None:
