@@ -30,7 +30,8 @@ from torch import Tensor
 from trainer.batch import TrainBatch
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
-from verify.aggregate import Aggregator, all_finite
+from verify.aggregate import Aggregator
+from verify.aggregate_blocks import all_finite
 from verify.errors import ConfigError
 
 LrSchedule = Callable[[float], float]

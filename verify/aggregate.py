@@ -30,6 +30,12 @@ from typing import ClassVar, Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from verify.aggregate_blocks import (
+    by_columns,
+    clip_iterations,
+    nonfinite_rows,
+    sorted_rows,
+)
 from verify.errors import ConfigError
 
 __all__ = [
@@ -111,66 +117,10 @@ def stack_grads(grads: Tensor | Sequence[Tensor]) -> Tensor:
         raise ValueError(f"grads must have shape (n >= 1, d), got {tuple(x.shape)}")
     if not x.is_floating_point():
         raise ValueError(f"grads must be floating point, got {x.dtype}")
-    bad = _nonfinite_rows(x)
+    bad = nonfinite_rows(x)
     if bad:
         raise ValueError(f"non-finite gradient from contributors {bad}")
     return x
-
-
-def all_finite(x: Tensor) -> bool:
-    """Whether ``x`` holds no NaN and no infinity (one read in the common case)."""
-    if x.numel() == 0 or bool(torch.isfinite(x.sum())):
-        return True
-    return not _nonfinite_rows(x.reshape(1, -1))
-
-
-def _nonfinite_rows(x: Tensor) -> list[int]:
-    """Rows holding a NaN or an infinity.
-
-    A row's sum is NaN or infinite whenever the row holds one (and may
-    overflow otherwise), so one read of ``x`` clears the common case; only then
-    are the rows checked element by element, a block of columns at a time.
-    """
-    if bool(torch.isfinite(x.sum(dim=1)).all()):
-        return []
-    bad = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
-    for lo in range(0, x.shape[1], COLUMN_BLOCK):
-        bad |= ~torch.isfinite(x[:, lo : lo + COLUMN_BLOCK]).all(dim=1)
-    return torch.nonzero(bad).flatten().tolist()
-
-
-_NETWORK_MAX_ROWS = 16
-COLUMN_BLOCK = 1 << 16
-"""Coordinate-wise work runs over blocks of this many columns (parameters), so the
-(n, block) temporaries of every elementwise pass stay in cache instead of streaming
-n full-length copies through memory."""
-
-
-def _by_columns(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
-    """``fn`` (columns -> one value per column) applied block by block -> ``(d,)``."""
-    out = torch.empty(x.shape[1], dtype=x.dtype, device=x.device)
-    for lo in range(0, x.shape[1], COLUMN_BLOCK):
-        out[lo : lo + COLUMN_BLOCK] = fn(x[:, lo : lo + COLUMN_BLOCK])
-    return out
-
-
-def sorted_rows(x: Tensor) -> Tensor:
-    """``torch.sort(x, dim=0).values`` (exactly the same values).
-
-    For a few rows (contributors) and many columns (parameters) an odd-even
-    transposition network of elementwise min/max is several times faster than
-    a sort along the strided dimension: n rounds over the (n, d) rows, each a
-    pass of independent compare-exchanges. Needs no NaN (callers pass finite
-    gradients).
-    """
-    n = x.shape[0]
-    if n > _NETWORK_MAX_ROWS:
-        return torch.sort(x, dim=0).values
-    rows = list(x.unbind(0))
-    for r in range(n):
-        for i in range(r % 2, n - 1, 2):
-            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
-    return torch.stack(rows)
 
 
 def _check_weights(weights: Tensor | None, n: int) -> Tensor | None:
@@ -252,7 +202,7 @@ class TrimmedMean:
         f = self._trim(n)
         w = _check_weights(weights, n)
         if w is None:
-            return _by_columns(x, lambda b: sorted_rows(b)[f : n - f].mean(dim=0))
+            return by_columns(x, lambda b: sorted_rows(b)[f : n - f].mean(dim=0))
         frac = f / n if self.f is not None else float(self.beta or 0.0)
         total = float(w.sum())
         lo, hi = frac * total, (1.0 - frac) * total
@@ -287,7 +237,7 @@ class CoordinateMedian:
 
 def _median(x: Tensor, w: Tensor | None) -> Tensor:
     """:class:`CoordinateMedian` of checked inputs."""
-    return _by_columns(x, lambda b: _median_block(b, w))
+    return by_columns(x, lambda b: _median_block(b, w))
 
 
 def _median_block(x: Tensor, w: Tensor | None) -> Tensor:
@@ -430,36 +380,4 @@ class CenteredClip:
             v = _median(x, w)
         else:
             v = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
-        return _clip_iterations(x, v, share, self.tau, self.iters)
-
-
-def _clip_iterations(x: Tensor, v: Tensor, share: Tensor, tau: float, iters: int) -> Tensor:
-    """``iters`` steps ``v += sum_i share_i * min(1, tau / ||x_i - v||) * (x_i - v)`` on ``v``.
-
-    One pass over ``x`` per step, a block of columns at a time: each block
-    updates its slice of ``v`` and adds its part of the next step's distances.
-    Distances accumulate in float64.
-    """
-    tiny = torch.finfo(torch.float64).tiny
-    sq = _sq_distances(x, v) if iters else None
-    for it in range(iters):
-        assert sq is not None
-        scale = torch.clamp(tau / sq.sqrt().clamp(min=tiny), max=1.0)
-        coef = (share.to(torch.float64) * scale).to(x.dtype)  # (n,)
-        last = it + 1 == iters
-        sq = None if last else torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-        for lo in range(0, x.shape[1], COLUMN_BLOCK):
-            xb, vb = x[:, lo : lo + COLUMN_BLOCK], v[lo : lo + COLUMN_BLOCK]
-            vb += coef @ (xb - vb)
-            if sq is not None:
-                sq += torch.linalg.vector_norm(xb - vb, dim=1).to(torch.float64) ** 2
-    return v
-
-
-def _sq_distances(x: Tensor, v: Tensor) -> Tensor:
-    """``||x_i - v||^2`` per row, float64, a block of columns at a time."""
-    sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
-    for lo in range(0, x.shape[1], COLUMN_BLOCK):
-        diff = x[:, lo : lo + COLUMN_BLOCK] - v[lo : lo + COLUMN_BLOCK]
-        sq += torch.linalg.vector_norm(diff, dim=1).to(torch.float64) ** 2
-    return sq
+        return clip_iterations(x, v, share, self.tau, self.iters)

@@ -150,7 +150,7 @@ def test_sorted_rows_is_a_sort_along_rows(seed: int, n: int, d: int, ties: bool)
 @SETTINGS
 @given(seeds, ns, st.integers(1, 60), st.integers(1, 9))
 def test_column_blocks_do_not_change_results(seed: int, n: int, d: int, block: int) -> None:
-    import verify.aggregate as agg
+    import verify.aggregate_blocks as agg
 
     x = torch.tensor(_data(seed, n, d))
     w = torch.tensor(np.random.default_rng(seed + 2).uniform(0.1, 3.0, n))
