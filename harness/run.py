@@ -24,6 +24,7 @@ simulated.
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -275,6 +276,9 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True)
     events = out / EVENTS_FILE
     if events.exists():
         events.unlink()  # a rerun replaces the previous log, never mixes with it
+    # ... and the previous runs' ledgers: a simulation starts from the base policy, so it
+    # cannot continue a ledger that has published versions already.
+    shutil.rmtree(out / "runs", ignore_errors=True)
     with EventLog(events) as log:
         for run in scenario.runs():
             run_variant(scenario.variant(run), out / "runs" / run, log, progress=progress)

@@ -66,3 +66,11 @@ def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     times = [e.t for e in events if hasattr(e, "t") and not isinstance(e, Start)]
     assert times == sorted(times) and times[-1] > 0  # simulated time only moves forward
     assert (out / "pass_at_1.png").stat().st_size > 1000
+
+    # A second run into the same directory replaces the first (its ledger starts again at 0).
+    again = subprocess.run([sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
+                           capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-2000:]
+    events = read_run_dir(out)
+    assert len([e for e in events if isinstance(e, Start)]) == 1
+    assert [e.step for e in events if isinstance(e, TrainStep)] == [1, 2, 3]
