@@ -140,8 +140,10 @@ class RLStep:
         proximal = None
         if self.proximal:
             proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
-        grads, names, metric_rows, dropped = [], [], [], 0
-        # One row per contributor, written in place: aggregation reads them as one matrix.
+        names: list[int] = []
+        metric_rows: list[Metrics] = []
+        dropped = 0
+        # One row per kept contributor, written in place: aggregation reads them as one matrix.
         rows_out = torch.empty((len(batch.contributors), sum(p.numel() for p in self.params)),
                                dtype=torch.float32)
         for c in range(len(batch.contributors)):
@@ -153,18 +155,17 @@ class RLStep:
                 rows["proximal_logprobs"] = proximal[index]
             self.optimizer.zero_grad(set_to_none=False)
             result = self.runner.forward_backward(self._pad(rows), self._loss_fn)
-            g = flat_grad(self.params, out=rows_out[len(grads)])
+            g = flat_grad(self.params, out=rows_out[len(names)])
             finite = torch.tensor([float(all_finite(g))])
             if dist.is_initialized() and dist.get_world_size() > 1:
                 dist.all_reduce(finite, op=dist.ReduceOp.MIN)
             if finite.item() < 1:
                 dropped += 1
                 continue
-            grads.append(g)
             names.append(c)
             metric_rows.append(result.metrics)
         labels = [batch.contributors[c].hex()[:8] for c in names]
-        metrics = self._apply(rows_out[: len(grads)], names, labels, weights)
+        metrics = self._apply(rows_out[: len(names)], names, labels, weights)
         metrics["aggregate/dropped_nonfinite"] = float(dropped)
         for key in metric_rows[0] if metric_rows else {}:
             metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)

@@ -152,10 +152,12 @@ def test_ppo_decoupled_uses_proximal_logprobs(tiny: Path) -> None:
     assert "off_policy/behaviour_weight_mean" in m and np.isfinite(m["train/loss"])
 
 
-def test_non_finite_contributor_gradient_is_dropped(tiny: Path) -> None:
+@pytest.mark.parametrize("bad", [0, 1])
+def test_non_finite_contributor_gradient_is_dropped(tiny: Path, bad: int) -> None:
     keys = [b"\x01" * 32, b"\x02" * 32]
     batch = build_batch([group(bytes([i]) * 16, [1.0, 0.0], key=keys[i]) for i in range(2)], 0)
-    batch.advantages[2:] = float("nan")  # contributor 1's rows
+    rows = batch.contributor == batch.contributors.index(keys[bad])
+    batch.advantages[rows] = float("nan")  # the bad contributor's rows
     step = make_step(tiny)
     snapshot = copy.deepcopy([p.detach() for p in step.params])
     m = step(batch)
