@@ -28,6 +28,7 @@ import copy
 import itertools
 import sys
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -63,6 +64,28 @@ from verify.keys import SigningKey
 from verify.signed import open_sealed
 from verify.spotcheck import FLOAT32_TOLERANCE
 from verify.types import SampleBatch, SignedManifest, Verdict, canonical_bytes, decode
+
+
+def simulation_entropy(seed: int, opened_at: int) -> Callable[[int], bytes]:
+    """The in-process validator's randomness (assignment ids, nonces, sampling seeds, epoch
+    secrets) as a blake3 stream of ``seed``, so a run repeats with its seed.
+
+    A simulation holds no secrets, as with its keys. ``opened_at`` (the ledger's size
+    when the network opens) separates a reopened network's stream from the first one's,
+    so a resumed run never reissues an assignment id or nonce.
+    """
+    stream = blake3.blake3(f"local-entropy/{seed}/{opened_at}".encode())
+    position = 0
+    lock = threading.Lock()
+
+    def entropy(n: int) -> bytes:
+        nonlocal position
+        with lock:
+            out = stream.digest(length=n, seek=position)
+            position += n
+        return out
+
+    return entropy
 
 
 def local_trainer_key() -> SigningKey:
@@ -177,7 +200,8 @@ class LocalNetwork:
         problems = generate_problems(s.task, "train", s.pool, seed=s.seed)
         self.validator = Validator(cfg, vkey, self.ledger, self.state, self.codec,
                                    RegistryOracle(self.registry), problems, self.versions,
-                                   FLOAT32_TOLERANCE)
+                                   FLOAT32_TOLERANCE,
+                                   entropy=simulation_entropy(s.seed, self.ledger.size()))
         names = ["honest"] * s.contributors + list(s.adversaries)
         self.contributors: list[tuple[SigningKey, str]] = []
         for i, name in enumerate(names):
