@@ -32,6 +32,7 @@ from typing import Any
 from node.client import ServiceError, ValidatorClient
 from node.validator.policy import HFTextCodec
 from rollout.backends import loads_from_directory, make_backend
+from rollout.sync import PolicySync, write_model_dir
 from rollout.worker import answer, open_assignment
 from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
@@ -94,13 +95,12 @@ class Contributor:
             if self.trainer is None:
                 raise ProofTrainError("the validator names no trainer key; cannot verify policy updates")
             if self._sync is None:
-                from rollout.sync import PolicySync
-
                 stages = len(decode_manifest(self.client.manifest(version)).shards)
                 self._sync = PolicySync(self.base, self.trainer, self.client.manifest, self.client.blob, stages)
-            model = self._sync.model_at(version)
             if loads_from_directory(self.backend_name):
-                model = str(self._write_policy(model, version))
+                model = str(self._write_policy(version))
+            else:
+                model = self._sync.model_at(version)
         placement = {} if self.device is None else {"device": self.device}  # else the backend's default
         if self._backend is not None and hasattr(self._backend, "close"):
             self._backend.close()  # e.g. a vLLM engine's GPU memory, before the next one loads
@@ -109,17 +109,13 @@ class Contributor:
         self._version = version
         return self._backend
 
-    def _write_policy(self, model: Any, version: int) -> Path:
-        """The rebuilt policy as a model directory (weights, config, the base's tokenizer),
+    def _write_policy(self, version: int) -> Path:
+        """The rebuilt policy as a model directory (``rollout.sync.write_model_dir``),
         replacing the previous version's; written to a temporary name, then renamed."""
         root = self.state_path.parent / "policy"
         final, tmp = root / f"v{version}", root / f".v{version}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json"):
-            if (self.base / name).is_file() and not (tmp / name).exists():
-                shutil.copy(self.base / name, tmp / name)
+        write_model_dir(tmp, self.base, self._sync.state_at(version))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         for old in root.glob("v*"):

@@ -32,8 +32,10 @@ from __future__ import annotations
 import copy
 import os
 import re
+import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -253,3 +255,22 @@ class PolicySync:
         self._cache.move_to_end(version)
         while len(self._cache) > self.max_cached:
             self._cache.popitem(last=False)
+
+
+_SKIP_BASE_FILES = {"build.json", "README.md", "model.safetensors.index.json"}
+
+
+def write_model_dir(out: str | Path, base_model: str | Path, state: Mapping[str, Tensor],
+                    weights_file: str = "model.safetensors") -> None:
+    """A loadable model directory: ``state`` (e.g. :meth:`PolicySync.state_at`) as one
+    safetensors file beside the base model's other files (config, tokenizer), without the
+    base's own weights, shard index and build notes."""
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous() for n, t in state.items()}, str(out / weights_file),
+              metadata={"format": "pt"})
+    for f in sorted(Path(base_model).iterdir()):
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_BASE_FILES:
+            shutil.copyfile(f, out / f.name)

@@ -40,6 +40,7 @@ from ledger.release import verify_release
 from ledger.release_replay import chain_start, tensor_digest
 from ledger.release_view import evals_json
 from ledger.storage import LedgerStore, open_store
+from rollout.sync import write_model_dir
 from trainer.release_card import CURVE_PNG, CardFacts, plot_curve, render_card
 from verify.errors import ConfigError, LedgerError, Reason, VerificationError
 from verify.hashing import BLOB, blake3_digest
@@ -60,7 +61,6 @@ from verify.types import (
 )
 
 _SMALL_BLOB = 256 * 1024  # signed manifests and statements are far smaller than update blobs
-_SKIP_BASE_FILES = {"build.json", "README.md", "model.safetensors.index.json"}
 
 
 @dataclass
@@ -179,7 +179,7 @@ def build_release(
     try:
         steps = tqdm(total=5, desc="release", disable=not progress, unit="step")
         state = _rebuild(base_model, trainer_key, chain, blob_store, version)
-        _write_model(tmp, base_model, state)
+        write_model_dir(tmp, base_model, state, L.MODEL_WEIGHTS)
         _write_chain(tmp, base_model, chain, blob_store, ship_chain)
         steps.update(1)
         verdicts = _write_ledger(tmp, view, version)
@@ -243,15 +243,6 @@ def _write(root: Path, rel: str, data: bytes) -> None:
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(data)
-
-
-def _write_model(tmp: Path, base_model: Path, state: dict[str, torch.Tensor]) -> None:
-    from safetensors.torch import save_file
-
-    save_file(state, str(tmp / L.MODEL_WEIGHTS), metadata={"format": "pt"})
-    for f in sorted(Path(base_model).iterdir()):
-        if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_BASE_FILES:
-            shutil.copyfile(f, tmp / f.name)
 
 
 def _write_chain(tmp: Path, base_model: Path, chain: list[SignedManifest],
