@@ -176,16 +176,9 @@ class TransformersOracle(LogitsOracle):
     def _run(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
              batch: list[int], result: list[torch.Tensor | None]) -> None:
         lens = [len(seqs[i][0]) for i in batch]
-        width = max(lens)
-        ids = torch.full((len(batch), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        offsets = []
-        for row, i in enumerate(batch):
-            n = lens[row]
-            off = width - n if self.padding_side == "left" else 0
-            ids[row, off:off + n] = torch.tensor(list(seqs[i][0]), dtype=torch.long)
-            mask[row, off:off + n] = 1
-            offsets.append(off)
+        ids, mask = self._padded([list(seqs[i][0]) for i in batch], self.padding_side)
+        width = ids.shape[1]
+        offsets = [width - n if self.padding_side == "left" else 0 for n in lens]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         # Row b needs the logits at padded positions off+p-1 .. off+n-2.
         needed = [range(off + seqs[i][1] - 1, off + lens[row] - 1)
