@@ -159,6 +159,17 @@ def _fail(message: str, reason: Reason, chunk_index: int, position: int | None,
     return err
 
 
+def token_diffs(claimed: np.ndarray, recomputed: np.ndarray, tolerance: Tolerance) -> np.ndarray:
+    """float64 ``|claimed - recomputed|`` per token, ``inf`` where the claim is not finite or
+    above ``token_abs`` (a probability above one) or the difference is not finite (a finite
+    claim against a recomputed ``-inf``: off the recomputed support)."""
+    c = np.asarray(claimed).astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        diff = np.abs(c - np.asarray(recomputed).astype(np.float64))
+    diff[~np.isfinite(c) | (c > tolerance.token_abs) | ~np.isfinite(diff)] = np.inf
+    return diff
+
+
 def compare_chunk(
     claimed: np.ndarray, recomputed: np.ndarray, tolerance: Tolerance, chunk_index: int,
     *, position_offset: int = 0,
@@ -180,12 +191,7 @@ def compare_chunk(
                     None, claimed.shape, recomputed.shape)
     if claimed.size == 0:
         return ChunkStats(chunk_index, 0, 0.0, 0.0, position_offset)
-    c = claimed.astype(np.float64)
-    r = recomputed.astype(np.float64)
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(c - r)
-    invalid = ~np.isfinite(c) | (c > tolerance.token_abs) | ~np.isfinite(diff)
-    diff = np.where(invalid, np.inf, diff)
+    diff = token_diffs(claimed, recomputed, tolerance)
     worst = int(np.argmax(diff))
     max_abs = float(diff[worst])
     mean_abs = float(diff.mean())

@@ -41,7 +41,7 @@ from verify.sampling import (
     support_check,
 )
 from verify.signed import open_sealed
-from verify.spotcheck import DistributionOracle, Tolerance, compare_chunk
+from verify.spotcheck import DistributionOracle, Tolerance, compare_chunk, token_diffs
 from verify.types import SignedAssignment, SlashEvidence, WorkAssignment, canonical_bytes, decode
 
 _F32 = np.dtype("<f4")
@@ -212,12 +212,10 @@ def _chunk_worst(rollouts: list[VerifiedRollout], recomputed: np.ndarray, starts
                  tolerance: Tolerance) -> list[float] | None:
     """``compare_chunk`` over every chunk of every rollout at once: each rollout's largest
     |diff|, or None if any chunk fails (the caller re-checks one by one for the error)."""
-    claimed = np.concatenate([r.logprobs for r in rollouts]).astype(np.float64)
+    claimed = np.concatenate([r.logprobs for r in rollouts])
     if claimed.size == 0:
         return [0.0] * len(rollouts)
-    with np.errstate(invalid="ignore"):
-        diff = np.abs(claimed - recomputed.astype(np.float64))
-    diff[~np.isfinite(claimed) | (claimed > tolerance.token_abs) | ~np.isfinite(diff)] = np.inf
+    diff = token_diffs(claimed, recomputed, tolerance)
     bounds = [int(starts[k]) + lo for k, r in enumerate(rollouts)
               for lo in range(0, r.header.token_count, r.header.chunk_size)]
     edges = np.asarray(bounds + [claimed.size])
