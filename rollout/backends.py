@@ -25,7 +25,7 @@ from verify.errors import ConfigError
 from verify.sampling import (
     SAMPLER_KEY_SIZE,
     check_params,
-    gumbel_noise,
+    noise_for_streams,
     process_logits,
     sample_verifiable,
 )
@@ -203,12 +203,11 @@ class TransformersBackend:
     ) -> torch.Tensor:
         if request.temperature == 0.0:
             return lp.argmax(dim=-1)  # point mass: the noise cannot change the argmax
-        vocab = lp.shape[-1]
         noise = torch.zeros(lp.shape, dtype=torch.float64)
-        for g in range(lp.shape[0]):
-            if not bool(done[g]):
-                noise[g] = gumbel_noise(request.sampler_key, request.nonce, request.seed, t,
-                                        vocab, sample_index=g)
+        live = [g for g in range(lp.shape[0]) if not bool(done[g])]
+        if live:
+            noise[live] = noise_for_streams(
+                [(request.sampler_key, request.nonce, request.seed, g, [t]) for g in live], lp.shape[-1])
         return sample_verifiable(lp, noise)
 
     @staticmethod

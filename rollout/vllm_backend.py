@@ -65,7 +65,7 @@ from rollout.backends import (
     resolve_dtype,
 )
 from verify.errors import ConfigError, ProofTrainError
-from verify.sampling import gumbel_noise, process_logits, sample_verifiable
+from verify.sampling import noise_for_streams, process_logits, sample_verifiable
 
 EXTRA_ARGS_KEY = "prooftrain_sampler"
 """Key of the per-request sampler description in ``SamplingParams.extra_args``."""
@@ -132,12 +132,11 @@ def force_verifiable_samples(
     for (temperature, top_k, top_p), members in groups.items():
         index = torch.tensor([rows[i] for i in members], dtype=torch.long, device=logits.device)
         lp = process_logits(logits.index_select(0, index), temperature, top_k, top_p)  # (R, V)
-        noise = torch.zeros(lp.shape, dtype=torch.float64)
-        if temperature != 0.0:  # greedy: a point mass, the noise cannot move the argmax
-            for r, i in enumerate(members):
-                s = specs[i]
-                noise[r] = gumbel_noise(s.sampler_key, s.nonce, s.seed, positions[i], vocab,
-                                        sample_index=s.sample_index)
+        if temperature == 0.0:  # greedy: a point mass, the noise cannot move the argmax
+            noise = torch.zeros(lp.shape, dtype=torch.float64)
+        else:
+            noise = noise_for_streams([(specs[i].sampler_key, specs[i].nonce, specs[i].seed,
+                                        specs[i].sample_index, [positions[i]]) for i in members], vocab)
         tokens = sample_verifiable(lp, noise)  # (R,)
         chosen = lp.gather(-1, tokens[:, None])  # (R, 1)
         forced = torch.full_like(lp, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
