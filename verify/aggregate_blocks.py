@@ -23,7 +23,6 @@ COLUMN_BLOCK = 1 << 16
 n full-length copies through memory."""
 
 
-
 def all_finite(x: Tensor) -> bool:
     """Whether ``x`` holds no NaN and no infinity (one read in the common case)."""
     if x.numel() == 0 or bool(torch.isfinite(x.sum())):
@@ -92,7 +91,7 @@ def clip_iterations(x: Tensor, v: Tensor, share: Tensor, tau: float, iters: int)
             xb, vb = x[:, lo : lo + COLUMN_BLOCK], v[lo : lo + COLUMN_BLOCK]
             vb += coef @ (xb - vb)
             if sq is not None:
-                sq += torch.linalg.vector_norm(xb - vb, dim=1).to(torch.float64) ** 2
+                sq += _sq_block(xb, vb)
     return v
 
 
@@ -100,6 +99,10 @@ def sq_distances(x: Tensor, v: Tensor) -> Tensor:
     """``||x_i - v||^2`` per row, float64, a block of columns at a time."""
     sq = torch.zeros(x.shape[0], dtype=torch.float64, device=x.device)
     for lo in range(0, x.shape[1], COLUMN_BLOCK):
-        diff = x[:, lo : lo + COLUMN_BLOCK] - v[lo : lo + COLUMN_BLOCK]
-        sq += torch.linalg.vector_norm(diff, dim=1).to(torch.float64) ** 2
+        sq += _sq_block(x[:, lo : lo + COLUMN_BLOCK], v[lo : lo + COLUMN_BLOCK])
     return sq
+
+
+def _sq_block(xb: Tensor, vb: Tensor) -> Tensor:
+    """One block's part of ``||x_i - v||^2``, float64."""
+    return torch.linalg.vector_norm(xb - vb, dim=1).to(torch.float64) ** 2
