@@ -1,20 +1,38 @@
 """The contributor process: ask for work, follow the policy, generate, sign, submit.
 
-Loop, one assignment at a time:
+Loop:
 
-1. If the state file holds a group that was generated but not acknowledged,
-   resubmit exactly those bytes (the validator answers an identical
-   resubmission with the stored verdicts, so a restart never double-submits).
-2. Otherwise ask for an assignment and record it in the state file.
+1. Every group the state file lists as pending (generated, not yet
+   acknowledged) is resubmitted as exactly those bytes, never regenerated: the
+   validator answers an identical resubmission with the stored verdicts, so a
+   restart never double-submits.
+2. Otherwise ask for an assignment.
 3. Make sure the assigned policy version is loaded: version 0 is the local
    base model; later versions are rebuilt from trainer-signed manifests and
    compressed deltas (``rollout.sync.PolicySync``), every signature and digest
    checked before anything is decoded.
 4. Generate G completions with the verifiable sampler, commit and sign them,
-   record the group in the state file (atomic rename), then submit it.
+   add the group to the state file's pending list, then submit it.
+5. When its verdicts (or a final refusal) come back, remove it from the list.
+
+Crash-safety invariant: a group is in the state file (written to a temporary
+name, flushed, renamed over the old file) before any byte of it is submitted,
+and leaves it only after the validator has answered it.
+
+With ``uploads`` = 1 each group is submitted and answered before the next
+assignment is taken. With ``uploads`` = N > 1 submissions run on a pool of N
+background threads while the main thread takes the next assignment and
+generates; it blocks only while N groups are pending. Every state-file update
+(main thread and submitters) holds one lock and rewrites the whole pending
+list, so none is lost; statistics have their own lock. The
+:class:`~node.client.ValidatorClient` is shared: it keeps no per-request state
+and its ``httpx.Client`` connection pool is thread-safe. An exception raised by
+a submitter reaches :meth:`Contributor.run` and ends it as if raised inline,
+and ``run`` returns only once no submission is in flight.
 
 Transient failures (connection errors, 429) are retried with exponential
-backoff by the client; a refused submission is reported and dropped.
+backoff by the client; a refused submission is counted, reported and dropped;
+a refused key (unknown or banned) stops the loop.
 """
 
 from __future__ import annotations
@@ -24,7 +42,8 @@ import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,13 +53,15 @@ from node.validator.policy import HFTextCodec
 from rollout.backends import loads_from_directory, make_backend
 from rollout.sync import PolicySync, write_model_dir
 from rollout.worker import answer, open_assignment
-from verify.errors import ProofTrainError, Reason
+from verify.errors import ConfigError, ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.signed import open_sealed
 from verify.types import PolicyManifest, SignedManifest, Verdict, canonical_bytes, decode
 
 # transformers' model loading is not thread-safe; contributors sharing a process load in turn.
 _LOAD_LOCK = threading.Lock()
+# A refused key ends the loop; every other refusal drops one group.
+_STOP = (Reason.UNKNOWN_KEY, Reason.BANNED_KEY)
 
 
 @dataclass
@@ -54,14 +75,19 @@ class ContributorStats:
 class Contributor:
     def __init__(self, client: ValidatorClient, key: SigningKey, base_model_dir: Path, state_dir: Path,
                  *, backend: str = "transformers", device: str | None = None, dtype: str | None = None,
-                 log: Callable[[str], None] = print) -> None:
+                 log: Callable[[str], None] = print, uploads: int = 1) -> None:
+        if uploads < 1:
+            raise ConfigError(f"uploads must be at least 1, got {uploads}")
         self.client, self.key, self.base = client, key, Path(base_model_dir)
+        self.uploads = uploads
         self.state_path = Path(state_dir) / "contributor-state.json"
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
         self.backend_name, self.device, self.dtype = backend, device, dtype
         self.codec = HFTextCodec(self.base)
         self.log = log
         self.stats = ContributorStats()
+        self._state_lock = threading.Lock()  # every read-modify-write of the state file
+        self._stats_lock = threading.Lock()  # stats and the refusal log line
         info = client.info()
         self.validator = PublicKey.from_hex(info["validator_key"])
         self.trainer = PublicKey.from_hex(info["trainer_key"]) if info.get("trainer_key") else None
@@ -69,17 +95,33 @@ class Contributor:
         self._version: int | None = None
         self._backend: Any = None
 
-    # -- persistent state
-    def _load_state(self) -> dict[str, str]:
+    # -- persistent state: {"pending": [{"assignment": hex, "group": hex}, ...]}, oldest first
+    def pending(self) -> list[dict[str, str]]:
+        """Groups generated but not yet answered, oldest first. Also reads the
+        single-group format of earlier versions (``{"assignment": ..., "group": ...}``)."""
         try:
-            return json.loads(self.state_path.read_text())
+            state = json.loads(self.state_path.read_text())
         except FileNotFoundError:
-            return {}
+            return []
+        if "pending" in state:
+            return list(state["pending"])
+        return [state] if "group" in state else []
 
-    def _save_state(self, state: dict[str, str]) -> None:
+    def _save_pending(self, pending: list[dict[str, str]]) -> None:
         tmp = self.state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state))
+        with open(tmp, "w") as f:
+            f.write(json.dumps({"pending": pending}))
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, self.state_path)
+
+    def _add_pending(self, entry: dict[str, str]) -> None:
+        with self._state_lock:
+            self._save_pending([*self.pending(), entry])
+
+    def _drop_pending(self, group_hex: str) -> None:
+        with self._state_lock:
+            self._save_pending([p for p in self.pending() if p["group"] != group_hex])
 
     # -- policy
     def _backend_for(self, version: int) -> Any:
@@ -123,55 +165,136 @@ class Contributor:
                 shutil.rmtree(old, ignore_errors=True)
         return final
 
-    # -- one assignment
-    def step(self) -> list[Verdict]:
-        state = self._load_state()
-        if "group" not in state:
-            sealed = self.client.assign()
-            a = open_assignment(sealed, self.validator, self.key.public)
-            backend = self._backend_for(a.policy_version)
-            group = answer(self.key, sealed, self.validator, backend, self.codec)
-            state = {"assignment": canonical_bytes(sealed).hex(), "group": canonical_bytes(group).hex()}
-            self._save_state(state)
-        raw = bytes.fromhex(state["group"])
+    # -- one group
+    def _generate(self) -> bytes:
+        """Take an assignment and answer it; the group is pending in the state file on return."""
+        sealed = self.client.assign()
+        a = open_assignment(sealed, self.validator, self.key.public)
+        backend = self._backend_for(a.policy_version)
+        group = canonical_bytes(answer(self.key, sealed, self.validator, backend, self.codec))
+        self._add_pending({"assignment": canonical_bytes(sealed).hex(), "group": group.hex()})
+        return group
+
+    def _submit(self, raw: bytes) -> list[Verdict]:
+        """Submit one pending group and drop it once answered. A refusal is counted
+        and returns no verdicts; a refused key is re-raised. Any other exception
+        leaves the group pending, to be resubmitted after a restart."""
         try:
             signed = self.client.submit(raw)
         except ServiceError as exc:
-            self.stats.rejected += 1
-            self.stats.reasons[exc.reason.value] = self.stats.reasons.get(exc.reason.value, 0) + 1
-            self.log(f"submission refused: {exc}")
-            self._save_state({})
-            if exc.reason in (Reason.UNKNOWN_KEY, Reason.BANNED_KEY):
+            with self._stats_lock:
+                self.stats.rejected += 1
+                self.stats.reasons[exc.reason.value] = self.stats.reasons.get(exc.reason.value, 0) + 1
+                self.log(f"submission refused: {exc}")
+            self._drop_pending(raw.hex())
+            if exc.reason in _STOP:
                 raise
             return []
         verdicts = [open_sealed(Verdict, s, self.validator) for s in signed]
-        self._save_state({})
-        self.stats.submitted += 1
-        for v in verdicts:
-            if v.accepted:
-                self.stats.accepted += 1
-            else:
-                self.stats.rejected += 1
-                self.stats.reasons[v.reason] = self.stats.reasons.get(v.reason, 0) + 1
+        self._drop_pending(raw.hex())
+        with self._stats_lock:
+            self.stats.submitted += 1
+            for v in verdicts:
+                if v.accepted:
+                    self.stats.accepted += 1
+                else:
+                    self.stats.rejected += 1
+                    self.stats.reasons[v.reason] = self.stats.reasons.get(v.reason, 0) + 1
         return verdicts
 
+    def step(self) -> list[Verdict]:
+        """One group, start to finish: the oldest pending group, else a new one."""
+        pending = self.pending()
+        raw = bytes.fromhex(pending[0]["group"]) if pending else self._generate()
+        return self._submit(raw)
+
+    # -- the loop
     def run(self, groups: int | None = None, *, idle_s: float = 1.0) -> ContributorStats:
-        done = 0
-        while groups is None or done < groups:
-            try:
-                verdicts = self.step()
-            except ServiceError as exc:
-                if exc.reason in (Reason.UNKNOWN_KEY, Reason.BANNED_KEY):
-                    self.log(f"stopping: {exc}")
-                    break
-                self.log(f"validator busy: {exc}; waiting {idle_s:.0f} s")
-                time.sleep(idle_s)
-                continue
-            done += 1
-            ok = sum(v.accepted for v in verdicts)
-            self.log(f"group {done}: {ok}/{len(verdicts)} accepted"
-                     + (f" ({', '.join(sorted({v.reason for v in verdicts if v.reason}))})" if ok < len(verdicts) else ""))
+        """Answer ``groups`` groups (None: until the key is refused), pending ones first.
+
+        A group is done when its verdicts or a refusal arrive. At most
+        ``uploads`` groups are pending at once, and none is in flight on return,
+        whether ``run`` returns or raises.
+        """
+        backlog = [bytes.fromhex(p["group"]) for p in self.pending()]
+        pool: Executor = (_Inline() if self.uploads == 1
+                          else ThreadPoolExecutor(self.uploads, thread_name_prefix="prooftrain-upload"))
+        inflight: set[Future[list[Verdict]]] = set()
+        answered: list[list[Verdict]] = []
+        try:
+            while groups is None or len(answered) < groups:
+                if len(inflight) >= self.uploads or (groups is not None
+                                                     and len(answered) + len(inflight) >= groups):
+                    finished, inflight = wait(inflight, return_when=FIRST_COMPLETED)
+                    self._settle(finished, answered)
+                    continue
+                try:
+                    raw = backlog.pop(0) if backlog else self._generate()
+                except ServiceError as exc:
+                    if exc.reason in _STOP:
+                        self.log(f"stopping: {exc}")
+                        break
+                    self.log(f"validator busy: {exc}; waiting {idle_s:.0f} s")
+                    time.sleep(idle_s)
+                    continue
+                inflight.add(pool.submit(self._submit, raw))
+                finished = {f for f in inflight if f.done()}
+                inflight -= finished
+                self._settle(finished, answered)
+        except ServiceError as exc:  # only a refused key leaves _submit
+            self.log(f"stopping: {exc}")
+        except BaseException:
+            self._drain(pool, inflight, answered, reraise=False)
+            raise
+        self._drain(pool, inflight, answered, reraise=True)
         return self.stats
+
+    def _drain(self, pool: Executor, inflight: set[Future[list[Verdict]]], answered: list[list[Verdict]],
+               *, reraise: bool) -> None:
+        """Wait for the uploads already started and count them. A refused key is
+        logged (the loop is stopping anyway); any other exception is logged and,
+        if ``reraise``, the first is raised (else one is already propagating)."""
+        wait(inflight)
+        pool.shutdown()
+        error: BaseException | None = None
+        for f in inflight:
+            try:
+                self._settle([f], answered)
+            except ServiceError as exc:
+                self.log(f"stopping: {exc}")
+            except BaseException as exc:
+                self.log(f"upload failed: {exc!r}; the group stays pending")
+                error = error or exc
+        if error is not None and reraise:
+            raise error
+
+    def _settle(self, finished: Iterable[Future[list[Verdict]]], answered: list[list[Verdict]]) -> None:
+        """Log every finished upload's verdicts and append them to ``answered``;
+        then raise the first failed upload's exception."""
+        error: BaseException | None = None
+        for f in finished:
+            if (exc := f.exception()) is not None:
+                error = error or exc
+                continue
+            verdicts = f.result()
+            answered.append(verdicts)
+            ok = sum(v.accepted for v in verdicts)
+            self.log(f"group {len(answered)}: {ok}/{len(verdicts)} accepted"
+                     + (f" ({', '.join(sorted({v.reason for v in verdicts if v.reason}))})" if ok < len(verdicts) else ""))
+        if error is not None:
+            raise error
+
+
+class _Inline(Executor):
+    """Runs each upload in the calling thread (``uploads`` = 1): one group at a time."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        f: Future[Any] = Future()
+        try:
+            f.set_result(fn(*args, **kwargs))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller through the future
+            f.set_exception(exc)
+        return f
 
 
 def decode_manifest(sealed: SignedManifest) -> PolicyManifest:

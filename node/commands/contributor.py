@@ -13,7 +13,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Register with a validator, then loop: take an assignment, load the assigned "
         "policy version (the base model, or a trainer-signed chain of compressed deltas, verified "
         "before use), generate the group with the verifiable sampler, commit and sign every "
-        "rollout, submit. Unacknowledged groups are kept in --state-dir and resubmitted after a "
+        "rollout, submit. With --uploads N > 1 up to N groups upload in the background while the "
+        "next one generates. Unacknowledged groups are kept in --state-dir and resubmitted after a "
         "restart, never regenerated.",
     )
     p.add_argument("--validator", required=True, help="validator URL, e.g. http://127.0.0.1:8470")
@@ -26,7 +27,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None,
                    help="torch device (transformers: default cpu; vllm: a CUDA device, default cuda)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="generation precision")
+    p.add_argument("--uploads", type=_at_least_one, default=1, metavar="N",
+                   help="groups that may be uploading while the next one generates; 1 = one at a time "
+                   "(every generated group is kept in --state-dir before it is sent)")
     p.set_defaults(func=run)
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (1 = one group at a time), got {n}")
+    return n
 
 
 def run(args: argparse.Namespace) -> int:
@@ -40,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
         added = client.register(args.name)
         print(f"{'registered' if added else 'already registered'} as {key.public.fingerprint}")
         contributor = Contributor(client, key, args.model, args.state_dir, backend=args.backend,
-                                  device=args.device, dtype=args.dtype)
+                                  device=args.device, dtype=args.dtype, uploads=args.uploads)
         stats = contributor.run(args.groups)
     finally:
         client.close()
