@@ -2,8 +2,9 @@
 
 Both runs use the same honest population (sixteen consumer machines that
 generate 20x slower than this one, over heavy-tailed lognormal wide-area
-links, median 0.8 s), the same seeds and the same number of optimizer steps;
-only ``trainer.mode`` differs. A step takes eight groups: sync trains only on
+links, median 0.8 s, each uploading one group while it generates the next:
+``uploads = 2``, ``prooftrain contributor --uploads 2``), the same seeds and
+the same number of optimizer steps; only ``trainer.mode`` differs. A step takes eight groups: sync trains only on
 rollouts of the current version, so after each publication it waits for fresh
 generations while work started under the older version is wasted and the
 trainer idles; async trains on whatever arrived within the staleness bound
@@ -17,8 +18,9 @@ the last line of stdout:
   time_ratio                                 sync / async time to target
   time_ratio_at_least                        when only async reached the target: sync's
                                              whole run / async's time to target
+  async_evals / sync_evals                   every held-out eval as [simulated s, pass@1]
 
-    python bench/async.py [--steps 40] [--target 0.27]
+    python bench/async.py [--steps 40] [--target 0.27] [--uploads 2]
 """
 
 from __future__ import annotations
@@ -37,11 +39,12 @@ name = "async-bench"
 seed = 3
 [task]
 train_pool = 2048
-heldout = 200
+heldout = 500
 [[population.groups]]
 strategy = "honest"
 count = 16
 network = "consumer"
+uploads = {uploads}
 [network.profiles.consumer]
 latency = {{ model = "lognormal", params = {{ median_ms = 800, sigma = 1.0 }} }}
 jitter_ms = 100
@@ -55,7 +58,7 @@ steps = {steps}
 batch_groups = 8
 learning_rate = {lr}
 eval_every = {eval_every}
-eval_problems = 200
+eval_problems = 500
 mode = "{mode}"
 [baselines]
 run_honest_baseline = false
@@ -69,8 +72,8 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
     from harness.scenario import load_scenario
 
     path = work / f"{mode}.toml"
-    path.write_text(SCENARIO.format(steps=args.steps, mode=mode, lr=args.lr,
-                                    eval_every=max(1, args.steps // 4)))
+    path.write_text(SCENARIO.format(steps=args.steps, mode=mode, lr=args.lr, uploads=args.uploads,
+                                    eval_every=max(1, args.steps // 8)))
     scenario = load_scenario(path)
     log_path = work / mode / EVENTS_FILE
     log_path.parent.mkdir(parents=True)
@@ -81,7 +84,8 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
     hit = next((e.t for e in evals if e.pass_at_1 >= args.target), None)
     return {"samples_per_s": values["samples_trained"] / max(values["sim_seconds"], 1e-9),
             "sim_seconds": values["sim_seconds"], "time_to_target_s": hit,
-            "final_pass_at_1": values["pass_at_1_last"], "first_pass_at_1": values["pass_at_1_first"]}
+            "final_pass_at_1": values["pass_at_1_last"], "first_pass_at_1": values["pass_at_1_first"],
+            "evals": [[round(e.t, 1), e.pass_at_1] for e in evals]}
 
 
 def main() -> None:
@@ -89,6 +93,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--target", type=float, default=0.27)
     parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--uploads", type=int, default=2,
+                        help="groups each contributor may have uploading while it generates the next "
+                        "(1: it waits for each verdict)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -107,6 +114,7 @@ def main() -> None:
         "time_ratio_at_least": (round(s["sim_seconds"] / ta, 3) if ta and not ts else None),
         "async_pass_at_1": [a["first_pass_at_1"], a["final_pass_at_1"]],
         "sync_pass_at_1": [s["first_pass_at_1"], s["final_pass_at_1"]],
+        "async_evals": a["evals"], "sync_evals": s["evals"], "uploads": args.uploads,
     })
 
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -76,6 +76,22 @@ class Member:
     ctx: Context
     free_at: float = 0.0
     retired: bool = False
+    uploading: list[float] = field(default_factory=list)
+    """When each of its groups still on the wire arrives (or is given up as lost)."""
+
+
+def free_after(uploading: list[float], ready: float, uploads: int) -> tuple[list[float], float]:
+    """When a contributor that finished generating at ``ready`` may start its next group.
+
+    ``uploading`` holds the finish times of its groups on the wire, including
+    the one just generated. With ``uploads`` = 1 it waits for that group to
+    arrive; with more it keeps generating until ``uploads`` groups are on the
+    wire at once, then waits for the earliest to finish. Returns the groups
+    still on the wire at ``ready`` and the time it is free.
+    """
+    pending = sorted(t for t in uploading if t > ready)
+    excess = len(pending) - uploads
+    return pending, (pending[excess] if excess >= 0 else ready)
 
 
 class Simulation:
@@ -111,11 +127,15 @@ class Simulation:
 
         A contributor that fell idle while the trainer was busy (between two
         pumps) starts its next job when it fell idle, not when the trainer next
-        waits: contributors work while the trainer trains.
+        waits, and goes on until it reaches the present: contributors work while
+        the trainer trains.
         """
-        for m in self.members:
-            if not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t):
+        for m in self.members:  # each catches up on every group it could have started by now
+            while not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t):
+                before = m.free_at
                 self._start(m, at=max(m.free_at, self._pumped_at))
+                if m.free_at <= before:
+                    break
         nxt = self.queue.next_ready_at()
         if nxt is None:
             waiting = [m.free_at for m in self.members if not m.retired]
@@ -140,11 +160,11 @@ class Simulation:
         body = m.strategy.answer(m.ctx, sealed)
         ready = at + self.sim.compute_time(m.spec.id, time.perf_counter() - start)
         delay = self.sim.delay(m.spec.id, "submit")
-        if delay is None:  # lost on the way: the assignment expires unanswered
-            m.free_at = ready + IDLE_RETRY_S
-            return
-        m.free_at = ready + delay
-        self.queue.push((m, body), m.free_at)
+        # A lost group is given up after IDLE_RETRY_S; the assignment expires unanswered.
+        done = ready + (IDLE_RETRY_S if delay is None else delay)
+        m.uploading, m.free_at = free_after([*m.uploading, done], ready, m.spec.uploads)
+        if delay is not None:
+            self.queue.push((m, body), done)
 
     def _deliver(self, m: Member, body: bytes) -> None:
         v = self.net.validator

@@ -144,6 +144,9 @@ class GroupSpec(_Section):
     """Name of a ``[network.profiles.<name>]`` profile."""
     churn: bool = True
     """Whether ``[churn]`` applies to this group."""
+    uploads: int = Field(1, ge=1, le=64)
+    """Groups each contributor may have uploading while it generates the next
+    (``prooftrain contributor --uploads``); 1 waits for each verdict first."""
 
     @model_validator(mode="after")
     def _known_strategy(self) -> GroupSpec:
@@ -252,6 +255,8 @@ class ContributorSpec(_Section):
     """Network profile name."""
     churn: bool
     """Whether churn applies to it."""
+    uploads: int
+    """Groups it may have uploading while it generates the next."""
     seed: int
     """Seed of its key and its strategy's random choices."""
 
@@ -311,7 +316,8 @@ class Scenario(_Section):
                 cid = f"c{len(out):02d}"
                 out.append(ContributorSpec(id=f"{cid}-{g.strategy}", strategy=g.strategy,
                                            params=dict(g.params), network=g.network,
-                                           churn=g.churn, seed=self.seed_for("contributor", cid)))
+                                           churn=g.churn, uploads=g.uploads,
+                                           seed=self.seed_for("contributor", cid)))
         return out
 
     def adversarial_fraction(self) -> float:
