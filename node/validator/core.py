@@ -138,6 +138,16 @@ class _Member:
         return canonical_bytes(self.envelope)
 
 
+@dataclass(frozen=True)
+class _GroupWrite:
+    """What one admitted group stores: ledger records, accepted bodies, the answer."""
+
+    records: list[Record]
+    samples: list[tuple[bytes, bytes]]  # (envelope digest, AcceptedSample bytes)
+    completions: list[bytes]
+    submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, sealed verdicts)
+
+
 class Validator:
     """Assigns work, admits groups, records verdicts, serves accepted samples."""
 
@@ -163,7 +173,7 @@ class Validator:
         self._epoch_cv = threading.Condition(self._lock)
         self._epoch_users = 0  # admissions holding the current epoch's secret
         self._rolling = False  # an epoch change waits for those admissions
-        self._committer: GroupCommitter[list[Record]] = GroupCommitter(self._write_batch)
+        self._committer: GroupCommitter[_GroupWrite] = GroupCommitter(self._write_batch)
         self._issued: dict[bytes, Issued] = {}
         self._inflight: set[bytes] = set()
         self._pending_completions: set[bytes] = set()
@@ -416,8 +426,8 @@ class Validator:
 
     def _score_and_audit(self, issued: Issued, members: list[_Member], audited: list[_Member],
                          secret: bytes) -> _Member | None:
-        for m in members:
-            text = self.codec.decode(m.rollout.token_ids.tolist())
+        texts = self.codec.decode_batch([m.rollout.token_ids.tolist() for m in members])
+        for m, text in zip(members, texts, strict=True):
             m.reward = reward(issued.problem.task, text, issued.problem)
         if audited:
             results = self._auditor.run(SpotJob([m.rollout for m in audited], issued.prompt_ids, secret))
@@ -484,17 +494,25 @@ class Validator:
             verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
         for rec in records:  # a bad record fails this group alone, not its whole batch
             check_record(rec)
-        if samples:  # bodies first: every accepted verdict in the ledger has its body
-            self.state.put_samples(samples, completions)
-        self._committer.commit(records)  # returns once durable in the ledger
-        # Still in flight, so a resubmission meanwhile gets BACKPRESSURE, never a second judgement.
-        self.state.put_submission(a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
+        submission = (a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
+        # Returns once durable in the ledger. Until then the group is in flight, so a
+        # resubmission gets BACKPRESSURE, never a second judgement.
+        self._committer.commit(_GroupWrite(records, samples, completions, submission))
         return verdicts
 
-    def _write_batch(self, batch: list[list[Record]]) -> None:
-        """Several groups' verdicts and slashes in one ledger transaction."""
-        self.ledger.append_many([r for records in batch for r in records],
+    def _write_batch(self, batch: list[_GroupWrite]) -> None:
+        """Several groups at once: their accepted bodies in one state transaction, their
+        verdicts and slashes in one ledger transaction, then their stored answers.
+
+        Bodies go first, so every accepted verdict in the ledger has its body; the
+        answers go last, so a stored answer always has its verdicts in the ledger.
+        """
+        samples = [row for w in batch for row in w.samples]
+        if samples:
+            self.state.put_samples(samples, [c for w in batch for c in w.completions])
+        self.ledger.append_many([r for w in batch for r in w.records],
                                 checkpoint=self._checkpoint_due(len(batch)))
+        self.state.put_submissions([w.submission for w in batch])
 
     def _slash_record(self, contributor: bytes, m: _Member, now: int) -> Slashed:
         digest = evidence_digest(m.evidence)

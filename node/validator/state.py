@@ -134,9 +134,6 @@ class StateStore:
             return list(self._db.execute(
                 "SELECT epoch, secret FROM epochs WHERE revealed = 0 ORDER BY epoch"))
 
-    def put_submission(self, assignment_id: bytes, group_digest: bytes, verdicts: bytes) -> None:
-        self.put_submissions([(assignment_id, group_digest, verdicts)])
-
     def put_submissions(self, rows: list[tuple[bytes, bytes, bytes]]) -> None:
         """(assignment id, group digest, verdicts) rows, in one transaction."""
         self._many(("INSERT OR REPLACE INTO submissions VALUES (?, ?, ?)", rows))
