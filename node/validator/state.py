@@ -6,7 +6,11 @@ returned for each assignment so a resubmission gets the same answer.
 
 Crash safety: bodies are written before the ledger records their verdict, so
 every accepted verdict in the ledger has its body here; a body whose verdict
-never reached the ledger is an orphan the stream never serves.
+never reached the ledger is an orphan the stream never serves. Bodies and epoch
+secrets, which ledger records made durable right after them depend on, are
+committed with ``synchronous=FULL`` (on disk before the call returns, even
+across a power loss); the rest (answers, assignments, manifests) with
+``NORMAL``, which survives a process crash and costs no fsync.
 """
 
 from __future__ import annotations
@@ -62,21 +66,29 @@ class StateStore:
         with self._lock:
             self._db.close()
 
-    def _many(self, *statements: tuple[str, list[tuple]]) -> None:
-        """``executemany`` each statement, all in one transaction."""
+    def _many(self, *statements: tuple[str, list[tuple]], durable: bool = False) -> None:
+        """``executemany`` each statement, all in one transaction; ``durable``: fsync'd
+        before returning."""
         with self._lock:
-            self._db.execute("BEGIN")
+            if durable:
+                self._db.execute("PRAGMA synchronous=FULL")
             try:
-                for sql, rows in statements:
-                    self._db.executemany(sql, rows)
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
-            self._db.execute("COMMIT")
+                self._db.execute("BEGIN")
+                try:
+                    for sql, rows in statements:
+                        self._db.executemany(sql, rows)
+                except BaseException:
+                    self._db.execute("ROLLBACK")
+                    raise
+                self._db.execute("COMMIT")
+            finally:
+                if durable:
+                    self._db.execute("PRAGMA synchronous=NORMAL")
 
     def put_samples(self, rows: list[tuple[bytes, bytes]], completion_digests: list[bytes]) -> None:
         self._many(("INSERT OR REPLACE INTO samples VALUES (?, ?)", rows),
-                   ("INSERT OR IGNORE INTO completions VALUES (?)", [(d,) for d in completion_digests]))
+                   ("INSERT OR IGNORE INTO completions VALUES (?)", [(d,) for d in completion_digests]),
+                   durable=True)
 
     def sample(self, envelope_digest: bytes) -> bytes | None:
         with self._lock:
@@ -121,9 +133,8 @@ class StateStore:
         return None if row is None else row[0]
 
     def put_epoch(self, epoch: int, secret: bytes) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO epochs (epoch, secret) VALUES (?, ?)",
-                             (epoch, secret))
+        self._many(("INSERT OR REPLACE INTO epochs (epoch, secret) VALUES (?, ?)", [(epoch, secret)]),
+                   durable=True)
 
     def mark_revealed(self, epoch: int) -> None:
         with self._lock:
