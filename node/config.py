@@ -7,13 +7,12 @@ reads a TOML file; ``ConfigError`` names the file and the offending keys.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from verify.errors import ConfigError
+from trainer.toml_config import load_toml_model
 
 
 class _Section(BaseModel):
@@ -120,25 +119,4 @@ C = TypeVar("C", bound=BaseModel)
 
 def load(cls: type[C], path: str | Path | None, overrides: dict | None = None) -> C:
     """Read ``path`` (TOML) into ``cls``; ``None`` gives the defaults."""
-    data: dict = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    try:
-        return cls.model_validate(data)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}" for err in exc.errors()
-        )
-        raise ConfigError(f"{path or 'config'}: {problems}") from None
+    return load_toml_model(cls, path, overrides)

@@ -1,17 +1,23 @@
-"""A small but real training history for release tests.
+"""A small but real training history for release tests, and the tiny models and stand-in
+training step that publication tests share.
 
 A validator (ledger + blob store) over the demo base model when it is cached
 (a tiny random model otherwise) admits honest groups, the trainer publishes
 three versions of a two-stage pipeline (version 2 a full snapshot) through
 ``Validator.publish_policy``, and evaluates every version (0..3), recording
 each eval with ``Validator.record_eval``.
+
+Fixture factories: a test module writes ``world, release = release_fixtures(n)`` or
+``untied, tied = tiny_llama_fixtures()`` to get those module-scoped fixtures.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 
 from harness.tiny_model import build_tiny_model
@@ -27,7 +33,8 @@ from rollout.sync import PolicySync
 from rollout.worker import answer
 from trainer.evals import eval_statement, evaluate
 from trainer.publish import StagePublisher, publish_version
-from trainer.stages import load_stage
+from trainer.release import build_release
+from trainer.stages import Stage, load_stage
 from verify.keys import SigningKey
 from verify.manifest import manifest_digest
 from verify.spotcheck import FLOAT32_TOLERANCE
@@ -76,15 +83,47 @@ def _groups(v: Validator, backend: TransformersBackend, codec: HFTextCodec, n: i
         v.submit(canonical_bytes(group))
 
 
-def _train_step(stages: list, gen: torch.Generator) -> None:
-    """A stand-in optimizer step: small noise; a tied copy gets its original's update."""
+def tiny_llama(path: Path, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
+    """A random Llama of about 40k parameters with the character tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainer.tokenizer import build_char_tokenizer
+
+    tok = build_char_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+                         max_position_embeddings=64, bos_token_id=tok.bos_token_id,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                         tie_word_embeddings=tied)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def tiny_llama_fixtures() -> tuple[Any, Any]:
+    """Module-scoped fixtures ``untied`` (2 layers) and ``tied`` (3 layers, tied embeddings)."""
+
+    @pytest.fixture(scope="module")
+    def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
+
+    @pytest.fixture(scope="module")
+    def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return tiny_llama(tmp_path_factory.mktemp("tied"), tied=True, layers=3)
+
+    return untied, tied
+
+
+def train_step(stages: list[Stage], gen: torch.Generator, lr: float = 1e-3) -> None:
+    """A stand-in optimizer step: noise on every parameter; tied copies get the same update."""
     with torch.no_grad():
         shared: dict[str, torch.Tensor] = {}
         for stage in stages:
             for name, p in stage.named_parameters():
                 key = stage.tied_copies.get(name, name)
                 if key not in shared:
-                    shared[key] = 2e-3 * torch.randn(p.shape, generator=gen)
+                    shared[key] = lr * torch.randn(p.shape, generator=gen)
                 p.add_(shared[key])
 
 
@@ -111,7 +150,7 @@ def build_world(root: Path) -> World:
     for version in range(VERSIONS + 1):
         if version:
             _groups(v, backend, codec, 2)
-            _train_step(stages, gen)
+            train_step(stages, gen, lr=2e-3)
             manifests.append(publish_version(
                 pubs, [dict(st.named_parameters()) for st in stages], sink,
                 parent=manifests[-1] if manifests else None, base_digest=model_dir_digest(model),
@@ -126,3 +165,20 @@ def build_world(root: Path) -> World:
     _groups(v, backend, codec, 1)  # after the last publication: not part of the release
     v.ledger.checkpoint()
     return World(model, ledger_path, v, manifests)
+
+
+def release_fixtures(eval_problems: int) -> tuple[Any, Any]:
+    """Module-scoped fixtures ``world`` (built once per test module) and ``release`` (its
+    release directory, ``eval_problems`` problems per eval, pass@k up to k = 2)."""
+
+    @pytest.fixture(scope="module")
+    def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+        return build_world(tmp_path_factory.mktemp("world"))
+
+    @pytest.fixture(scope="module")
+    def release(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
+        return build_release(ledger=world.ledger, out=tmp_path_factory.mktemp("r") / "release",
+                             base_model=world.model, trainer_key=TRAINER,
+                             eval_problems=eval_problems, k=2, progress=False)
+
+    return world, release

@@ -7,16 +7,15 @@ offending keys in its ``ConfigError``.
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.losses import POLICY_LOSSES, get_policy_loss
 from trainer.rl import LR_SCHEDULES
+from trainer.toml_config import load_toml_model
 from verify.aggregate import AGGREGATORS, get_aggregator
-from verify.errors import ConfigError
 from verify.weights_codec import get_codec
 
 
@@ -153,29 +152,4 @@ def load_trainer_config(
     path: str | Path | None, overrides: dict[str, Any] | None = None
 ) -> TrainerConfig:
     """Read ``path`` (TOML, optional ``[trainer]`` table) and apply dotted ``overrides``."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        try:
-            data = tomllib.loads(p.read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file {p} does not exist") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-        data = data.get("trainer", data)
-    for dotted, value in (overrides or {}).items():
-        node = data
-        *parents, leaf = dotted.split(".")
-        for name in parents:
-            node = node.setdefault(name, {})
-        node[leaf] = value
-    try:
-        return TrainerConfig.model_validate(data)
-    except ConfigError as exc:
-        raise ConfigError(f"{path or 'config'}: {exc}") from None
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: {err['msg']}"
-            for err in exc.errors()
-        )
-        raise ConfigError(f"{path or 'config'}: {problems}") from None
+    return load_toml_model(TrainerConfig, path, overrides, table="trainer")

@@ -185,12 +185,55 @@ def _finish(
     return loss, metrics
 
 
+def _is_ratio(logprobs: Tensor, behaviour: Tensor) -> Tensor:
+    """Detached importance ratio ``pi / mu`` per token, (B, T)."""
+    return torch.exp(logprobs.detach() - behaviour.detach())
+
+
+class _TokenLoss:
+    """``PolicyLoss.__call__`` shared by the registered losses.
+
+    Checks shapes, asks ``_per_token`` for the (B, T) per-token loss and the
+    loss-specific metrics, then hands both to ``_finish``. ``proximal_logprobs``
+    is shape-checked only by losses with ``uses_proximal``; the others ignore it.
+    """
+
+    kl_coef: float
+    uses_proximal: ClassVar[bool] = False
+
+    def _per_token(
+        self, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None
+    ) -> tuple[Tensor, Metrics]:
+        """Per-token loss (B, T) and metrics; ``adv`` is the detached (B, 1) advantage."""
+        raise NotImplementedError
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        behaviour_logprobs: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        proximal_logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        checked_prox = proximal_logprobs if self.uses_proximal else None
+        m = _check(logprobs, behaviour_logprobs, advantages, mask, checked_prox, ref_logprobs)
+        adv = advantages.detach()[:, None]
+        per_token, metrics = self._per_token(
+            logprobs, behaviour_logprobs, adv, m, proximal_logprobs
+        )
+        return _finish(
+            per_token, logprobs, behaviour_logprobs, m, ref_logprobs, self.kl_coef, metrics
+        )
+
+
 # -- losses -----------------------------------------------------------------------------
 
 
 @register_policy_loss("tis")
 @dataclass(frozen=True)
-class TruncatedIS:
+class TruncatedIS(_TokenLoss):
     """Truncated importance sampling: ``-min(pi/mu, C) * A * log pi`` per token.
 
     The weight is detached, so the gradient is ``min(rho, C) * A * grad log pi``;
@@ -206,30 +249,19 @@ class TruncatedIS:
         if not self.cap > 0:
             raise ValueError(f"cap must be > 0, got {self.cap}")
 
-    def __call__(
-        self,
-        logprobs: Tensor,
-        behaviour_logprobs: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        proximal_logprobs: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
+    def _per_token(
+        self, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None
     ) -> tuple[Tensor, Metrics]:
-        m = _check(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs)
-        ratio = torch.exp(logprobs.detach() - behaviour_logprobs.detach())
+        ratio = _is_ratio(logprobs, behaviour)
         weight = ratio.clamp(max=self.cap)
-        per_token = -weight * advantages.detach()[:, None] * logprobs
-        clipped = float(_masked_mean((ratio > self.cap).to(m.dtype), m))
-        metrics = {"off_policy/clipped_fraction": clipped}
-        return _finish(
-            per_token, logprobs, behaviour_logprobs, m, ref_logprobs, self.kl_coef, metrics
-        )
+        per_token = -weight * adv * logprobs
+        clipped = float(_masked_mean((ratio > self.cap).to(mask.dtype), mask))
+        return per_token, {"off_policy/clipped_fraction": clipped}
 
 
 @register_policy_loss("ppo-decoupled")
 @dataclass(frozen=True)
-class DecoupledPPO:
+class DecoupledPPO(_TokenLoss):
     """Decoupled PPO (Hilton et al., 2022): behaviour mu, proximal pi_prox, current pi.
 
     Per token ``-w * min(r * A, clip(r, 1 - eps, 1 + eps) * A)`` with
@@ -242,6 +274,7 @@ class DecoupledPPO:
     behaviour_cap: float | None = 5.0
     kl_coef: float = 0.0
     name: ClassVar[str] = "ppo-decoupled"
+    uses_proximal: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not 0 < self.clip_eps < 1:
@@ -249,39 +282,28 @@ class DecoupledPPO:
         if self.behaviour_cap is not None and not self.behaviour_cap > 0:
             raise ValueError(f"behaviour_cap must be > 0, got {self.behaviour_cap}")
 
-    def __call__(
-        self,
-        logprobs: Tensor,
-        behaviour_logprobs: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        proximal_logprobs: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
+    def _per_token(
+        self, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None
     ) -> tuple[Tensor, Metrics]:
-        m = _check(logprobs, behaviour_logprobs, advantages, mask, proximal_logprobs, ref_logprobs)
-        prox = (behaviour_logprobs if proximal_logprobs is None else proximal_logprobs).detach()
-        weight = torch.exp(prox - behaviour_logprobs.detach())
+        prox = (behaviour if prox is None else prox).detach()
+        weight = torch.exp(prox - behaviour.detach())
         if self.behaviour_cap is not None:
             weight = weight.clamp(max=self.behaviour_cap)
-        adv = advantages.detach()[:, None]
         r = torch.exp(logprobs - prox)
         surrogate = torch.minimum(r * adv, r.clamp(1 - self.clip_eps, 1 + self.clip_eps) * adv)
         per_token = -weight * surrogate
         with torch.no_grad():
             clipped = ((r - 1).abs() > self.clip_eps) & (r * adv > surrogate)
             metrics = {
-                "off_policy/clipped_fraction": float(_masked_mean(clipped.to(m.dtype), m)),
-                "off_policy/behaviour_weight_mean": float(_masked_mean(weight, m)),
+                "off_policy/clipped_fraction": float(_masked_mean(clipped.to(mask.dtype), mask)),
+                "off_policy/behaviour_weight_mean": float(_masked_mean(weight, mask)),
             }
-        return _finish(
-            per_token, logprobs, behaviour_logprobs, m, ref_logprobs, self.kl_coef, metrics
-        )
+        return per_token, metrics
 
 
 @register_policy_loss("icepop")
 @dataclass(frozen=True)
-class IcePop:
+class IcePop(_TokenLoss):
     """IcePop: drop tokens whose ratio ``pi/mu`` leaves ``[low, high]``.
 
     Kept tokens get the importance-weighted gradient ``rho * A * grad log pi``
@@ -301,25 +323,14 @@ class IcePop:
 
     def keep(self, logprobs: Tensor, behaviour_logprobs: Tensor) -> Tensor:
         """Boolean (B, T): tokens whose ratio lies in [low, high]."""
-        ratio = torch.exp(logprobs.detach() - behaviour_logprobs.detach())
+        ratio = _is_ratio(logprobs, behaviour_logprobs)
         return (ratio >= self.low) & (ratio <= self.high)
 
-    def __call__(
-        self,
-        logprobs: Tensor,
-        behaviour_logprobs: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        proximal_logprobs: Tensor | None = None,
-        ref_logprobs: Tensor | None = None,
+    def _per_token(
+        self, logprobs: Tensor, behaviour: Tensor, adv: Tensor, mask: Tensor, prox: Tensor | None
     ) -> tuple[Tensor, Metrics]:
-        m = _check(logprobs, behaviour_logprobs, advantages, mask, ref_logprobs)
-        ratio = torch.exp(logprobs.detach() - behaviour_logprobs.detach())
-        keep = self.keep(logprobs, behaviour_logprobs).to(m.dtype)
-        per_token = -keep * ratio * advantages.detach()[:, None] * logprobs
-        masked = float(_masked_mean(1 - keep, m))
-        metrics = {"off_policy/masked_fraction": masked}
-        return _finish(
-            per_token, logprobs, behaviour_logprobs, m, ref_logprobs, self.kl_coef, metrics
-        )
+        ratio = _is_ratio(logprobs, behaviour)
+        keep = self.keep(logprobs, behaviour).to(mask.dtype)
+        per_token = -keep * ratio * adv * logprobs
+        masked = float(_masked_mean(1 - keep, mask))
+        return per_token, {"off_policy/masked_fraction": masked}

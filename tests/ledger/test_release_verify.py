@@ -20,7 +20,7 @@ import torch
 
 from ledger import release_layout as L
 from ledger.release import ReleaseError, verify_release
-from tests.release_world import TRAINER, VALIDATOR, World, build_world
+from tests.release_world import TRAINER, VALIDATOR, World, release_fixtures
 from trainer.release import build_release
 from verify.errors import Reason
 from verify.hashing import BLOB, blake3_digest
@@ -28,17 +28,7 @@ from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
 from verify.types import ReleaseFile, ReleaseManifest, SignedRelease, canonical_bytes, decode
 
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return build_world(tmp_path_factory.mktemp("world"))
-
-
-@pytest.fixture(scope="module")
-def release(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(ledger=world.ledger, out=tmp_path_factory.mktemp("r") / "release",
-                         base_model=world.model, trainer_key=TRAINER, eval_problems=4, k=2,
-                         progress=False)
+world, release = release_fixtures(eval_problems=4)
 
 
 def _verify(path: Path, **kw: object):  # noqa: ANN202

@@ -13,7 +13,8 @@ import torch
 
 from rollout import sync as sync_mod
 from rollout.sync import PolicySync, base_model_digest, layer_stages
-from tests.trainer.test_publish import TRAINER, run_chain, tiny_llama
+from tests.release_world import tiny_llama, tiny_llama_fixtures
+from tests.trainer.test_publish import TRAINER, run_chain
 from trainer.publish import LocalPolicyStore
 from trainer.stages import partition_layers
 from verify.errors import Reason, VerificationError
@@ -23,14 +24,7 @@ from verify.types import PolicyManifest, SignedManifest, decode
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tied"), tied=True, layers=3)
+untied, tied = tiny_llama_fixtures()
 
 
 def make_sync(model_dir: Path, store: LocalPolicyStore, num_stages: int, **kw) -> PolicySync:

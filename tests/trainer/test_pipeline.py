@@ -39,20 +39,21 @@ from verify.spotcheck import LogprobOracle, OracleRequest
 
 VOCAB, B, T, M = 32, 8, 12, 4
 LR = 1e-2
+# Shape of every test model here: 4 layers, 4 query heads over 2 key/value heads.
+DIMS: dict[str, int] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+}
 
 
 def _make_model(path: Path, tied: bool) -> Path:
     torch.manual_seed(1234)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        tie_word_embeddings=tied,
-    )
+    config = LlamaConfig(**DIMS, tie_word_embeddings=tied)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
 
@@ -293,19 +294,10 @@ def test_other_llama_layouts_split_exactly(tmp_path: Path, arch: str) -> None:
     from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(5)
-    dims = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-    )
     if arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**dims, tie_word_embeddings=True))
+        model = Qwen2ForCausalLM(Qwen2Config(**DIMS, tie_word_embeddings=True))
     else:
-        model = MistralForCausalLM(MistralConfig(**dims, sliding_window=4))
+        model = MistralForCausalLM(MistralConfig(**DIMS, sliding_window=4))
     model.eval().save_pretrained(tmp_path)
     batch = _batch()
     want = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.release_world import tiny_llama_fixtures, train_step
 from trainer.publish import (
     LocalPolicyStore,
     PublishHook,
@@ -28,36 +29,6 @@ CODECS = {
     "int8": ("int8-block", {"block_size": 64}),
     "topk": ("topk", {"fraction": 0.02, "int8": True}),
 }
-
-
-def tiny_llama(path: Path, *, tied: bool, layers: int = 2, seed: int = 0) -> Path:
-    """A random Llama of about 40k parameters with the character tokenizer."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from trainer.tokenizer import build_char_tokenizer
-
-    tok = build_char_tokenizer()
-    torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=64, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=tied)
-    LlamaForCausalLM(config).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
-
-
-def train_step(stages: list[Stage], gen: torch.Generator, lr: float = 1e-3) -> None:
-    """A stand-in optimizer step: noise on every parameter; tied copies get the same update."""
-    with torch.no_grad():
-        shared: dict[str, torch.Tensor] = {}
-        for stage in stages:
-            for name, p in stage.named_parameters():
-                key = stage.tied_copies.get(name, name)
-                if key not in shared:
-                    shared[key] = lr * torch.randn(p.shape, generator=gen)
-                p.add_(shared[key])
 
 
 def run_chain(
@@ -85,14 +56,7 @@ def run_chain(
     return stages, pubs, sealed
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("untied"), tied=False)
-
-
-@pytest.fixture(scope="module")
-def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_llama(tmp_path_factory.mktemp("tied"), tied=True, layers=3)
+untied, tied = tiny_llama_fixtures()
 
 
 def _state(n: int = 300, seed: int = 0) -> dict[str, torch.Tensor]:

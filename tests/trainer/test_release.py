@@ -17,7 +17,7 @@ from ledger.records import EvalRecorded
 from node.client import ServiceError, ValidatorClient
 from node.validator.server import BackgroundServer
 from node.validator.service import create_app
-from tests.release_world import TRAINER, VALIDATOR, World, build_world
+from tests.release_world import TRAINER, VALIDATOR, World, release_fixtures
 from trainer.evals import EvalReport, Metric, eval_statement, evaluate, report_from_statement
 from trainer.release import build_release
 from verify.errors import AdmissionError, ConfigError, Reason
@@ -31,16 +31,7 @@ REPORT = EvalReport("m", "arithmetic", "heldout", 5,
                     (Metric("pass@1 (greedy)", 0.4, 0.1, 0.8, 5), Metric("pass@2", 0.6, 0.2, 0.9, 5)))
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return build_world(tmp_path_factory.mktemp("world"))
-
-
-@pytest.fixture(scope="module")
-def release(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_release(ledger=world.ledger, out=tmp_path_factory.mktemp("r") / "release",
-                         base_model=world.model, trainer_key=TRAINER, eval_problems=6, k=2,
-                         progress=False)
+world, release = release_fixtures(eval_problems=6)
 
 
 def _statement(version: int, digest: bytes, key: SigningKey = TRAINER) -> SignedEvalStatement:
