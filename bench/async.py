@@ -4,7 +4,9 @@ Both runs use the same honest population (sixteen consumer machines that
 generate 20x slower than this one, over heavy-tailed lognormal wide-area
 links, median 0.8 s, each uploading one group while it generates the next:
 ``uploads = 2``, ``prooftrain contributor --uploads 2``), the same seeds and
-the same number of optimizer steps; only ``trainer.mode`` differs. A step takes eight groups: sync trains only on
+the same number of optimizer steps and the demo's learning recipe (rollouts at
+temperature 0.5, truncated IS capped at 2, a cosine schedule from 1.2e-4); only
+``trainer.mode`` differs. A step takes eight groups: sync trains only on
 rollouts of the current version, so after each publication it waits for fresh
 generations while work started under the older version is wasted and the
 trainer idles; async trains on whatever arrived within the staleness bound
@@ -20,7 +22,7 @@ the last line of stdout:
                                              whole run / async's time to target
   async_evals / sync_evals                   every held-out eval as [simulated s, pass@1]
 
-    python bench/async.py [--steps 40] [--target 0.27] [--uploads 2]
+    python bench/async.py [--steps 80] [--target 0.30] [--uploads 2]
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ compute_speed = 0.05
 group_size = 8
 max_tokens = 8
 max_staleness = 4
+temperature = 0.5
 [trainer]
 steps = {steps}
 batch_groups = 8
 learning_rate = {lr}
+lr_schedule = "cosine"
+warmup_steps = 10
+min_lr_ratio = 0.1
+loss = {{ name = "tis", params = {{ cap = 2.0 }} }}
 eval_every = {eval_every}
 eval_problems = 500
 mode = "{mode}"
@@ -90,9 +97,9 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--target", type=float, default=0.27)
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--target", type=float, default=0.30)
+    parser.add_argument("--lr", type=float, default=1.2e-4, help="peak learning rate (cosine schedule)")
     parser.add_argument("--uploads", type=int, default=2,
                         help="groups each contributor may have uploading while it generates the next "
                         "(1: it waits for each verdict)")

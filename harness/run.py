@@ -127,15 +127,15 @@ class Simulation:
 
         A contributor that fell idle while the trainer was busy (between two
         pumps) starts its next job when it fell idle, not when the trainer next
-        waits, and goes on until it reaches the present: contributors work while
-        the trainer trains.
+        waits: contributors work while the trainer trains. It starts at most
+        ``uploads`` groups per pump: their compute runs on this machine, so
+        generation follows the trainer's demand instead of racing ahead of it.
         """
-        for m in self.members:  # each catches up on every group it could have started by now
-            while not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t):
-                before = m.free_at
-                self._start(m, at=max(m.free_at, self._pumped_at))
-                if m.free_at <= before:
+        for m in self.members:
+            for _ in range(m.spec.uploads):  # at most a full upload pipeline per pump
+                if m.retired or m.free_at > self.t or not self.sim.is_online(m.spec.id, self.t):
                     break
+                self._start(m, at=max(m.free_at, self._pumped_at))
         nxt = self.queue.next_ready_at()
         if nxt is None:
             waiting = [m.free_at for m in self.members if not m.retired]

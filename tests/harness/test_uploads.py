@@ -6,8 +6,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from harness.run import free_after
-from harness.scenario import GroupSpec
+from harness.network import DeliveryQueue
+from harness.run import Member, Simulation, free_after
+from harness.scenario import ContributorSpec, GroupSpec
 
 
 def test_one_upload_waits_for_the_group_to_arrive() -> None:
@@ -42,3 +43,37 @@ def test_scenario_uploads_is_checked() -> None:
     assert GroupSpec().uploads == 1
     with pytest.raises(ValueError, match="uploads"):
         GroupSpec(uploads=0)
+
+
+class _Always:
+    def is_online(self, contributor: str, t: float) -> bool:
+        return True
+
+
+def _pumping(uploads: int, cycle: float, t: float) -> tuple[Simulation, list[float]]:
+    """A simulation at time ``t`` with one contributor whose every group takes ``cycle``
+    to generate and 0.05 s to upload; returns it and the list its starts go to."""
+    sim = Simulation.__new__(Simulation)
+    sim.t, sim._pumped_at, sim.queue, sim.sim = t, 0.0, DeliveryQueue(), _Always()
+    spec = ContributorSpec(id="c00-honest", strategy="honest", params={}, network="default",
+                           churn=False, uploads=uploads, seed=1)
+    member = Member(spec, None, None, None)  # type: ignore[arg-type]
+    sim.members = [member]
+    starts: list[float] = []
+
+    def start(m: Member, at: float) -> None:
+        starts.append(at)
+        m.uploading, m.free_at = free_after([*m.uploading, at + cycle + 0.05], at + cycle, uploads)
+
+    sim._start = start  # type: ignore[method-assign]
+    return sim, starts
+
+
+@pytest.mark.parametrize("uploads", [1, 2, 4])
+def test_a_pump_starts_at_most_a_full_pipeline(uploads: int) -> None:
+    # The trainer was busy for 10 s; generation takes 0.1 s: the contributor could have
+    # started 100 groups, but its compute runs here, so it starts what its pipeline holds.
+    sim, starts = _pumping(uploads, 0.1, 10.0)
+    sim.pump()
+    assert len(starts) == uploads
+    assert starts == pytest.approx([0.1 * i for i in range(uploads)])
