@@ -31,8 +31,10 @@ a submitter reaches :meth:`Contributor.run` and ends it as if raised inline,
 and ``run`` returns only once no submission is in flight.
 
 Transient failures (connection errors, 429) are retried with exponential
-backoff by the client; a refused submission is counted, reported and dropped;
-a refused key (unknown or banned) stops the loop.
+backoff by the client; a group the validator is still too busy to take is sent
+again after a pause, until it is answered (its assignment's expiry ends this);
+a refused submission is counted, reported and dropped; a refused key (unknown
+or banned) stops the loop.
 """
 
 from __future__ import annotations
@@ -62,6 +64,8 @@ from verify.types import PolicyManifest, SignedManifest, Verdict, canonical_byte
 _LOAD_LOCK = threading.Lock()
 # A refused key ends the loop; every other refusal drops one group.
 _STOP = (Reason.UNKNOWN_KEY, Reason.BANNED_KEY)
+# A busy validator has not judged the group (or is still recording it): send it again.
+_BUSY = (Reason.BACKPRESSURE, Reason.RATE_LIMITED)
 
 
 @dataclass
@@ -86,6 +90,7 @@ class Contributor:
         self.codec = HFTextCodec(self.base)
         self.log = log
         self.stats = ContributorStats()
+        self._idle_s = 1.0  # pause before sending again to a busy validator (run's idle_s)
         self._state_lock = threading.Lock()  # every read-modify-write of the state file
         self._stats_lock = threading.Lock()  # stats and the refusal log line
         info = client.info()
@@ -176,20 +181,20 @@ class Contributor:
         return group
 
     def _submit(self, raw: bytes) -> list[Verdict]:
-        """Submit one pending group and drop it once answered. A refusal is counted
+        """Submit one pending group and drop it once answered. A busy validator (still
+        busy after the client's retries) gets the same bytes again after a pause,
+        until it answers; the assignment's expiry bounds this. A refusal is counted
         and returns no verdicts; a refused key is re-raised. Any other exception
         leaves the group pending, to be resubmitted after a restart."""
-        try:
-            signed = self.client.submit(raw)
-        except ServiceError as exc:
-            with self._stats_lock:
-                self.stats.rejected += 1
-                self.stats.reasons[exc.reason.value] = self.stats.reasons.get(exc.reason.value, 0) + 1
-                self.log(f"submission refused: {exc}")
-            self._drop_pending(raw.hex())
-            if exc.reason in _STOP:
-                raise
-            return []
+        while True:
+            try:
+                signed = self.client.submit(raw)
+                break
+            except ServiceError as exc:
+                if exc.reason not in _BUSY:
+                    return self._refused(raw, exc)
+                self.log(f"validator busy: {exc}; sending the group again in {self._idle_s:g} s")
+                time.sleep(self._idle_s)
         verdicts = [open_sealed(Verdict, s, self.validator) for s in signed]
         self._drop_pending(raw.hex())
         with self._stats_lock:
@@ -201,6 +206,16 @@ class Contributor:
                     self.stats.rejected += 1
                     self.stats.reasons[v.reason] = self.stats.reasons.get(v.reason, 0) + 1
         return verdicts
+
+    def _refused(self, raw: bytes, exc: ServiceError) -> list[Verdict]:
+        with self._stats_lock:
+            self.stats.rejected += 1
+            self.stats.reasons[exc.reason.value] = self.stats.reasons.get(exc.reason.value, 0) + 1
+            self.log(f"submission refused: {exc}")
+        self._drop_pending(raw.hex())
+        if exc.reason in _STOP:
+            raise exc
+        return []
 
     def step(self) -> list[Verdict]:
         """One group, start to finish: the oldest pending group, else a new one."""
@@ -216,6 +231,7 @@ class Contributor:
         ``uploads`` groups are pending at once, and none is in flight on return,
         whether ``run`` returns or raises.
         """
+        self._idle_s = idle_s
         backlog = [bytes.fromhex(p["group"]) for p in self.pending()]
         pool: Executor = (_Inline() if self.uploads == 1
                           else ThreadPoolExecutor(self.uploads, thread_name_prefix="prooftrain-upload"))

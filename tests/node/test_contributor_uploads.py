@@ -259,3 +259,26 @@ def test_concurrent_state_updates_lose_nothing(node, tmp_path: Path, tiny_model:
     left = worker.pending()
     assert sorted(e["group"] for e in left) == sorted(e["group"] for mine in entries for e in mine[1::2])
     assert all(left.index(a) < left.index(b) for mine in entries for a, b in zip(mine[1::2], mine[3::2], strict=False))
+
+
+@pytest.mark.parametrize("uploads", [1, 2])
+def test_a_busy_validator_gets_the_group_again_not_a_drop(node, tmp_path: Path, tiny_model: Path,  # type: ignore[no-untyped-def]
+                                                          uploads: int) -> None:
+    v, url = node
+
+    def busy_first(n: int, raw: bytes, answer: object) -> None:
+        if n == 0:  # the group got in, but the answer came back as "busy"
+            raise ServiceError(429, Reason.BACKPRESSURE.value, "audit queue is full")
+
+    client = Probe(url, _state(tmp_path), on_submit=busy_first, max_assigns=1)
+    client.register("alice")
+    log: list[str] = []
+    size = v.ledger.size()
+    stats = _contributor(client, tmp_path, tiny_model, uploads=uploads, log=log).run(groups=1, idle_s=0.01)
+
+    assert client.assigns == 1 and client.submits == 2  # the same group, sent twice
+    assert stats.submitted == 1 and stats.accepted == 4 and stats.rejected == 0 and not stats.reasons
+    assert any(line.startswith("validator busy:") for line in log)
+    assert v.ledger.size() > size and json.loads(_state(tmp_path).read_text()) == {"pending": []}
+    recorded = [r for _, r in v.ledger.entries(size) if type(r).__name__ == "VerdictRecorded"]
+    assert len(recorded) == 4  # judged once
