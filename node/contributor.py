@@ -75,6 +75,10 @@ class ContributorStats:
     rejected: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
 
+    def reject(self, reason: str) -> None:
+        self.rejected += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
 
 class Contributor:
     def __init__(self, client: ValidatorClient, key: SigningKey, base_model_dir: Path, state_dir: Path,
@@ -90,7 +94,6 @@ class Contributor:
         self.codec = HFTextCodec(self.base)
         self.log = log
         self.stats = ContributorStats()
-        self._idle_s = 1.0  # pause before sending again to a busy validator (run's idle_s)
         self._state_lock = threading.Lock()  # every read-modify-write of the state file
         self._stats_lock = threading.Lock()  # stats and the refusal log line
         info = client.info()
@@ -180,9 +183,9 @@ class Contributor:
         self._add_pending({"assignment": canonical_bytes(sealed).hex(), "group": group.hex()})
         return group
 
-    def _submit(self, raw: bytes) -> list[Verdict]:
+    def _submit(self, raw: bytes, idle_s: float = 1.0) -> list[Verdict]:
         """Submit one pending group and drop it once answered. A busy validator (still
-        busy after the client's retries) gets the same bytes again after a pause,
+        busy after the client's retries) gets the same bytes again after ``idle_s``,
         until it answers; the assignment's expiry bounds this. A refusal is counted
         and returns no verdicts; a refused key is re-raised. Any other exception
         leaves the group pending, to be resubmitted after a restart."""
@@ -193,8 +196,8 @@ class Contributor:
             except ServiceError as exc:
                 if exc.reason not in _BUSY:
                     return self._refused(raw, exc)
-                self.log(f"validator busy: {exc}; sending the group again in {self._idle_s:g} s")
-                time.sleep(self._idle_s)
+                self.log(f"validator busy: {exc}; sending the group again in {idle_s:g} s")
+                time.sleep(idle_s)
         verdicts = [open_sealed(Verdict, s, self.validator) for s in signed]
         self._drop_pending(raw.hex())
         with self._stats_lock:
@@ -203,14 +206,12 @@ class Contributor:
                 if v.accepted:
                     self.stats.accepted += 1
                 else:
-                    self.stats.rejected += 1
-                    self.stats.reasons[v.reason] = self.stats.reasons.get(v.reason, 0) + 1
+                    self.stats.reject(v.reason)
         return verdicts
 
     def _refused(self, raw: bytes, exc: ServiceError) -> list[Verdict]:
         with self._stats_lock:
-            self.stats.rejected += 1
-            self.stats.reasons[exc.reason.value] = self.stats.reasons.get(exc.reason.value, 0) + 1
+            self.stats.reject(exc.reason.value)
             self.log(f"submission refused: {exc}")
         self._drop_pending(raw.hex())
         if exc.reason in _STOP:
@@ -231,7 +232,6 @@ class Contributor:
         ``uploads`` groups are pending at once, and none is in flight on return,
         whether ``run`` returns or raises.
         """
-        self._idle_s = idle_s
         backlog = [bytes.fromhex(p["group"]) for p in self.pending()]
         pool: Executor = (_Inline() if self.uploads == 1
                           else ThreadPoolExecutor(self.uploads, thread_name_prefix="prooftrain-upload"))
@@ -253,7 +253,7 @@ class Contributor:
                     self.log(f"validator busy: {exc}; waiting {idle_s:.0f} s")
                     time.sleep(idle_s)
                     continue
-                inflight.add(pool.submit(self._submit, raw))
+                inflight.add(pool.submit(self._submit, raw, idle_s))
                 finished = {f for f in inflight if f.done()}
                 inflight -= finished
                 self._settle(finished, answered)
