@@ -1,0 +1,94 @@
+"""The numerics of weight deltas: blockwise int8 quantisation and payload arrays.
+
+Invariants:
+
+* Decoding is bit-identical on every machine: int8 -> float32 is exact, then
+  one IEEE float32 multiply by the block scale; nothing is summed, fused or
+  reordered. Scale conversions (bfloat16, float16 -> float32) are exact.
+* The encoder rounds each scale *up* to its storage type and quantises against
+  the stored scale, so |q| <= 127 without clipping and the decoder's product is
+  exactly what the encoder meant.
+* Decoders refuse non-canonical or hostile payloads with a
+  :class:`~verify.errors.DecodeError`: non-finite values, negative or non-finite
+  scales, q = -128, and indices that are not strictly increasing below numel.
+  Payload lengths are checked by the caller (``parse_header``) beforehand.
+
+Pure: bytes and arrays in, arrays or bytes out.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from verify.delta_format import ScaleDtype, decode_error
+from verify.errors import Reason
+
+
+def n_blocks(n: int, block: int) -> int:
+    """ceil(n / block): the number of scales for ``n`` values in blocks of ``block``."""
+    return -(-n // block)
+
+
+def quantize_int8(x: Tensor, block: int, scale_dtype: ScaleDtype) -> tuple[bytes, bytes]:
+    """Blockwise absmax int8 of a 1-D float32 tensor -> (scale bytes, q bytes).
+
+    Each scale is absmax/127 rounded *up* to ``scale_dtype``, and q is computed
+    against that stored scale, so |q| <= 127 without clipping, the error is at most
+    half a step, and the decoder's product is exactly what the encoder meant.
+    """
+    n = x.numel()
+    nb = n_blocks(n, block)
+    padded = torch.zeros(nb * block, dtype=torch.float32)
+    padded[:n] = x
+    blocks = padded.view(nb, block)  # (nb, B)
+    scale = blocks.abs().amax(dim=1) / 127.0  # (nb,)
+    if scale_dtype is not ScaleDtype.FLOAT32:
+        dt = scale_dtype.torch_dtype
+        top = torch.finfo(dt).max
+        low = scale.clamp(max=top).to(dt)
+        up = torch.nextafter(low, torch.full_like(low, top))
+        scale = torch.where(low.to(torch.float32) < scale, up, low).to(torch.float32)
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(blocks / safe[:, None]).clamp(-127, 127)
+    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q)).to(torch.int8).flatten()[:n]
+    return scale_dtype.pack(scale), q.numpy().tobytes()
+
+
+def dequantize_int8(buf: memoryview, n: int, block: int, scale_dtype: ScaleDtype) -> np.ndarray:
+    """Inverse of :func:`quantize_int8`: float32 (n,) = float32(q) * float32(scale)."""
+    nb = n_blocks(n, block)
+    scales = scale_dtype.unpack(buf, nb)
+    if not np.isfinite(scales).all() or np.signbit(scales).any():
+        raise decode_error("block scale is negative or not finite", Reason.MALFORMED)
+    q = np.frombuffer(buf, dtype=np.int8, count=n, offset=nb * scale_dtype.itemsize)
+    if (q == -128).any():
+        raise decode_error("int8 value -128 is not canonical", Reason.MALFORMED)
+    return q.astype(np.float32) * np.repeat(scales, block)[:n]
+
+
+def values_f32(buf: memoryview, n: int, offset: int = 0) -> np.ndarray:
+    """float32 (n,) read little-endian from ``buf`` at ``offset``; every value finite."""
+    values = np.frombuffer(buf, dtype="<f4", count=n, offset=offset).astype(np.float32)
+    if not np.isfinite(values).all():
+        raise decode_error("delta value is not finite", Reason.MALFORMED)
+    return values
+
+
+def sparse_indices(buf: memoryview, nnz: int, numel: int) -> np.ndarray:
+    """int64 (nnz,) from u32 little-endian; strictly increasing and below ``numel``."""
+    idx = np.frombuffer(buf, dtype="<u4", count=nnz).astype(np.int64)
+    if nnz and (idx[-1] >= numel or (np.diff(idx) <= 0).any()):
+        raise decode_error("indices not strictly increasing below numel", Reason.MALFORMED)
+    return idx
+
+
+def as_f32(delta: Tensor) -> Tensor:
+    """A finite floating-point delta as a contiguous 1-D float32 CPU tensor (ValueError otherwise)."""
+    if not delta.is_floating_point():
+        raise ValueError(f"delta must be floating point, got {delta.dtype}")
+    x = delta.detach().to(device="cpu", dtype=torch.float32).contiguous().flatten()
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("delta has non-finite values")
+    return x
