@@ -1,0 +1,328 @@
+"""An in-process network: one validator core, N contributors, a policy-version registry.
+
+Everything a real run does except sockets: contributors answer signed
+assignments (honestly, or with a strategy from ``harness.adversaries``), the
+validator core admits, scores, spot-checks and records them in its ledger, and
+accepted samples are served by cursor (``fetch``, a ``trainer.buffer.SampleSource``).
+
+Policy versions: ``publish(version, stage)`` encodes the new weights as one
+compressed update (``trainer.publish.StagePublisher``: the configured codec with
+error feedback, a full snapshot every ``snapshot_every`` versions), puts the
+blob in the ledger's blob store, signs the manifest with the network's trainer
+key and records it with the validator, so assignments from then on name the
+new version and spot checks recompute under it. The registry
+(``harness.version_registry``, bounded to the staleness window) holds the *published copy*, the weights every contributor
+rebuilds from the chain (``rollout.sync.PolicySync``), not the trainer's own:
+contributors sample from it, spot checks recompute under it and evals score it.
+``publish_delay = s`` holds each version back for s further publications: the
+validator then assigns version v - s while the trainer is at v, which is how
+benchmarks emulate staleness s with every sample still verified.
+
+``fetch`` produces ``groups_per_fetch`` new groups when the stream has nothing
+past ``cursor`` (``auto_produce``), so a trainer loop can pull from it directly.
+
+Determinism: the network's keys and randomness are functions of fixed names
+and ``seed`` (a simulation holds no secrets), so a run repeats with its seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from harness.adversaries.base import Context, make_strategy
+from harness.version_registry import RegistryOracle, VersionRegistry
+from ledger.log import Ledger
+from node.config import ValidatorConfig, load
+from node.validator.core import Validator
+from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
+from node.validator.state import StateStore
+from rewards.tasks.base import generate as generate_problems
+from rollout.backends import TransformersBackend
+from rollout.oracle import UnknownPolicyVersion
+from rollout.sync import PolicySync
+from rollout.worker import answer
+from trainer.evals import EvalReport, eval_statement
+from trainer.publish import StagePublisher, build_manifest
+from verify.errors import AdmissionError, ConfigError
+from verify.keys import SigningKey
+from verify.signed import open_sealed
+from verify.spotcheck import FLOAT32_TOLERANCE
+from verify.types import SampleBatch, SignedManifest, Verdict, canonical_bytes, decode
+
+
+def simulation_entropy(seed: int, opened_at: int) -> Callable[[int], bytes]:
+    """The in-process validator's randomness (assignment ids, nonces, sampling seeds, epoch
+    secrets) as a blake3 stream of ``seed``, so a run repeats with its seed.
+
+    A simulation holds no secrets, as with its keys. ``opened_at`` (the ledger's size
+    when the network opens) separates a reopened network's stream from the first one's,
+    so a resumed run never reissues an assignment id or nonce.
+    """
+    stream = blake3.blake3(f"local-entropy/{seed}/{opened_at}".encode())
+    position = 0
+    lock = threading.Lock()
+
+    def entropy(n: int) -> bytes:
+        nonlocal position
+        with lock:
+            out = stream.digest(length=n, seek=position)
+            position += n
+        return out
+
+    return entropy
+
+
+def local_trainer_key() -> SigningKey:
+    """The in-process network's trainer key (deterministic: simulations are not secrets)."""
+    return SigningKey.from_seed(blake3.blake3(b"local-trainer").digest())
+
+
+def local_validator_key() -> SigningKey:
+    """The in-process network's validator (ledger) key, deterministic like the trainer's."""
+    return SigningKey.from_seed(blake3.blake3(b"local-validator").digest())
+
+
+@dataclass(frozen=True)
+class LocalSettings:
+    """What the in-process network is made of."""
+
+    contributors: int = 4
+    adversaries: tuple[str, ...] = ()
+    """Strategy names (``harness.adversaries``), one extra contributor each."""
+    group_size: int = 8
+    max_tokens: int = 8
+    temperature: float = 1.0
+    pool: int = 8192
+    task: str = "arithmetic"
+    seed: int = 0
+    audit_rate: float = -1.0
+    """-1: the reputation-driven rate; otherwise a fixed spot-check rate."""
+    max_staleness: int = 16
+    """The validator's admission staleness window."""
+    groups_per_fetch: int = 16
+    publish_delay: int = 0
+    codec: str = "int8-block"
+    """Codec of each published update (``verify.weights_codec.CODECS``)."""
+    codec_params: tuple[tuple[str, object], ...] = ()
+    snapshot_every: int = 50
+    """Every N-th version is a full snapshot; 0 never."""
+
+
+@dataclass
+class Stats:
+    submitted: int = 0
+    admission_errors: Counter[str] = field(default_factory=Counter)
+    verdicts: Counter[str] = field(default_factory=Counter)
+    audited: int = 0
+
+
+class LocalNetwork:
+    """See the module docstring. ``close()`` releases the ledger and state files."""
+
+    def __init__(
+        self, model_dir: str | Path, settings: LocalSettings = LocalSettings(), *,
+        work_dir: str | Path | None = None,
+    ) -> None:
+        self.settings = s = settings
+        self.model_dir = Path(model_dir)
+        self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="prooftrain-local-")
+        self.work_dir = Path(work_dir or self._tmp.name)  # type: ignore[union-attr]
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        self.registry = VersionRegistry(base.eval(), keep=s.max_staleness + s.publish_delay + 2)
+        self.codec = HFTextCodec(self.model_dir)
+        self.trainer_key = local_trainer_key()
+        vkey = local_validator_key()
+        cfg = load(ValidatorConfig, None, {
+            "assignment.group_size": s.group_size, "assignment.max_tokens": s.max_tokens,
+            "assignment.temperature": s.temperature, "audit.rate_override": s.audit_rate,
+            "policy.max_staleness": s.max_staleness + s.publish_delay,
+            "audit.epoch_groups": 64, "node.checkpoint_every": 256,
+        })
+        self.ledger = Ledger.open(self.work_dir / "ledger.sqlite", signing_key=vkey,
+                                  origin="prooftrain/local")
+        self.state = StateStore(self.work_dir / "state.sqlite")
+        self.versions = PolicyVersions(model_dir_digest(self.model_dir), self.trainer_key.public)
+        problems = generate_problems(s.task, "train", s.pool, seed=s.seed)
+        self.validator = Validator(cfg, vkey, self.ledger, self.state, self.codec,
+                                   RegistryOracle(self.registry), problems, self.versions,
+                                   FLOAT32_TOLERANCE,
+                                   entropy=simulation_entropy(s.seed, self.ledger.size()))
+        names = ["honest"] * s.contributors + list(s.adversaries)
+        self.contributors: list[tuple[SigningKey, str]] = []
+        for i, name in enumerate(names):
+            key = SigningKey.from_seed(blake3.blake3(f"local-contributor/{i}".encode()).digest())
+            self.validator.register(key.public.raw, f"{name}-{i}")
+            self.contributors.append((key, name))
+        self._turn = itertools.cycle(range(len(self.contributors)))
+        self._held: list[tuple[int, PreTrainedModel, SignedManifest]] = []  # not yet announced
+        self.publisher = StagePublisher.for_stage(base, 0, s.codec, dict(s.codec_params),
+                                                  s.snapshot_every)
+        self._parent: SignedManifest | None = None
+        self._pending_evals: list[tuple[int, EvalReport, int]] = []
+        self.stats = Stats()
+        current = self.versions.current  # > 0 when reopening a network's work_dir
+        if current:
+            self._restore_publisher(current)
+
+    def close(self) -> None:
+        self.ledger.close()
+        self.state.close()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    # -- rollouts
+
+    def _submit_one(self, index: int) -> None:
+        key, name = self.contributors[index]
+        try:
+            sealed = self.validator.assign(key.public.raw)
+            version = self.validator.open_assignment(sealed).policy_version
+            backend = TransformersBackend(self.registry[version])
+            if name == "honest":
+                group = answer(key, sealed, self.validator.key.public, backend, self.codec)
+                body = canonical_bytes(group)
+            else:
+                ctx = Context(key, backend, self.codec, self.validator.key.public,
+                              oracle=RegistryOracle(self.registry))
+                body = make_strategy(name).answer(ctx, sealed)
+            verdicts = self.validator.submit(body)
+        except AdmissionError as exc:
+            self.stats.admission_errors[exc.reason.value if exc.reason else "?"] += 1
+            return
+        self.stats.submitted += 1
+        for sv in verdicts:
+            v = open_sealed(Verdict, sv, self.validator.key.public)
+            self.stats.verdicts["accepted" if v.accepted else v.reason] += 1
+            self.stats.audited += int(v.audited)
+
+    def step(self, groups: int) -> None:
+        """Have the contributors answer ``groups`` assignments, round-robin."""
+        for _ in range(groups):
+            self._submit_one(next(self._turn))
+
+    def fetch(self, cursor: int, limit: int) -> SampleBatch:
+        """``trainer.buffer.SampleSource``: accepted samples from ledger index ``cursor``."""
+        batch = self.validator.samples(cursor, limit)
+        if not batch.samples and self.settings.groups_per_fetch > 0:
+            self.step(self.settings.groups_per_fetch)
+            batch = self.validator.samples(cursor, limit)
+        return batch
+
+    # -- policy versions
+
+    def publish(self, version: int, stage: torch.nn.Module) -> None:
+        """Trainer hook: publish ``version`` from a whole-model stage."""
+        self.publish_state(version, stage.state_dict())
+
+    def publish_state(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """Publish ``version`` from a full state dict under Hugging Face names.
+
+        The update is encoded, stored and signed now; the validator hears of it
+        after ``publish_delay`` further publications.
+        """
+        if version != self.publisher.version + 1:
+            raise ConfigError(f"the network has published version {self.publisher.version}; "
+                              f"cannot publish {version}")
+        update = self.publisher.update(state)
+        assert self.ledger.blobs is not None
+        self.ledger.blobs.put(update.blob)
+        sealed = build_manifest(version, self._parent, self.versions.base_digest, [update],
+                                self.publisher.codec_name, self.trainer_key, self.validator.clock())
+        self._parent = sealed
+        self._held.append((version, self._published_model(), sealed))
+        while len(self._held) > self.settings.publish_delay:
+            v, m, manifest = self._held.pop(0)
+            self.registry.add(v, m)
+            self.validator.publish_policy(manifest)
+        self._record_pending_evals()
+
+    def record_eval(self, version: int, report: EvalReport, *, seed: int) -> None:
+        """Sign the trainer's evaluation of ``version`` and record it in the ledger.
+
+        A version still held back (``publish_delay``) is recorded when it is announced.
+        """
+        self._pending_evals.append((version, report, seed))
+        self._record_pending_evals()
+
+    def _record_pending_evals(self) -> None:
+        current = self.validator.versions.current
+        while self._pending_evals and self._pending_evals[0][0] <= current:
+            version, report, seed = self._pending_evals.pop(0)
+            digest = self.versions.digest(version) if version else b""
+            self.validator.record_eval(eval_statement(
+                report, version=version, manifest_digest=digest or b"", task=report.task,
+                split=report.split, seed=seed, key=self.trainer_key,
+                created_at_ms=self.validator.clock()))
+
+    def _published_model(self) -> PreTrainedModel:
+        model = copy.deepcopy(self.registry[0])
+        self.publisher.load_into(model)
+        return model.eval()
+
+    def model(self, version: int) -> PreTrainedModel:
+        """The published weights of ``version``, announced or still held back."""
+        for v, m, _ in self._held:
+            if v == version:
+                return m
+        return self.registry[version]
+
+    def manifest(self, version: int) -> SignedManifest:
+        """The signed manifest of an announced ``version`` (as the validator recorded it)."""
+        raw = self.state.manifest(version)
+        if raw is None:
+            raise UnknownPolicyVersion(f"policy version {version} was never announced")
+        return decode(SignedManifest, raw, max_bytes=len(raw))
+
+    def adopt(self, version: int, stage: torch.nn.Module) -> None:
+        """After a trainer resume at ``version``: continue the published chain from there."""
+        self.adopt_state(version, stage.state_dict())
+
+    def adopt_state(self, version: int, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Resume publication at ``version``, which the validator must hold as current.
+
+        The published copy is rebuilt from the ledger's own chain of signed
+        manifests and blobs (every signature and digest checked), so the next
+        update continues exactly what contributors hold; the trainer's weights
+        (``state``) only need to be of the same model.
+        """
+        current = self.validator.versions.current
+        if current != version:
+            raise ConfigError(
+                f"the network's validator is at policy version {current} but the checkpoint "
+                f"is at {version}; resume needs a checkpoint of the last published version"
+            )
+        if self.publisher.version != version:
+            self._restore_publisher(version)
+
+    def _restore_publisher(self, version: int) -> None:
+        blobs = self.ledger.blobs
+        assert blobs is not None
+        sync = PolicySync(self.model_dir, self.trainer_key.public, self.manifest, blobs.get, 1)
+        rebuilt = sync.state_at(version)
+        own = self.publisher.published_state()
+        self.publisher.load_state({
+            "version": version, "own": {n: rebuilt[n] for n in own}, "mirror": {},
+            "residual": {},
+        })
+        self._parent = self.manifest(version) if version else None
+        if version:
+            self.registry.add(version, self._published_model())
+
+    def weight(self, contributor: bytes) -> float:
+        """Reputation score in (0, 1): a contributor weight for robust aggregation."""
+        return self.ledger.reputation(contributor).score
+
+    def weights(self, contributors: Sequence[bytes]) -> torch.Tensor:
+        return torch.tensor([self.weight(c) for c in contributors], dtype=torch.float64)
