@@ -1,0 +1,235 @@
+"""Attributed checks on one submitted group (phase B of admission in ``core``).
+
+By the time a group gets here every envelope has verified under the assigned
+contributor's key, so any failure is the contributor's and is recorded. The
+checks run in this order and stop at the first failing member:
+
+1. completeness: group indices are exactly ``0..G-1`` with no repeats
+   (DUPLICATE_GROUP_MEMBER / MISSING_GROUP_MEMBER);
+2. every header matches the signed assignment (its own reason, with evidence);
+3. the assignment has not expired; the policy version is within
+   ``policy.max_staleness`` of the current one;
+4. token ids lie in the vocabulary (MALFORMED); no completion was recorded
+   before (DUPLICATE_COMPLETION);
+5. the validator's own reward for every member;
+6. the keyed audit draw at the contributor's audit rate, then spot checks of
+   the drawn members (one shared forward pass per batch of groups);
+7. the pooled PIT uniformity test over the contributor's audited tokens.
+
+When a member fails, every other member of the group is GROUP_REJECTED.
+
+Invariants:
+- Completion digests of a group are reserved (in memory) before the store is
+  read for duplicates, and stay reserved until :meth:`GroupChecks.release`,
+  which the caller runs only after the group is recorded or abandoned: two
+  concurrent copies of one completion cannot both pass.
+- At most ``audit.queue`` groups wait for spot checks at once; one more is
+  refused with BACKPRESSURE, as is a group whose completion another group is
+  recording: nothing about it is recorded and its assignment stays open.
+- PIT values are pooled per contributor in non-overlapping windows of at least
+  ``audit.pit_min_tokens`` tokens: one test per window.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ledger.log import Ledger
+from node.config import ValidatorConfig
+from node.validator.commit import Batcher
+from node.validator.policy import PolicyVersions, TextCodec
+from node.validator.spot import (
+    SpotCheckFailed,
+    SpotCheckResult,
+    SpotJob,
+    build_evidence,
+    header_matches,
+    spot_check_jobs,
+)
+from node.validator.state import StateStore
+from rewards.base import Problem
+from rewards.registry import reward
+from verify.challenge import should_audit
+from verify.envelope import VerifiedRollout
+from verify.errors import AdmissionError, Reason, VerificationError
+from verify.hashing import COMPLETION, blake3_digest
+from verify.sampling import pit_uniformity_test
+from verify.spotcheck import DistributionOracle, Tolerance
+from verify.types import RolloutEnvelope, SignedAssignment, WorkAssignment, canonical_bytes
+
+
+@dataclass
+class Issued:
+    """An assignment open for submission: as sealed, as decoded, its problem and prompt ids."""
+
+    sealed: SignedAssignment
+    wire: WorkAssignment
+    problem: Problem
+    prompt_ids: tuple[int, ...]
+
+
+@dataclass
+class Member:
+    """One rollout of a group under judgement; ``reason`` is None while it passes."""
+
+    rollout: VerifiedRollout
+    envelope: RolloutEnvelope
+    reward: float = 0.0
+    audited: bool = False
+    reason: Reason | None = None
+    evidence: bytes = b""
+    pit: np.ndarray | None = None
+    completion: bytes = b""
+
+    @property
+    def raw(self) -> bytes:
+        """The envelope's canonical bytes (only evidence needs them)."""
+        return canonical_bytes(self.envelope)
+
+
+def fail(member: Member, reason: Reason) -> Member:
+    member.reason = reason
+    return member
+
+
+def completion_digest(rollout: VerifiedRollout) -> bytes:
+    h = rollout.header
+    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.tobytes(),
+                         rollout.logprobs.tobytes())
+
+
+class GroupChecks:
+    """Judges groups; holds the completion reservations, audit slots and PIT pools."""
+
+    def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore, codec: TextCodec,
+                 oracle: DistributionOracle, versions: PolicyVersions, tolerance: Tolerance,
+                 lock: threading.RLock, clock: Callable[[], int],
+                 metrics: dict[str, float]) -> None:
+        self.cfg, self.ledger, self.state = cfg, ledger, state
+        self.codec, self.oracle, self.versions, self.tolerance = codec, oracle, versions, tolerance
+        self.clock, self.metrics = clock, metrics
+        self._lock = lock
+        self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
+        # One spot-check forward pass at a time, shared by every group waiting for one.
+        self._auditor: Batcher[SpotJob, list[SpotCheckResult | SpotCheckFailed]] = Batcher(
+            self._spot_batch, max_batch=cfg.audit.queue)
+        self._pending_completions: set[bytes] = set()
+        self._pit: dict[bytes, list[np.ndarray]] = {}
+
+    def judge(self, issued: Issued, members: list[Member], secret: bytes,
+              reserved: set[bytes]) -> None:
+        """Set each member's ``reason`` (None: accepted); digests reserved go into ``reserved``.
+
+        Raises AdmissionError(BACKPRESSURE) when the group needs an audit slot and
+        none is free, or one of its completions is reserved by another group.
+        """
+        failed = self._group_checks(issued, members, reserved)
+        audit_rate = self._audit_rate(issued.wire.contributor_key)
+        drawn = [m for m in members if should_audit(secret, m.rollout.digest, audit_rate)]
+        needs_audit = failed is None and bool(drawn)
+        if needs_audit and not self._audit_slots.acquire(blocking=False):
+            raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
+        try:
+            if failed is None:
+                failed = self._score_and_audit(issued, members, drawn, secret)
+        finally:
+            if needs_audit:
+                self._audit_slots.release()
+        if failed is not None:
+            for m in members:
+                if m.reason is None:
+                    m.reason = Reason.GROUP_REJECTED
+
+    def release(self, reserved: set[bytes]) -> None:
+        """Drop completion reservations (their group is recorded or abandoned)."""
+        if reserved:
+            with self._lock:
+                self._pending_completions.difference_update(reserved)
+
+    def _group_checks(self, issued: Issued, members: list[Member],
+                      reserved: set[bytes]) -> Member | None:
+        a = issued.wire
+        indices = [m.rollout.header.group_index for m in members]
+        if len(set(indices)) != len(indices):
+            return fail(members[0], Reason.DUPLICATE_GROUP_MEMBER)
+        if sorted(indices) != list(range(a.group_size)):
+            return fail(members[0], Reason.MISSING_GROUP_MEMBER)
+        members.sort(key=lambda m: m.rollout.header.group_index)
+        for m in members:
+            try:
+                header_matches(m.rollout, a)
+            except VerificationError as exc:
+                m.evidence = build_evidence(exc.reason, m.raw, issued.sealed, issued.prompt_ids, [],
+                                            None, self.tolerance, str(exc))
+                return fail(m, exc.reason)
+        if self.clock() > a.expires_at_ms:
+            return fail(members[0], Reason.EXPIRED_ASSIGNMENT)
+        current = self.versions.current
+        if current - a.policy_version > self.cfg.policy.max_staleness:
+            return fail(members[0], Reason.STALE)
+        vocab = self.codec.vocab_size
+        for m in members:
+            m.completion = completion_digest(m.rollout)
+        digests = {m.completion for m in members}
+        with self._lock:  # reserve, then read the store: a racing copy sees one or the other
+            if not digests.isdisjoint(self._pending_completions):
+                raise AdmissionError("a group with the same completion is being recorded",
+                                     reason=Reason.BACKPRESSURE)
+            self._pending_completions.update(digests)
+            reserved.update(digests)
+        seen = self.state.seen_completions(list(digests))
+        for m in members:
+            if m.rollout.token_ids.size and int(m.rollout.token_ids.max()) >= vocab:
+                return fail(m, Reason.MALFORMED)
+            if m.completion in seen:
+                return fail(m, Reason.DUPLICATE_COMPLETION)
+        return None
+
+    def _audit_rate(self, contributor: bytes) -> float:
+        override = self.cfg.audit.rate_override
+        return override if override >= 0 else self.ledger.audit_rate(contributor)
+
+    def _score_and_audit(self, issued: Issued, members: list[Member], audited: list[Member],
+                         secret: bytes) -> Member | None:
+        texts = self.codec.decode_batch([m.rollout.token_ids.tolist() for m in members])
+        for m, text in zip(members, texts, strict=True):
+            m.reward = reward(issued.problem.task, text, issued.problem)
+        if audited:
+            results = self._auditor.run(SpotJob([m.rollout for m in audited], issued.prompt_ids, secret))
+            for m, result in zip(audited, results, strict=True):
+                m.audited = True
+                if isinstance(result, SpotCheckFailed):
+                    m.evidence = build_evidence(result.reason, m.raw, issued.sealed, issued.prompt_ids,
+                                                result.chunks, result.recomputed, self.tolerance,
+                                                str(result))
+                    return fail(m, result.reason)
+                m.pit = result.pit
+        return self._pit_check(issued.wire.contributor_key, members)
+
+    def _spot_batch(self, jobs: list[SpotJob]) -> list[list[SpotCheckResult | SpotCheckFailed]]:
+        results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
+        self.metrics["audit/batch_groups"] = float(len(jobs))
+        self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)
+        self.metrics["audit/batches"] = self.metrics.get("audit/batches", 0.0) + 1
+        return results
+
+    def _pit_check(self, contributor: bytes, members: list[Member]) -> Member | None:
+        audited = [m for m in members if m.pit is not None]
+        if not audited:
+            return None
+        with self._lock:
+            pool = self._pit.setdefault(contributor, [])
+            pool.extend(m.pit for m in audited if m.pit is not None)
+            pooled = np.concatenate(pool) if pool else np.zeros(0)
+            if pooled.size < self.cfg.audit.pit_min_tokens:
+                return None
+            self._pit[contributor] = []  # non-overlapping windows: one test per window
+        result = pit_uniformity_test(pooled, alpha=self.cfg.audit.pit_alpha)
+        self.metrics["verify/pit_last_p"] = result.p_value
+        if result.p_value < self.cfg.audit.pit_alpha:
+            return fail(audited[-1], Reason.SAMPLING_DISTRIBUTION)
+        return None

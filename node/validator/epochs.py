@@ -1,0 +1,97 @@
+"""The audit-draw epoch secret: committed, held by admissions, revealed, replaced.
+
+Which rollouts are spot-checked is a keyed draw (``verify.challenge.should_audit``)
+under a per-epoch secret. A contributor must not learn the secret while it can
+still choose what to submit under it, and an auditor must be able to re-check
+every draw afterwards. Hence the lifecycle of one epoch:
+
+1. Start: 32 fresh bytes from ``entropy``, stored in the state store, and
+   ``EpochCommitted(epoch, commitment)`` appended to the ledger.
+2. Use: each admission draws the secret (:meth:`EpochSecrets.draw`) and holds
+   it until its verdicts are in the ledger (:meth:`EpochSecrets.release`).
+3. End: once ``epoch_groups`` recorded submissions have been counted, no new
+   admission may draw the secret (they wait); when the last holder releases,
+   ``EpochRevealed(epoch, secret)`` is appended, the state store marks the
+   epoch revealed, and the next epoch starts.
+
+Invariants:
+- A secret is revealed only after every group drawn with it is recorded, so a
+  reveal can never help the group it keyed.
+- Epoch numbers increase by one from the last ``EpochCommitted`` in the
+  ledger; on start-up, every epoch the state store holds unrevealed is
+  revealed before a new one begins.
+- Once the validator serves requests, every epoch change happens under the
+  lock it shares with the validator, so no assignment or registration record
+  is appended between an ``EpochRevealed`` and the next ``EpochCommitted``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from ledger.log import Ledger
+from ledger.records import EpochCommitted, EpochRevealed
+from node.config import ValidatorConfig
+from node.validator.state import StateStore
+from verify.challenge import epoch_commitment
+
+
+class EpochSecrets:
+    """The current epoch and its secret, with the count of admissions holding it."""
+
+    def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore,
+                 lock: threading.RLock, clock: Callable[[], int],
+                 entropy: Callable[[int], bytes]) -> None:
+        self.cfg, self.ledger, self.state = cfg, ledger, state
+        self.clock, self.entropy = clock, entropy
+        self._lock = lock
+        self._cv = threading.Condition(lock)
+        self._users = 0  # admissions holding the current epoch's secret
+        self._rolling = False  # an epoch change waits for those admissions
+        self._submissions = 0  # recorded submissions in the current epoch
+        self.epoch = 0
+        self._secret = b""
+
+    def resume(self, last_epoch: int) -> None:
+        """Reveal epochs left unrevealed by a previous run, then start ``last_epoch + 1``."""
+        for epoch, secret in self.state.unrevealed_epochs():
+            self.ledger.append(EpochRevealed(epoch, secret, self.clock()))
+            self.state.mark_revealed(epoch)
+        self.epoch = last_epoch
+        self._start_next()
+
+    def _start_next(self) -> None:
+        with self._lock:
+            self.epoch += 1
+            self._secret = self.entropy(32)
+            self.state.put_epoch(self.epoch, self._secret)
+            self.ledger.append(EpochCommitted(self.epoch, epoch_commitment(self.epoch, self._secret),
+                                              self.clock()))
+            self._submissions = 0
+
+    def draw(self) -> bytes:
+        """The current epoch secret, held until :meth:`release`."""
+        with self._cv:
+            while self._rolling:
+                self._cv.wait()
+            self._users += 1
+            return self._secret
+
+    def release(self, recorded: bool) -> None:
+        """Count a recorded submission; end the epoch when due and nobody holds its secret."""
+        with self._cv:
+            self._users -= 1
+            if recorded:
+                self._submissions += 1
+                if self._submissions >= self.cfg.audit.epoch_groups:
+                    self._rolling = True
+            if not self._rolling or self._users:
+                return
+            try:
+                self.ledger.append(EpochRevealed(self.epoch, self._secret, self.clock()))
+                self.state.mark_revealed(self.epoch)
+                self._start_next()
+            finally:
+                self._rolling = False
+                self._cv.notify_all()

@@ -1,0 +1,152 @@
+"""Recording a judged group (phase C of admission in ``core``): verdicts, slashes, bodies.
+
+For each member, in order (group-index order once the group is complete), the
+ledger gets ``VerdictRecorded`` and, when its reason is in :data:`SLASHED`,
+``Slashed`` right after it (evidence inline, or in the blob store when over
+4 KiB). Each member also gets a signed ``Verdict``; accepted members get an
+``AcceptedSample`` body.
+
+Concurrent groups share one write (``node.validator.commit.GroupCommitter``):
+one state transaction for the accepted bodies, one ledger transaction for the
+records, then the stored answers for idempotent resubmission.
+
+Invariants:
+- Every record is checked (``check_record``) before the group is handed to
+  the batch, so a bad record fails its own group, never the batch.
+- Bodies are stored before the ledger records, so every accepted verdict in
+  the ledger has its body; stored answers come last, so an answer always has
+  its verdicts in the ledger.
+- :meth:`Recorder.record` returns only once the batch holding the group is
+  durable in the ledger.
+- A checkpoint (signed tree head) is requested with the batch that brings the
+  count of groups since the last one to ``node.checkpoint_every``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from ledger.log import Ledger
+from ledger.records import Record, Slashed, VerdictRecorded, check_record, evidence_digest
+from node.config import ValidatorConfig
+from node.validator.checks import Issued, Member, completion_digest
+from node.validator.commit import GroupCommitter
+from node.validator.state import StateStore
+from verify.errors import Reason
+from verify.keys import SigningKey
+from verify.signed import seal
+from verify.types import SCHEMA_VERSION, AcceptedSample, SignedVerdict, Verdict, canonical_bytes
+
+SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.DUPLICATE_COMPLETION,
+                     Reason.LOGPROB_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT,
+                     Reason.SAMPLER_REPLAY_MISMATCH})
+_U32 = np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class GroupWrite:
+    """What one admitted group stores: ledger records, accepted bodies, the answer."""
+
+    records: list[Record]
+    samples: list[tuple[bytes, bytes]]  # (envelope digest, AcceptedSample bytes)
+    completions: list[bytes]
+    submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, sealed verdicts)
+
+
+class Recorder:
+    """Seals verdicts and writes judged groups durably, several at a time."""
+
+    def __init__(self, cfg: ValidatorConfig, key: SigningKey, ledger: Ledger, state: StateStore,
+                 lock: threading.RLock, clock: Callable[[], int]) -> None:
+        self.cfg, self.key, self.ledger, self.state = cfg, key, ledger, state
+        self.clock = clock
+        self._lock = lock
+        self._records_since_checkpoint = 0
+        self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
+
+    def record(self, issued: Issued, members: list[Member], group_digest: bytes) -> list[SignedVerdict]:
+        """Build and seal the verdicts, then store them durably (group commit) before returning."""
+        a = issued.wire
+        now = self.clock()
+        records: list[Record] = []
+        samples: list[tuple[bytes, bytes]] = []
+        completions: list[bytes] = []
+        verdicts: list[SignedVerdict] = []
+        prompt_ids = np.asarray(issued.prompt_ids, _U32).tobytes()
+        for m in members:
+            h = m.rollout.header
+            accepted = m.reason is None
+            ev_digest = evidence_digest(m.evidence) if m.evidence else b""
+            audited = m.audited or (m.reason in SLASHED) or m.reason is Reason.SAMPLING_DISTRIBUTION
+            records.append(VerdictRecorded(a.contributor_key, a.assignment_id, h.group_index,
+                                           m.rollout.digest, accepted,
+                                           "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                                           audited, ev_digest, now))
+            if m.reason in SLASHED:
+                records.append(slash_record(self.ledger, a.contributor_key, m, now))
+            if accepted:
+                samples.append((m.rollout.digest, canonical_bytes(accepted_sample(m, prompt_ids))))
+                completions.append(m.completion or completion_digest(m.rollout))
+            verdict = Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
+                              m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                              m.reward, m.audited, ev_digest, now)
+            verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
+        for rec in records:  # a bad record fails this group alone, not its whole batch
+            check_record(rec)
+        submission = (a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
+        # Returns once durable in the ledger. Until then the group is in flight, so a
+        # resubmission gets BACKPRESSURE, never a second judgement.
+        self.committer.commit(GroupWrite(records, samples, completions, submission))
+        return verdicts
+
+    def _write_batch(self, batch: list[GroupWrite]) -> None:
+        """Several groups at once: their accepted bodies in one state transaction, their
+        verdicts and slashes in one ledger transaction, then their stored answers.
+
+        Bodies go first, so every accepted verdict in the ledger has its body; the
+        answers go last, so a stored answer always has its verdicts in the ledger.
+        """
+        samples = [row for w in batch for row in w.samples]
+        if samples:
+            self.state.put_samples(samples, [c for w in batch for c in w.completions])
+        self.ledger.append_many([r for w in batch for r in w.records],
+                                checkpoint=self._checkpoint_due(len(batch)))
+        self.state.put_submissions([w.submission for w in batch])
+
+    def _checkpoint_due(self, groups: int = 1) -> bool:
+        with self._lock:
+            self._records_since_checkpoint += groups
+            if self._records_since_checkpoint >= self.cfg.node.checkpoint_every:
+                self._records_since_checkpoint = 0
+                return True
+            return False
+
+
+def slash_record(ledger: Ledger, contributor: bytes, m: Member, now: int) -> Slashed:
+    """The ``Slashed`` record for a failed member; evidence over 4 KiB goes to the blob store."""
+    digest = evidence_digest(m.evidence)
+    inline = m.evidence
+    if len(inline) > 4096 and ledger.blobs is not None:
+        ledger.blobs.put(inline)
+        inline = b""
+    return Slashed(contributor, m.reason.value, f"group member {m.rollout.header.group_index}",  # type: ignore[union-attr]
+                   digest, inline, now)
+
+
+def accepted_sample(m: Member, prompt_ids: bytes) -> AcceptedSample:
+    """The stored body of an accepted member (``ledger_index`` is filled in when served)."""
+    h = m.rollout.header
+    return AcceptedSample(
+        ledger_index=0, envelope_digest=m.rollout.digest, contributor_key=h.contributor_key,
+        assignment_id=h.assignment_id, group_index=h.group_index, group_size=h.group_size,
+        policy_version=h.policy_version, task_id=h.task_id, prompt_id=h.prompt_id,
+        prompt_ids=prompt_ids,
+        token_ids=m.rollout.token_ids.tobytes(), logprobs=m.rollout.logprobs.tobytes(),
+        temperature=h.sampling.temperature, top_k=h.sampling.top_k, top_p=h.sampling.top_p,
+        reward=m.reward, audited=m.audited,
+    )
