@@ -1,7 +1,7 @@
 """Run a scenario end to end: a validator, a simulated population, the trainer, an event log.
 
 For each run (the scenario, the all-honest baseline, the no-defence ablation)
-the runner builds an in-process network (``harness.local``: a validator core
+the runner builds an in-process network (``harness.local_network``: a validator core
 with its ledger, a policy-version registry) and drives it in simulated time:
 
 * every contributor that is online and idle takes an assignment at the
@@ -48,9 +48,10 @@ from harness.events import (
     TrainStep,
 )
 from harness.events import Verdict as VerdictEvent
-from harness.local import LocalNetwork, LocalSettings, RegistryOracle
+from harness.local_network import LocalNetwork, LocalSettings
 from harness.network import DeliveryQueue, SimulatedNetwork
 from harness.scenario import ContributorSpec, Scenario
+from harness.version_registry import RegistryOracle
 from ledger.audit import verify_ledger
 from node.validator.core import SLASHED
 from rollout.backends import TransformersBackend

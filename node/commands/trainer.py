@@ -1,7 +1,7 @@
 """``prooftrain trainer``: the asynchronous off-policy RL trainer.
 
 Without ``--validator`` it trains against an in-process network
-(``harness.local``: a validator core and honest contributors, optionally
+(``harness.local_network``: a validator core and honest contributors, optionally
 adversaries); with ``--validator URL --trainer-key FILE`` against a validator
 node over HTTP (``trainer.remote``). Either way it prints the held-out eval
 table before and after training.
