@@ -175,6 +175,11 @@ class PipelineRunner:
         self._where = "idle"
         self._failed: PipelineError | None = None
 
+    @property
+    def ties_across_stages(self) -> bool:
+        """Whether the first and last stage hold copies of one tied embedding."""
+        return self._tied
+
     # -- public API
 
     def forward_backward(self, batch: Mapping[str, Any], loss_fn: LossFn) -> StepResult:

@@ -4,8 +4,14 @@ Per step, on every stage (every rank makes the same calls in the same order):
 
 1. for ppo-decoupled, the proximal logprobs (policy before this step) are
    computed without gradient;
-2. for each contributor c in the batch: zero the grads, ``forward_backward``
-   on c's rows only, flatten this stage's grads into row c of ``(n, d)``;
+2. one gradient row per contributor c, in ``(n, d)``: when the stage's
+   parameters allow it (``trainer.groupgrad``), one ``forward_backward`` of
+   the whole batch, rows ordered by contributor, with loss ``sum_c loss_c``
+   and every row's parameter contributions summed into its contributor's row;
+   otherwise, for each c, zero the grads, ``forward_backward`` on c's rows
+   only and flatten this stage's grads into row c. The two give the same rows
+   (up to float rounding): rows never interact, and loss_c sees only c's rows
+   either way;
 3. aggregate the n rows with the configured ``Aggregator`` (each stage
    aggregates its own shard; weights e.g. from reputation) and write the
    result back into ``.grad``;
@@ -28,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.batch import TrainBatch
+from trainer.groupgrad import GroupGradients
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
 from verify.aggregate import Aggregator
@@ -82,6 +89,14 @@ def write_grad(params: list[torch.nn.Parameter], flat: Tensor) -> None:
         offset += n
 
 
+def _all_stages(flags: list[bool]) -> list[bool]:
+    """Each flag ANDed over every pipeline stage (one all-reduce; local when S = 1)."""
+    local = torch.tensor([float(f) for f in flags])
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=dist.ReduceOp.MIN)
+    return [bool(v >= 1) for v in local]
+
+
 class RLStep:
     """Per-contributor gradients, robust aggregation, clip, optimizer step.
 
@@ -109,6 +124,9 @@ class RLStep:
         self.importance_sampling = importance_sampling
         self.proximal = proximal
         self.params = _params(runner.stage)
+        self.grouped = (GroupGradients.plan(runner.stage, self.params)
+                        if runner.num_microbatches == 1 and not runner.ties_across_stages else None)
+        """One pass for every contributor's gradient, or None: one pass per contributor."""
 
     def _loss_fn(self, logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
         mask = mb["target_mask"]
@@ -140,12 +158,26 @@ class RLStep:
         proximal = None
         if self.proximal:
             proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
-        names: list[int] = []
-        metric_rows: list[Metrics] = []
-        dropped = 0
         # One row per kept contributor, written in place: aggregation reads them as one matrix.
         rows_out = torch.empty((len(batch.contributors), sum(p.numel() for p in self.params)),
                                dtype=torch.float32)
+        if self.grouped is not None:
+            names, metric_rows, dropped = self._one_pass(batch, proximal, rows_out)
+        else:
+            names, metric_rows, dropped = self._pass_per_contributor(batch, proximal, rows_out)
+        labels = [batch.contributors[c].hex()[:8] for c in names]
+        metrics = self._apply(rows_out[: len(names)], names, labels, weights)
+        metrics["aggregate/dropped_nonfinite"] = float(dropped)
+        for key in metric_rows[0] if metric_rows else {}:
+            metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
+        return metrics
+
+    def _pass_per_contributor(
+        self, batch: TrainBatch, proximal: Tensor | None, rows_out: Tensor
+    ) -> tuple[list[int], list[Metrics], int]:
+        names: list[int] = []
+        metric_rows: list[Metrics] = []
+        dropped = 0
         for c in range(len(batch.contributors)):
             index = (batch.contributor == c).nonzero().flatten()
             if index.numel() == 0:
@@ -156,20 +188,52 @@ class RLStep:
             self.optimizer.zero_grad(set_to_none=False)
             result = self.runner.forward_backward(self._pad(rows), self._loss_fn)
             g = flat_grad(self.params, out=rows_out[len(names)])
-            finite = torch.tensor([float(all_finite(g))])
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                dist.all_reduce(finite, op=dist.ReduceOp.MIN)
-            if finite.item() < 1:
+            if not _all_stages([all_finite(g)])[0]:
                 dropped += 1
                 continue
             names.append(c)
             metric_rows.append(result.metrics)
-        labels = [batch.contributors[c].hex()[:8] for c in names]
-        metrics = self._apply(rows_out[: len(names)], names, labels, weights)
-        metrics["aggregate/dropped_nonfinite"] = float(dropped)
-        for key in metric_rows[0] if metric_rows else {}:
-            metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
-        return metrics
+        return names, metric_rows, dropped
+
+    def _one_pass(
+        self, batch: TrainBatch, proximal: Tensor | None, rows_out: Tensor
+    ) -> tuple[list[int], list[Metrics], int]:
+        assert self.grouped is not None
+        order = torch.argsort(batch.contributor, stable=True)
+        counts = torch.bincount(batch.contributor, minlength=len(batch.contributors)).tolist()
+        present = [c for c, n in enumerate(counts) if n]
+        bounds = torch.tensor([0, *counts]).cumsum(0).tolist()
+        segments = [(bounds[c], bounds[c + 1]) for c in present]
+        rows = batch.rows(order)
+        if proximal is not None:
+            rows["proximal_logprobs"] = proximal[order]
+
+        def loss_fn(logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
+            """sum_c loss_c; c's metrics under ``"c/key"`` (the runner shares them with
+            every stage)."""
+            total = logprobs.new_zeros(())
+            metrics: Metrics = {}
+            for i, (lo, hi) in enumerate(segments):
+                part = {k: v[lo:hi] if isinstance(v, Tensor) and v.dim() else v
+                        for k, v in mb.items()}
+                loss, own = self._loss_fn(logprobs[lo:hi], part)
+                total = total + loss
+                metrics.update({f"{i}/{k}": float(v) for k, v in own.items()})
+            return total, metrics
+
+        out = rows_out[: len(present)]
+        self.optimizer.zero_grad(set_to_none=False)
+        with self.grouped.capture(segments, out):
+            result = self.runner.forward_backward(rows, loss_fn)
+        per_contributor: list[Metrics] = [{} for _ in present]
+        for key, value in result.metrics.items():
+            i, _, name = key.partition("/")
+            per_contributor[int(i)][name] = value
+        keep = [i for i, ok in enumerate(_all_stages([all_finite(row) for row in out])) if ok]
+        if len(keep) < len(present):
+            rows_out[: len(keep)] = out[keep].clone()
+        return ([present[i] for i in keep], [per_contributor[i] for i in keep],
+                len(present) - len(keep))
 
     def _apply(
         self, stacked: Tensor, names: list[int], labels: list[str], weights: Tensor | None
