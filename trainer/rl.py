@@ -202,6 +202,8 @@ class RLStep:
         order = torch.argsort(batch.contributor, stable=True)
         counts = torch.bincount(batch.contributor, minlength=len(batch.contributors)).tolist()
         present = [c for c, n in enumerate(counts) if n]
+        if not present:
+            return [], [], 0
         bounds = torch.tensor([0, *counts]).cumsum(0).tolist()
         segments = [(bounds[c], bounds[c + 1]) for c in present]
         rows = batch.rows(order)
@@ -231,7 +233,7 @@ class RLStep:
             per_contributor[int(i)][name] = value
         keep = [i for i, ok in enumerate(_all_stages([all_finite(row) for row in out])) if ok]
         if len(keep) < len(present):
-            rows_out[: len(keep)] = out[keep].clone()
+            rows_out[: len(keep)] = out[keep]
         return ([present[i] for i in keep], [per_contributor[i] for i in keep],
                 len(present) - len(keep))
 
