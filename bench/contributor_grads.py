@@ -1,0 +1,139 @@
+"""Per-contributor gradients: one pass for the whole batch against one pass per contributor.
+
+Robust aggregation needs one gradient per contributor. ``trainer.rl.RLStep``
+computes them from one forward and backward pass over the whole batch
+(``trainer.groupgrad``); the baseline, measured in the same run, is the pass
+per contributor it falls back to. Both run the full RL step (loss, the
+``centered-clip`` aggregation, clip, optimizer step) on the demo base model,
+one torch thread, on batches shaped like ``bench/trust_overhead.py``'s:
+``--rows`` completions per contributor, ``--prompt`` + ``--completion`` tokens.
+
+Prints progress on stderr and one JSON object on the last line of stdout:
+
+  by_contributors   for each contributor count: one-pass and per-contributor step
+                    time (ms, best of --rounds alternating rounds) and their ratio
+  speedup           per-contributor / one-pass time at --contributors (default 8)
+  max_update_diff   largest |difference| between the two modes' parameter updates
+                    after one SGD step from the same weights (float rounding only)
+
+    python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench._util import emit  # noqa: E402
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def make_batch(contributors: int, rows: int, prompt: int, completion: int, vocab: int):  # type: ignore[no-untyped-def]
+    """One group of ``rows`` completions per contributor, rewards alternating 1/0."""
+    from trainer.batch import build_batch
+    from verify.types import AcceptedSample
+
+    rng = np.random.default_rng(0)
+    groups = []
+    for c in range(contributors):
+        aid, key = bytes([c]) * 16, bytes([c + 1]) * 32
+        ids = rng.integers(3, vocab, prompt).astype("<u4").tobytes()
+        groups.append(tuple(AcceptedSample(
+            ledger_index=0, envelope_digest=bytes([c, g]) * 16, contributor_key=key,
+            assignment_id=aid, group_index=g, group_size=rows, policy_version=0, task_id="t",
+            prompt_id=f"p{c}", prompt_ids=ids,
+            token_ids=rng.integers(3, vocab, completion).astype("<u4").tobytes(),
+            logprobs=(-rng.exponential(1.0, completion)).astype("<f4").tobytes(),
+            temperature=1.0, top_k=0, top_p=1.0, reward=float(g % 2), audited=False)
+            for g in range(rows)))
+    return build_batch(groups, 0)
+
+
+def make_step(model_dir: Path, lr: float, one_pass: bool):  # type: ignore[no-untyped-def]
+    from trainer.loop import ensure_process_group
+    from trainer.losses import get_policy_loss
+    from trainer.pipeline import PipelineRunner
+    from trainer.rl import RLStep
+    from trainer.stages import load_stage
+    from verify.aggregate import get_aggregator
+
+    ensure_process_group()
+    stage = load_stage(model_dir, 0, 1)
+    step = RLStep(PipelineRunner(stage, 0, 1), torch.optim.SGD(stage.parameters(), lr=lr),
+                  get_policy_loss("tis"), get_aggregator("centered-clip"), grad_clip=0.0)
+    if step.grouped is None:
+        raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
+    if not one_pass:
+        step.grouped = None
+    return step
+
+
+def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def]
+    deltas = []
+    for one_pass in (True, False):
+        step = make_step(model_dir, 1.0, one_pass)
+        before = torch.cat([p.detach().flatten().clone() for p in step.params])
+        step(batch)
+        deltas.append(before - torch.cat([p.detach().flatten() for p in step.params]))
+    return float((deltas[0] - deltas[1]).abs().max())
+
+
+def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    steps = {"one_pass": make_step(model_dir, 0.0, True),
+             "per_contributor": make_step(model_dir, 0.0, False)}
+    best = dict.fromkeys(steps, float("inf"))
+    for r in range(rounds + 1):
+        for name, step in steps.items():  # alternate, so both see the same machine load
+            start = time.perf_counter()
+            step(batch)
+            if r:  # the first round is the warm-up
+                best[name] = min(best[name], time.perf_counter() - start)
+    return {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()} | {
+        "speedup": round(best["per_contributor"] / best["one_pass"], 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--contributors", type=int, default=8)
+    parser.add_argument("--rows", type=int, default=8, help="completions per contributor")
+    parser.add_argument("--prompt", type=int, default=12, help="prompt tokens")
+    parser.add_argument("--completion", type=int, default=8, help="completion tokens")
+    parser.add_argument("--rounds", type=int, default=9)
+    args = parser.parse_args()
+    if min(args.contributors, args.rows, args.prompt, args.completion, args.rounds) < 1:
+        parser.error("every count must be >= 1")
+    from trainer.base_model import ensure_base_model
+
+    torch.set_num_threads(1)
+    model_dir = Path(ensure_base_model("arithmetic"))
+    vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
+    counts = sorted({2, args.contributors, 2 * args.contributors})
+    by_count = {}
+    for n in counts:
+        say(f"{n} contributors x {args.rows} rows")
+        by_count[str(n)] = time_modes(model_dir, make_batch(n, args.rows, args.prompt,
+                                                            args.completion, vocab), args.rounds)
+    batch = make_batch(args.contributors, args.rows, args.prompt, args.completion, vocab)
+    emit({
+        "bench": "contributor_grads", "rows_per_contributor": args.rows,
+        "tokens": args.prompt + args.completion, "threads": 1, "aggregator": "centered-clip",
+        "contributors": args.contributors, "by_contributors": by_count,
+        "speedup": by_count[str(args.contributors)]["speedup"],
+        "max_update_diff": update_diff(model_dir, batch),
+    })
+
+
+if __name__ == "__main__":
+    main()
