@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         node.wait(timeout=60)
         store = open_store(str(work / "ledger.sqlite"), readonly=True)
         final = verify_ledger(store)
-        recorded = Counter()
+        recorded: Counter[bytes] = Counter()
         status: dict[bytes, bool] = {}
         for _, _, body in store.entries(0, None):
             rec = decode_record(body)

@@ -24,9 +24,16 @@ import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verify.errors import ProofTrainError
+
+if TYPE_CHECKING:
+    from node.validator.core import Validator
+    from verify.keys import SigningKey
+    from verify.types import GroupSubmission
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -76,11 +83,11 @@ def decoder_targets(seeds: dict[str, bytes]) -> dict[str, Callable[[bytes], obje
     for name in ("RolloutHeader", "GroupSubmission", "WorkAssignment", "SignedManifest", "PolicyManifest",
                  "SampleBatch", "SlashEvidence", "Verdict"):
         cls = getattr(T, name)
-        targets[name] = lambda b, cls=cls: T.decode(cls, b, max_bytes=1 << 20)
+        targets[name] = partial(T.decode, cls, max_bytes=1 << 20)
     return {k: v for k, v in targets.items() if k in seeds}
 
 
-def build_seeds(work: Path) -> tuple[dict[str, bytes], object]:
+def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSubmission, SigningKey]]:
     """Valid inputs for every target, and a live validator (tiny random model)."""
     import numpy as np
     import torch

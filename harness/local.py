@@ -159,6 +159,8 @@ def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
     def evaluate_version(version: int) -> EvalReport | None:
         if net is None:
             return None
+        if tokenizer is None:  # rank 0 loads both the network and the tokenizer
+            raise RuntimeError("rank 0 holds the network but no tokenizer")
         report = evaluate((net.model(version), tokenizer), cfg.task, "heldout",
                           n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
         net.record_eval(version, report, seed=cfg.seed)

@@ -43,11 +43,11 @@ def _known_task(name: str) -> str:
 class TaskSpec(_Section):
     name: str = "arithmetic"
     """Task generator in ``rewards.tasks`` (its train split feeds assignments)."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
     """Seed of the train pool and held-out draws."""
-    train_pool: int = Field(512, ge=1, le=1_000_000)
+    train_pool: int = Field(default=512, ge=1, le=1_000_000)
     """Distinct train-split problems the validator assigns from."""
-    heldout: int = Field(128, ge=1, le=100_000)
+    heldout: int = Field(default=128, ge=1, le=100_000)
     """Held-out problems for pass@1 evals."""
 
     @field_validator("name")
@@ -60,7 +60,7 @@ class ModelSpec(_Section):
     task: str | None = None
     """Task the base model is built for (``trainer.base_model.ensure_base_model``); default:
     the scenario's task."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(default=0, ge=0)
     """Seed of the base-model build."""
     dir: Path | None = None
     """A local Hugging Face model directory to use instead of building one (relative paths
@@ -97,13 +97,13 @@ class LatencySpec(_Section):
 class ProfileSpec(_Section):
     latency: LatencySpec = Field(default_factory=LatencySpec)
     """One-way latency distribution."""
-    jitter_ms: float = Field(0.0, ge=0, le=60_000)
+    jitter_ms: float = Field(default=0.0, ge=0, le=60_000)
     """Uniform extra delay in [0, jitter_ms]."""
-    drop_rate: float = Field(0.0, ge=0, lt=1)
+    drop_rate: float = Field(default=0.0, ge=0, lt=1)
     """Probability a message is lost."""
-    reorder_rate: float = Field(0.0, ge=0, lt=1)
+    reorder_rate: float = Field(default=0.0, ge=0, lt=1)
     """Probability a message is held back by a second latency draw (and so overtaken)."""
-    compute_speed: float = Field(1.0, ge=0.01, le=100)
+    compute_speed: float = Field(default=1.0, ge=0.01, le=100)
     """Hardware multiplier: generation takes base time / compute_speed (2.0 = twice as fast)."""
 
     def build(self) -> NetworkProfile:
@@ -119,9 +119,9 @@ class NetworkSpec(_Section):
 class ChurnSpec(_Section):
     enabled: bool = False
     """Whether contributors leave and rejoin."""
-    mean_online_s: float = Field(300.0, gt=0, le=1e7)
+    mean_online_s: float = Field(default=300.0, gt=0, le=1e7)
     """Mean length of an online period (exponential), simulated seconds."""
-    mean_offline_s: float = Field(60.0, gt=0, le=1e7)
+    mean_offline_s: float = Field(default=60.0, gt=0, le=1e7)
     """Mean length of an offline period (exponential), simulated seconds."""
     start_online: bool = True
     """Churning contributors are online at t = 0; false: each first joins after an offline
@@ -136,7 +136,7 @@ class ChurnSpec(_Section):
 class GroupSpec(_Section):
     strategy: str = HONEST
     """``honest`` or an adversary in ``harness.adversaries.available_strategies()``."""
-    count: int = Field(1, ge=0, le=1_000)
+    count: int = Field(default=1, ge=0, le=1_000)
     """How many contributors in this group (each its own key)."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Strategy parameters (see the strategy's docstring)."""
@@ -144,7 +144,7 @@ class GroupSpec(_Section):
     """Name of a ``[network.profiles.<name>]`` profile."""
     churn: bool = True
     """Whether ``[churn]`` applies to this group."""
-    uploads: int = Field(1, ge=1, le=64)
+    uploads: int = Field(default=1, ge=1, le=64)
     """Groups each contributor may have uploading while it generates the next
     (``prooftrain contributor --uploads``); 1 waits for each verdict first."""
 
@@ -168,17 +168,17 @@ class PopulationSpec(_Section):
 
 
 class ValidatorSpec(_Section):
-    audit_rate: float = Field(-1.0, ge=-1.0, le=1.0)
+    audit_rate: float = Field(default=-1.0, ge=-1.0, le=1.0)
     """Fixed audit rate for every contributor; -1 lets reputation set it."""
-    chunks_per_audit: int = Field(2, ge=1, le=1_024)
+    chunks_per_audit: int = Field(default=2, ge=1, le=1_024)
     """Chunks of an audited rollout recomputed and compared."""
-    max_staleness: int = Field(4, ge=0, le=1_000)
+    max_staleness: int = Field(default=4, ge=0, le=1_000)
     """Rollouts older than current version - max_staleness are rejected as stale."""
-    group_size: int = Field(4, ge=1, le=64)
+    group_size: int = Field(default=4, ge=1, le=64)
     """Completions per prompt (GRPO group)."""
-    max_tokens: int = Field(16, ge=1, le=4_096)
+    max_tokens: int = Field(default=16, ge=1, le=4_096)
     """Completion length limit."""
-    temperature: float = Field(1.0, gt=0, le=4)
+    temperature: float = Field(default=1.0, gt=0, le=4)
     """Sampling temperature of every assignment."""
 
 
@@ -190,20 +190,20 @@ class NamedParams(_Section):
 
 
 class TrainerSpec(_Section):
-    steps: int = Field(20, ge=0, le=1_000_000)
+    steps: int = Field(default=20, ge=0, le=1_000_000)
     """Optimizer steps (0: no step limit); the run stops at whichever of ``steps`` and
     ``budget_s`` comes first."""
-    budget_s: float = Field(0.0, ge=0, le=1e6)
+    budget_s: float = Field(default=0.0, ge=0, le=1e6)
     """Wall-clock budget of the run in seconds (0: no time limit)."""
-    batch_groups: int = Field(4, ge=1, le=4_096)
+    batch_groups: int = Field(default=4, ge=1, le=4_096)
     """Accepted groups per optimizer step."""
-    learning_rate: float = Field(1e-4, gt=0, le=1)
+    learning_rate: float = Field(default=1e-4, gt=0, le=1)
     """Optimizer (peak) learning rate."""
     lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
     """Decay over ``steps`` after the warm-up (``trainer.rl.LR_SCHEDULES``)."""
-    warmup_steps: int = Field(0, ge=0, le=1_000_000)
+    warmup_steps: int = Field(default=0, ge=0, le=1_000_000)
     """Linear warm-up steps."""
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """The decay ends at ``learning_rate * min_lr_ratio``."""
     loss: NamedParams = NamedParams(name="tis")
     """Policy loss (``trainer.losses``: tis, ppo-decoupled, icepop) and its parameters."""
@@ -212,9 +212,9 @@ class TrainerSpec(_Section):
     mode: Literal["async", "sync"] = "async"
     """async: train on whatever is accepted within the staleness bound; sync: wait for a
     full batch of the current version."""
-    eval_every: int = Field(5, ge=1)
+    eval_every: int = Field(default=5, ge=1)
     """Held-out eval interval, in optimizer steps (plus one before the first step)."""
-    eval_problems: int = Field(64, ge=1, le=100_000)
+    eval_problems: int = Field(default=64, ge=1, le=100_000)
     """Held-out problems per eval (at most ``task.heldout``)."""
     eval_every_version: bool = False
     """Also evaluate (and record in the ledger) every published version of the ``scenario``
@@ -264,9 +264,9 @@ class ContributorSpec(_Section):
 class Scenario(_Section):
     name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
     """Scenario name (used in reports and default output paths)."""
-    description: str = Field("", max_length=2_000)
+    description: str = Field(default="", max_length=2_000)
     """One paragraph for the report."""
-    seed: int = Field(0, ge=0, le=2**63 - 1)
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     """Root seed: keys, network, churn, task draws, training."""
     run: Literal["scenario", "honest", "no-defence"] = "scenario"
     """Which variant this is; set by ``variant``, leave it out of TOML."""

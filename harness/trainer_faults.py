@@ -48,7 +48,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def tiny_config(model: Path, checkpoint_dir: Path, steps: int, **extra: object) -> str:
     """A trainer TOML small enough that a life of the trainer lasts seconds."""
-    local = {"contributors": 2, "group_size": 4, "groups_per_fetch": 3}
+    local: dict[str, object] = {"contributors": 2, "group_size": 4, "groups_per_fetch": 3}
     local.update({k.removeprefix("local."): v for k, v in extra.items() if k.startswith("local.")})
     top = {"model_dir": str(model), "checkpoint_dir": str(checkpoint_dir), "steps": steps,
            "batch_groups": 2, "checkpoint_every": 3, "max_staleness": 1, "eval_every": 0,

@@ -22,7 +22,7 @@ class _Section(BaseModel):
 class NodeSection(_Section):
     host: str = "127.0.0.1"
     """Address to listen on. Loopback by default; expose deliberately."""
-    port: int = Field(8470, ge=0, le=65535)
+    port: int = Field(default=8470, ge=0, le=65535)
     """TCP port (0 picks a free one)."""
     key_file: Path = Path("keys/validator.key")
     """The validator's Ed25519 key (signs assignments, verdicts and checkpoints)."""
@@ -33,9 +33,9 @@ class NodeSection(_Section):
     trainer_key: str = ""
     """Trainer public key (64 hex digits or a .pub file); only it may read accepted samples
     and publish policies. Empty disables those endpoints."""
-    checkpoint_every: int = Field(64, ge=1)
+    checkpoint_every: int = Field(default=64, ge=1)
     """Sign a checkpoint after this many submissions."""
-    admission_threads: int = Field(16, ge=1, le=256)
+    admission_threads: int = Field(default=16, ge=1, le=256)
     """Submissions admitted concurrently. Groups waiting for a spot check share one forward
     pass and groups waiting for the ledger share one commit, so this also bounds those batches."""
 
@@ -45,56 +45,56 @@ class PolicySection(_Section):
     """The base policy: a local Hugging Face model directory (policy version 0)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the validator's recomputation."""
-    max_staleness: int = Field(4, ge=0, le=1_000)
+    max_staleness: int = Field(default=4, ge=0, le=1_000)
     """Rollouts of a version older than current - max_staleness are rejected as stale."""
 
 
 class TaskSection(_Section):
     name: str = "arithmetic"
     """Task generator (rewards.tasks) whose train split the validator assigns."""
-    seed: int = Field(0, ge=0)
-    pool: int = Field(4_096, ge=1, le=10_000_000)
+    seed: int = Field(default=0, ge=0)
+    pool: int = Field(default=4_096, ge=1, le=10_000_000)
     """How many train problems to draw from the generator."""
     jsonl: Path | None = None
     """Optional JSONL problem file (prompt, answer, task) instead of the generator."""
 
 
 class AssignmentSection(_Section):
-    group_size: int = Field(4, ge=1, le=64)
+    group_size: int = Field(default=4, ge=1, le=64)
     """G completions per prompt (GRPO group)."""
-    temperature: float = Field(1.0, gt=0.0, le=4.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)
-    max_tokens: int = Field(16, ge=1, le=65_536)
-    ttl_s: float = Field(600.0, gt=0)
+    temperature: float = Field(default=1.0, gt=0.0, le=4.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    max_tokens: int = Field(default=16, ge=1, le=65_536)
+    ttl_s: float = Field(default=600.0, gt=0)
     """An assignment not answered within this many seconds expires."""
 
 
 class AuditSection(_Section):
-    chunks_per_audit: int = Field(2, ge=1, le=1_024)
+    chunks_per_audit: int = Field(default=2, ge=1, le=1_024)
     """How many chunks of an audited rollout are recomputed and compared."""
     tolerance_file: Path | None = None
     """Calibrated tolerances written by `prooftrain calibrate`; None uses the built-in
     float32 tolerance."""
-    epoch_groups: int = Field(256, ge=1)
+    epoch_groups: int = Field(default=256, ge=1)
     """Submissions per audit epoch (the epoch secret is revealed when it ends)."""
-    pit_alpha: float = Field(1e-4, gt=0.0, lt=0.5)
+    pit_alpha: float = Field(default=1e-4, gt=0.0, lt=0.5)
     """Significance of the per-contributor sampling-distribution test."""
-    pit_min_tokens: int = Field(512, ge=32)
+    pit_min_tokens: int = Field(default=512, ge=32)
     """Tokens a contributor's audited rollouts must pool before the PIT test is run."""
-    queue: int = Field(8, ge=1, le=1_024)
+    queue: int = Field(default=8, ge=1, le=1_024)
     """Audits in flight at once; beyond it submissions get 429 with Retry-After."""
-    rate_override: float = Field(-1.0, ge=-1.0, le=1.0)
+    rate_override: float = Field(default=-1.0, ge=-1.0, le=1.0)
     """A fixed audit rate for experiments and benchmarks; -1 uses reputation."""
 
 
 class LimitsSection(_Section):
-    max_tokens: int = Field(4_096, ge=1, le=65_536)
-    max_group_size: int = Field(64, ge=1, le=256)
-    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1_024, le=64 * 1024 * 1024)
-    requests_per_s: float = Field(50.0, gt=0)
+    max_tokens: int = Field(default=4_096, ge=1, le=65_536)
+    max_group_size: int = Field(default=64, ge=1, le=256)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1_024, le=64 * 1024 * 1024)
+    requests_per_s: float = Field(default=50.0, gt=0)
     """Sustained requests per second per contributor key."""
-    burst: int = Field(100, ge=1)
+    burst: int = Field(default=100, ge=1)
 
 
 class ValidatorConfig(_Section):

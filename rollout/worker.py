@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
 from verify.commitment import DEFAULT_CHUNK_SIZE
@@ -25,7 +26,7 @@ from verify.signed import open_sealed
 from verify.types import GroupSubmission, RolloutEnvelope, SignedAssignment, WorkAssignment
 
 
-class Tokenizer:
+class Tokenizer(Protocol):
     """What a contributor needs from a tokenizer (``node.validator.policy.HFTextCodec`` fits)."""
 
     eos_token_id: int | None
@@ -74,7 +75,9 @@ def sign_completions(
 ) -> list[RolloutEnvelope]:
     """Step 4."""
     return [
-        build_envelope(key, header_fields(a, c.group_index, clock()), c.token_ids, c.logprobs, chunk_size)
+        build_envelope(
+            key, header_fields(a, c.group_index, clock()), list(c.token_ids), c.logprobs, chunk_size
+        )
         for c in completions
     ]
 

@@ -51,31 +51,31 @@ class BaseModelConfig(BaseModel):
 
     task: str = "arithmetic"
     """Synthetic task from ``rewards.tasks`` to learn."""
-    hidden_size: int = Field(128, ge=8, le=4096)
+    hidden_size: int = Field(default=128, ge=8, le=4096)
     """Model width."""
-    num_layers: int = Field(2, ge=1, le=64)
+    num_layers: int = Field(default=2, ge=1, le=64)
     """Transformer blocks."""
-    num_heads: int = Field(4, ge=1, le=64)
+    num_heads: int = Field(default=4, ge=1, le=64)
     """Attention heads (also key/value heads)."""
-    intermediate_size: int = Field(512, ge=8)
+    intermediate_size: int = Field(default=512, ge=8)
     """MLP width."""
-    batch_size: int = Field(128, ge=1, le=8192)
+    batch_size: int = Field(default=128, ge=1, le=8192)
     """Sequences per optimizer step."""
-    learning_rate: float = Field(1e-3, gt=0, le=1)
+    learning_rate: float = Field(default=1e-3, gt=0, le=1)
     """AdamW learning rate after warm-up."""
-    warmup_steps: int = Field(100, ge=0)
+    warmup_steps: int = Field(default=100, ge=0)
     """Linear learning-rate warm-up."""
-    max_steps: int = Field(2000, ge=1)
+    max_steps: int = Field(default=2000, ge=1)
     """Hard cap on optimizer steps if the dev target is never reached."""
-    eval_every: int = Field(25, ge=1)
+    eval_every: int = Field(default=25, ge=1)
     """Dev-set check interval, in steps."""
-    train_pool: int = Field(8000, ge=16)
+    train_pool: int = Field(default=8000, ge=16)
     """Distinct train-split problems to sample batches from."""
-    dev_size: int = Field(256, ge=16)
+    dev_size: int = Field(default=256, ge=16)
     """Dev problems (train split, disjoint from the pool) for the stopping rule."""
-    target_dev_accuracy: float = Field(0.2, gt=0, lt=1)
+    target_dev_accuracy: float = Field(default=0.2, gt=0, lt=1)
     """Stop once greedy dev accuracy reaches this: weak, but not hopeless."""
-    threads: int = Field(1, ge=1, le=256)
+    threads: int = Field(default=1, ge=1, le=256)
     """torch CPU threads during the build (fixed for reproducibility)."""
 
     def digest(self) -> str:

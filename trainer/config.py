@@ -47,21 +47,21 @@ class AggregatorSection(_Section):
 class LocalSection(_Section):
     """The in-process network used when no validator URL is given (``harness.local``)."""
 
-    contributors: int = Field(4, ge=1, le=256)
+    contributors: int = Field(default=4, ge=1, le=256)
     """Honest contributors."""
     adversaries: list[str] = Field(default_factory=list)
     """Adversary strategies (``harness.adversaries``), one extra contributor each."""
-    group_size: int = Field(8, ge=2, le=64)
+    group_size: int = Field(default=8, ge=2, le=64)
     """Completions per prompt (GRPO group)."""
-    max_tokens: int = Field(8, ge=1, le=4096)
+    max_tokens: int = Field(default=8, ge=1, le=4096)
     """Completion length limit."""
-    temperature: float = Field(1.0, gt=0.0, le=4.0)
+    temperature: float = Field(default=1.0, gt=0.0, le=4.0)
     """Sampling temperature of the rollouts (the trainer scores at the same one)."""
-    pool: int = Field(8192, ge=16)
+    pool: int = Field(default=8192, ge=16)
     """Train-split problems the validator assigns from."""
-    audit_rate: float = Field(-1.0, ge=-1.0, le=1.0)
+    audit_rate: float = Field(default=-1.0, ge=-1.0, le=1.0)
     """Spot-check rate; -1 uses the reputation-driven rate."""
-    groups_per_fetch: int = Field(16, ge=1, le=4096)
+    groups_per_fetch: int = Field(default=16, ge=1, le=4096)
     """Groups the contributors produce whenever the trainer finds the stream empty."""
 
 
@@ -69,7 +69,7 @@ class PublishSection(_Section):
     codec: str = "int8-block"
     """Codec of each published update (``verify.weights_codec.CODECS``)."""
     codec_params: dict[str, Any] = Field(default_factory=dict)
-    snapshot_every: int = Field(50, ge=0)
+    snapshot_every: int = Field(default=50, ge=0)
     """Every N-th version is a full fp32 snapshot (bounds the delta chain); 0 never."""
 
 
@@ -78,52 +78,52 @@ class TrainerConfig(_Section):
     """Base policy directory; None builds or reuses the cached demo base model."""
     task: str = "arithmetic"
     """Task of the demo base model and of evals."""
-    stages: int = Field(1, ge=1, le=64)
+    stages: int = Field(default=1, ge=1, le=64)
     """Pipeline stages S (one process each; torchrun when S > 1)."""
-    steps: int = Field(400, ge=0, le=10_000_000)
+    steps: int = Field(default=400, ge=0, le=10_000_000)
     """Optimizer steps (policy versions) to train."""
-    lr: float = Field(1e-4, gt=0.0, le=1.0)
+    lr: float = Field(default=1e-4, gt=0.0, le=1.0)
     """AdamW learning rate."""
     betas: tuple[float, float] = (0.9, 0.99)
     """AdamW betas."""
-    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    adam_eps: float = Field(default=1e-8, gt=0.0, le=1.0)
     """AdamW epsilon."""
     lr_schedule: str = "constant"
     """Decay after warm-up (``trainer.rl.LR_SCHEDULES``): constant, linear or cosine over
     ``steps``."""
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(default=0, ge=0)
     """Linear learning-rate warm-up steps."""
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
     """Floor of the decay as a fraction of ``lr`` (constant ignores it)."""
-    weight_decay: float = Field(0.0, ge=0.0, le=1.0)
-    grad_clip: float = Field(1.0, ge=0.0)
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0)
+    grad_clip: float = Field(default=1.0, ge=0.0)
     """Clip the aggregated gradient to this global l2 norm; 0 disables."""
     loss: LossSection = LossSection()
     aggregator: AggregatorSection = AggregatorSection()
-    max_staleness: int = Field(4, ge=0, le=1_000)
+    max_staleness: int = Field(default=4, ge=0, le=1_000)
     """Samples older than this many versions when used are dropped."""
-    batch_groups: int = Field(16, ge=1, le=4096)
+    batch_groups: int = Field(default=16, ge=1, le=4096)
     """GRPO groups per optimizer step."""
     skip_uniform_groups: bool = True
     """Consume groups whose rewards are all equal without training on them."""
     mode: Literal["async", "sync"] = "async"
     """async: train on anything within the staleness bound; sync: only on the current version."""
-    buffer_capacity: int = Field(4096, ge=1, le=1_000_000)
+    buffer_capacity: int = Field(default=4096, ge=1, le=1_000_000)
     """Samples the buffer may hold."""
-    microbatches: int = Field(1, ge=1, le=1024)
+    microbatches: int = Field(default=1, ge=1, le=1024)
     """Pipeline micro-batches per contributor gradient."""
-    eval_every: int = Field(100, ge=0)
+    eval_every: int = Field(default=100, ge=0)
     """Evaluate every this many steps (and at the start and end); 0 disables."""
-    eval_problems: int = Field(300, ge=1, le=100_000)
+    eval_problems: int = Field(default=300, ge=1, le=100_000)
     """Held-out problems per eval (greedy pass@1)."""
     checkpoint_dir: Path | None = None
     """Where checkpoints go; None disables them."""
-    checkpoint_every: int = Field(100, ge=1)
-    seed: int = Field(0, ge=0)
-    threads: int = Field(1, ge=1, le=256)
+    checkpoint_every: int = Field(default=100, ge=1)
+    seed: int = Field(default=0, ge=0)
+    threads: int = Field(default=1, ge=1, le=256)
     """torch intra-op threads per process; 1 avoids oversubscribing cores shared with the
     contributors and other stages."""
-    starve_timeout_s: float = Field(600.0, gt=0)
+    starve_timeout_s: float = Field(default=600.0, gt=0)
     """Fail when no usable samples arrive for this long."""
     local: LocalSection = LocalSection()
     publish: PublishSection = PublishSection()

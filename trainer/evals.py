@@ -138,7 +138,8 @@ def load_policy(
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return model.to(device).eval(), tokenizer
+    # functools.wraps on PreTrainedModel.to hides the bound signature (mypy sees self first).
+    return model.to(device).eval(), tokenizer  # type: ignore[arg-type]
 
 
 def default_max_new_tokens(problems: Sequence[Problem], tokenizer: PreTrainedTokenizerBase) -> int:

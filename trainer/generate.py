@@ -17,6 +17,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -163,13 +164,15 @@ def generate(
             chunk = jobs[start : start + batch_size]
             outs = _generate_batch(model, [p for _, p in chunk], params, pad_id, eos_id, gen)
             for (i, p_ids), (seq, lps, finished) in zip(chunk, outs, strict=True):
+                # A single sequence decodes to one str (the library types it str | list[str]).
+                text = cast(str, tokenizer.decode(seq, skip_special_tokens=True))
                 completions.append(
                     Completion(
                         prompt=prompts[i],
                         prompt_ids=tuple(p_ids),
                         token_ids=tuple(seq),
                         logprobs=tuple(lps),
-                        text=tokenizer.decode(seq, skip_special_tokens=True),
+                        text=text,
                         finished=finished,
                     )
                 )

@@ -51,8 +51,9 @@ from trainer.stages import Stage
 from verify.aggregate import get_aggregator
 from verify.errors import ProofTrainError
 
-Publish = Callable[[int, Stage], None]
-"""Called after every optimizer step with the new version and this rank's stage."""
+Publish = Callable[[int, Stage], object]
+"""Called after every optimizer step with the new version and this rank's stage; its result
+is ignored."""
 Evaluate = Callable[[int], EvalReport | None]
 """Evaluate policy ``version``; None on ranks that do not evaluate."""
 Weights = Callable[[tuple[bytes, ...]], torch.Tensor]

@@ -19,8 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
+from msgspec import Struct
 from tqdm import tqdm
 
 from ledger import merkle
@@ -61,6 +63,7 @@ from verify.types import (
 )
 
 _SMALL_BLOB = 256 * 1024  # signed manifests and statements are far smaller than update blobs
+_Sealed = TypeVar("_Sealed", bound=Struct)
 
 
 @dataclass
@@ -133,14 +136,20 @@ def index_signed_blobs(blobs: FileBlobStore) -> tuple[dict[bytes, SignedManifest
         if not path.is_file() or path.stat().st_size > _SMALL_BLOB:
             continue
         data = path.read_bytes()
-        for cls, target, kind in ((SignedManifest, manifests, PolicyManifest),
-                                  (SignedEvalStatement, statements, EvalStatement)):
-            try:
-                sealed = decode(cls, data, max_bytes=_SMALL_BLOB)
-            except VerificationError:
-                continue
-            target[sealed_digest(kind, sealed)] = sealed  # type: ignore[index]
+        _index_if_decodes(manifests, SignedManifest, PolicyManifest, data)
+        _index_if_decodes(statements, SignedEvalStatement, EvalStatement, data)
     return manifests, statements
+
+
+def _index_if_decodes(
+    target: dict[bytes, _Sealed], cls: type[_Sealed], kind: type, data: bytes
+) -> None:
+    """Add ``data`` to ``target`` by its digest if it decodes as ``cls``; otherwise skip it."""
+    try:
+        sealed = decode(cls, data, max_bytes=_SMALL_BLOB)
+    except VerificationError:
+        return
+    target[sealed_digest(kind, sealed)] = sealed
 
 
 def build_release(

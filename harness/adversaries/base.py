@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
@@ -74,16 +74,23 @@ class Context:
 
 class Strategy(Protocol):
     name: ClassVar[str]
-    expect: ClassVar[frozenset[Reason] | str]
-    """Reasons it is rejected with when audited, or "bounded" / "accepted"."""
+
+    @property
+    def expect(self) -> frozenset[Reason] | str:
+        """Reasons it is rejected with when audited, or "bounded" / "accepted".
+
+        Implementations set it as a ``ClassVar``; declared read-only here so a narrower class
+        attribute (``frozenset[Reason]`` or ``str``) still satisfies the protocol."""
+        ...
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes: ...
 
 
-STRATEGIES: dict[str, type] = {}
+STRATEGIES: dict[str, type[Strategy]] = {}
+_S = TypeVar("_S", bound=type[Strategy])
 
 
-def register_strategy(cls: type) -> type:
+def register_strategy(cls: _S) -> _S:
     STRATEGIES[cls.name] = cls
     return cls
 

@@ -120,13 +120,13 @@ def calibrate(
                     d, m = _diffs(cl, rc, chunk_size)
                     tok.append(d)
                     chk.append(m)
-            t, c = np.concatenate(tok), np.concatenate(chk)
-            settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(c.size),
+            t, ch = np.concatenate(tok), np.concatenate(chk)
+            settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(ch.size),
                                          float(t.max(initial=0.0)),
                                          float(np.quantile(t, 0.999)) if t.size else 0.0,
-                                         float(c.max(initial=0.0))))
+                                         float(ch.max(initial=0.0))))
             all_tok.append(t)
-            all_chunk.append(c)
+            all_chunk.append(ch)
             bar.update(1)
     bar.close()
     del model
@@ -209,7 +209,7 @@ def honest_audit(
                               prompt_digest=b"\0" * 32, assignment_id=b"\0" * 16, nonce=nonce,
                               sampling=SamplingParams(temperature, 1.0, 0, max_tokens, s_seed),
                               group_index=c.group_index, group_size=group_size, created_at_ms=0)
-                env = build_envelope(key, fields, c.token_ids, c.logprobs)
+                env = build_envelope(key, fields, list(c.token_ids), c.logprobs)
                 items.append((verify_envelope(env), list(prompt), c))
         start, turn = 0, 0
         while start < len(items):

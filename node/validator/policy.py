@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, cast
 
 from rollout.sync import base_model_digest
 from verify.errors import Reason, VerificationError
@@ -56,7 +56,8 @@ class HFTextCodec:
     def decode(self, ids: Sequence[int]) -> str:
         if self._backend is not None:
             return self._backend.decode(list(ids), skip_special_tokens=True)
-        return self._tok.decode(list(ids), skip_special_tokens=True)
+        # A single sequence decodes to one str (the library types it str | list[str]).
+        return cast(str, self._tok.decode(list(ids), skip_special_tokens=True))
 
     def decode_batch(self, seqs: Sequence[Sequence[int]]) -> list[str]:
         # The Rust tokenizer decodes a batch without holding the GIL, so

@@ -66,7 +66,7 @@ _STATUS = {
 T = TypeVar("T")
 INT64_MAX = 2**63 - 1  # SQLite INTEGER range: a larger version or cursor cannot be looked up
 # OpenAPI: every signed endpoint needs all three X-Prooftrain-* headers (see node/validator/auth.py).
-SIGNED = [{"prooftrainKey": [], "prooftrainTime": [], "prooftrainSignature": []}]
+SIGNED: list[dict[str, list[str]]] = [{"prooftrainKey": [], "prooftrainTime": [], "prooftrainSignature": []}]
 _SECURITY_SCHEMES = {
     name: {"type": "apiKey", "in": "header", "name": header, "description": text}
     for name, header, text in [

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 from rewards.base import Problem
 from rewards.errors import TaskError, UnknownTaskError
@@ -77,11 +77,14 @@ def generate(task: str, split: str, n: int, seed: int = 0) -> list[Problem]:
     return get_task(task).generate(check_split(split), n, seed)
 
 
+_T = TypeVar("_T")
+
+
 def draw_distinct(
-    sample_key: Iterable[tuple[str, object]], split: Split, n: int, max_tries: int
-) -> list[tuple[str, object]]:
+    sample_key: Iterable[tuple[str, _T]], split: Split, n: int, max_tries: int
+) -> list[tuple[str, _T]]:
     """Take distinct items whose split key lands in ``split`` from an endless sampler."""
-    out: list[tuple[str, object]] = []
+    out: list[tuple[str, _T]] = []
     seen: set[str] = set()
     for tries, (key, item) in enumerate(sample_key):
         if len(out) >= n:

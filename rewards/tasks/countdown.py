@@ -29,7 +29,7 @@ def _random_expression(rng: random.Random, numbers: list[int]) -> str:
 class CountdownTask:
     name = "countdown"
 
-    def _sampler(self, rng: random.Random) -> Iterator[tuple[str, object]]:
+    def _sampler(self, rng: random.Random) -> Iterator[tuple[str, tuple[list[int], int, str]]]:
         while True:
             numbers = [rng.randint(1, 50) for _ in range(rng.choice((3, 4)))]
             expr = _random_expression(rng, numbers)
@@ -48,7 +48,7 @@ class CountdownTask:
         drawn = draw_distinct(self._sampler(rng), split, n, max_tries=200 * n + 1000)
         problems = []
         for i, (_, item) in enumerate(drawn):
-            numbers, target, expr = item  # type: ignore[misc]
+            numbers, target, expr = item
             shown = sorted(numbers, key=lambda _: rng.random())
             prompt = (
                 f"Numbers: {' '.join(map(str, shown))}\nTarget: {target}\n"
