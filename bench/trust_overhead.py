@@ -45,8 +45,12 @@ Prints progress on stderr and one JSON object on the last line of stdout:
 TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
 TRL figures and the ratio are null and ``skipped`` says why.
 
+With ``--pass-per-contributor`` prooftrain's RL step runs one forward and
+backward pass per contributor (its fallback) instead of one pass for all
+(``trainer.groupgrad``), to measure what the one-pass gradients buy.
+
     python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
-                                   [--max-tokens 8] [--contributors 8]
+                                   [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
 """
 
 from __future__ import annotations
@@ -133,6 +137,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     import harness.run as hrun
     from harness.events import EVENTS_FILE, EventLog, Reputation, read_events
     from harness.scenario import load_scenario
+    from trainer.groupgrad import GroupGradients
 
     durations: list[float] = []
     samples: list[int] = []
@@ -158,8 +163,10 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     scenario = load_scenario(path)
     log_path = work / EVENTS_FILE
     start = time.perf_counter()
+    fallback = (patched(GroupGradients, "plan", lambda module, params: None)
+                if args.pass_per_contributor else contextlib.nullcontext())
     with patched(hrun, "TrainerLoop", TimedLoop), patched(hrun, "trainer_config", config), \
-            EventLog(log_path) as log:
+            fallback, EventLog(log_path) as log:
         values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
     total = time.perf_counter() - start
     rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
@@ -261,6 +268,8 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
            "--contributors", str(args.contributors), "--lr", str(args.lr)]
     if args.model_dir:
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
+    if args.pass_per_contributor:
+        cmd.append("--pass-per-contributor")
     if not args.progress:
         cmd.append("--quiet")
     say(f"{side}: {args.steps} + 1 warm-up steps of {args.groups} x {args.group_size} completions")
@@ -295,6 +304,8 @@ def summarise(args: argparse.Namespace, pts: list[dict], trls: list[dict],
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
         "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
         "ratio_target": RATIO_TARGET,
+        "contributor_gradients": ("a pass per contributor" if args.pass_per_contributor
+                                  else "one pass for all"),
     }
     if skipped:
         result["skipped"] = skipped
@@ -319,6 +330,8 @@ def main() -> None:
                         "hidden size (and --layers) with the demo tokenizer, built for the run "
                         "(throughput only; e.g. --width 384 --layers 6 is 14M parameters)")
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
+    parser.add_argument("--pass-per-contributor", action="store_true",
+                        help="prooftrain's RL step runs a pass per contributor (its fallback)")
     parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args()
