@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(steps=4, groups=2, group_size=4, max_tokens=8, contributors=2, rounds=2, model_dir=None)
+    base = dict(steps=4, groups=2, group_size=4, max_tokens=8, contributors=2, rounds=2, model_dir=None,
+                pass_per_contributor=False)
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -35,7 +36,10 @@ def test_summary_takes_each_sides_best_round_and_their_ratio() -> None:
     assert out["audit_rate_mean"] == 0.25  # from the round that counts
     assert out["batch_completions"] == 8
     assert out["prooftrain_rounds_samples_per_s"] == [16.0, 32.0]
+    assert out["contributor_gradients"] == "one pass for all"
     assert "skipped" not in out
+    fallback = bench.summarise(_args(pass_per_contributor=True), pts, trls, None)
+    assert fallback["contributor_gradients"] == "a pass per contributor"
 
 
 def test_summary_without_trl_is_null_and_says_why() -> None:

@@ -1,0 +1,23 @@
+"""bench/contributor_grads.py: both modes give the same update; a tiny run prints JSON last."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_tiny_run_compares_the_two_modes() -> None:
+    cmd = [sys.executable, str(ROOT / "bench" / "contributor_grads.py"), "--contributors", "3",
+           "--rows", "2", "--prompt", "4", "--completion", "3", "--rounds", "1"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["bench"] == "contributor_grads"
+    assert sorted(result["by_contributors"], key=int) == ["2", "3", "6"]
+    for row in result["by_contributors"].values():
+        assert row["one_pass_ms"] > 0 and row["per_contributor_ms"] > 0
+    assert result["speedup"] == result["by_contributors"]["3"]["speedup"]
+    assert 0 <= result["max_update_diff"] < 1e-5
