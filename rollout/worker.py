@@ -76,7 +76,7 @@ def sign_completions(
     """Step 4."""
     return [
         build_envelope(
-            key, header_fields(a, c.group_index, clock()), list(c.token_ids), c.logprobs, chunk_size
+            key, header_fields(a, c.group_index, clock()), c.token_ids, c.logprobs, chunk_size
         )
         for c in completions
     ]

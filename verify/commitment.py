@@ -28,6 +28,7 @@ the root together with the token count and chunk size.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -135,7 +136,9 @@ def commitment_root(token_bytes: bytes, logprob_bytes: bytes, chunk_size: int = 
     return root_from_leaves(leaf_hashes(token_bytes, logprob_bytes, chunk_size))
 
 
-def encode_arrays(token_ids: np.ndarray | list[int], logprobs: np.ndarray | list[float]) -> tuple[bytes, bytes]:
+def encode_arrays(
+    token_ids: np.ndarray | Sequence[int], logprobs: np.ndarray | Sequence[float]
+) -> tuple[bytes, bytes]:
     """Wire layout of a body: (u32 LE token ids, f32 LE logprobs)."""
     tok = np.asarray(token_ids, dtype=np.int64)
     if tok.size and (tok.min() < 0 or tok.max() > 0xFFFFFFFF):

@@ -19,6 +19,7 @@ belong to the validator, which holds that state.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -94,8 +95,8 @@ def sign_header(key: SigningKey, header: RolloutHeader) -> tuple[bytes, bytes]:
 def build_envelope(
     key: SigningKey,
     header_fields: dict,
-    token_ids: np.ndarray | list[int],
-    logprobs: np.ndarray | list[float],
+    token_ids: np.ndarray | Sequence[int],
+    logprobs: np.ndarray | Sequence[float],
     chunk_size: int = DEFAULT_CHUNK_SIZE,
 ) -> RolloutEnvelope:
     """Commit to a completion and sign its header.

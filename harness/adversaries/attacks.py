@@ -117,7 +117,7 @@ class StaleVersion:
         a = ctx.assignment(sealed)
         envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1),
                                          "policy_version": a.policy_version + self.lag},
-                               list(c.token_ids), c.logprobs) for c in ctx.generate(a)]
+                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
         return ctx.remember(GroupSubmission(a.assignment_id, envs))
 
 
@@ -229,7 +229,7 @@ class WrongPrompt:
         a = ctx.assignment(sealed)
         envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1), "prompt_id": self.prompt_id
                                          + ("x" if self.prompt_id == a.prompt_id else "")},
-                               list(c.token_ids), c.logprobs) for c in ctx.generate(a)]
+                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
         return ctx.remember(GroupSubmission(a.assignment_id, envs))
 
 

@@ -209,7 +209,7 @@ def honest_audit(
                               prompt_digest=b"\0" * 32, assignment_id=b"\0" * 16, nonce=nonce,
                               sampling=SamplingParams(temperature, 1.0, 0, max_tokens, s_seed),
                               group_index=c.group_index, group_size=group_size, created_at_ms=0)
-                env = build_envelope(key, fields, list(c.token_ids), c.logprobs)
+                env = build_envelope(key, fields, c.token_ids, c.logprobs)
                 items.append((verify_envelope(env), list(prompt), c))
         start, turn = 0, 0
         while start < len(items):
