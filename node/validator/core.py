@@ -114,7 +114,6 @@ class Validator:
         self._checks = GroupChecks(cfg, ledger, state, codec, oracle, versions, tolerance,
                                    self._lock, clock, self.metrics)
         self._recorder = Recorder(cfg, key, ledger, state, self._lock, clock)
-        self._committer = self._recorder.committer
         self._issued: dict[bytes, Issued] = {}
         self._inflight: set[bytes] = set()
         self._registered: set[bytes] = set()

@@ -107,7 +107,8 @@ def test_concurrent_admissions_are_all_recorded_once_and_audit_clean(make_valida
     assert len(recorded) == 24 * 4 and all(r.accepted for r in recorded)
     assert len({(r.assignment_id, r.group_index) for r in recorded}) == 24 * 4
     assert len(v.samples(0, 4_096).samples) == 24 * 4
-    assert v._committer.batches <= v._committer.items == 24
+    committer = v._recorder.committer
+    assert committer.batches <= committer.items == 24
     # idempotent afterwards: the stored verdicts come back, nothing new is recorded
     again = v.admit(bodies[0])
     assert not again.fresh and again.verdicts == results[0].verdicts
