@@ -65,7 +65,11 @@ def dequantize_int8(buf: memoryview, n: int, block: int, scale_dtype: ScaleDtype
     q = np.frombuffer(buf, dtype=np.int8, count=n, offset=nb * scale_dtype.itemsize)
     if (q == -128).any():
         raise decode_error("int8 value -128 is not canonical", Reason.MALFORMED)
-    return q.astype(np.float32) * np.repeat(scales, block)[:n]
+    with np.errstate(over="ignore"):
+        out = q.astype(np.float32) * np.repeat(scales, block)[:n]
+    if not np.isfinite(out).all():  # a scale the encoder cannot produce (above max / 127)
+        raise decode_error("a dequantized value overflows float32", Reason.MALFORMED)
+    return out
 
 
 def values_f32(buf: memoryview, n: int, offset: int = 0) -> np.ndarray:

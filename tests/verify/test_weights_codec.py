@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -298,6 +299,10 @@ def test_bad_payload_values_rejected() -> None:
     _expect(bytes(bad), Reason.MALFORMED)
     bad[off : off + 4] = struct.pack("<f", float("inf"))
     _expect(bytes(bad), Reason.MALFORMED)
+    bad[off : off + 4] = struct.pack("<f", 1e37)  # finite, but 127 steps of it are not
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused before numpy overflows, or quietly
+        _expect(bytes(bad), Reason.MALFORMED)
     top = bytearray(TopK(k=3, int8=False).encode(torch.tensor([5.0, 0.0, 6.0, 0.0, 7.0])))
     off = DeltaHeader(CodecId.TOPK_FP32, ScaleDtype.FLOAT32, (5,), 0, 3).size
     for idx in ([0, 0, 4], [2, 0, 4], [0, 2, 5]):  # duplicate, unsorted, out of range
