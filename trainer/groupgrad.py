@@ -60,6 +60,11 @@ def _norm_eps(module: nn.Module) -> float | None:
     return eps if ok else None
 
 
+_HandlerFn = Callable[["GroupGradients", Any, Tensor, Tensor, Any], None]
+"""``handler(grads, module, module input, output gradient, arg)``: adds one module's part."""
+_Handler = tuple[nn.Module, _HandlerFn, Any]
+
+
 @dataclass(frozen=True)
 class _Slot:
     """Where one parameter's gradient lives in the flat row."""
@@ -82,9 +87,7 @@ class GroupGradients:
     out like ``trainer.rl.flat_grad(params)``.
     """
 
-    def __init__(self, module: nn.Module, params: Sequence[nn.Parameter],
-                 handlers: list[tuple[nn.Module, str, Any]]) -> None:
-        self.module = module
+    def __init__(self, params: Sequence[nn.Parameter], handlers: list[_Handler]) -> None:
         self.params = list(params)
         self._handlers = handlers
         slots: dict[int, _Slot] = {}
@@ -100,24 +103,24 @@ class GroupGradients:
     @classmethod
     def plan(cls, module: nn.Module, params: Sequence[nn.Parameter]) -> GroupGradients | None:
         """A plan covering every parameter in ``params``, or None if one is not covered."""
-        handlers: list[tuple[nn.Module, str, Any]] = []
+        handlers: list[_Handler] = []
         covered: set[int] = set()
         for sub in module.modules():
             own = list(sub.parameters(recurse=False))
             if not own:
                 continue
             if type(sub) is nn.Linear:
-                handlers.append((sub, "linear", None))
+                handlers.append((sub, cls._linear, None))
             elif type(sub) is nn.Embedding and sub.max_norm is None and not sub.sparse:
-                handlers.append((sub, "embedding", sub.padding_idx))
+                handlers.append((sub, cls._embedding, sub.padding_idx))
             elif (eps := _norm_eps(sub)) is not None:
-                handlers.append((sub, "rmsnorm", eps))
+                handlers.append((sub, cls._rmsnorm, eps))
             else:
                 return None
             covered.update(id(p) for p in own)
         if not all(id(p) in covered for p in params) or not params:
             return None
-        return cls(module, params, handlers)
+        return cls(params, handlers)
 
     @contextlib.contextmanager
     def capture(self, segments: Sequence[tuple[int, int]], out: Tensor) -> Iterator[None]:
@@ -129,8 +132,8 @@ class GroupGradients:
         self._segments = [(int(lo), int(hi)) for lo, hi in segments]
         self._out = out
         flags = [p.requires_grad for p in self.params]
-        handles = [sub.register_forward_hook(self._hook(kind, arg))
-                   for sub, kind, arg in self._handlers]
+        handles = [sub.register_forward_hook(self._hook(handler, arg))
+                   for sub, handler, arg in self._handlers]
         for p in self.params:
             p.requires_grad_(False)
         try:
@@ -152,26 +155,26 @@ class GroupGradients:
     def _tracked(self, p: Tensor | None) -> bool:
         return p is not None and id(p) in self._slots
 
-    def _hook(self, kind: str, arg: Any):  # noqa: ANN202 - a forward hook
+    def _hook(self, handler: _HandlerFn, arg: Any):  # noqa: ANN202 - a forward hook
         def forward_hook(module: nn.Module, inputs: tuple[Any, ...], output: Tensor) -> Tensor:
             x = inputs[0].detach()
             if not output.requires_grad:  # the first module of stage 0: gradients start here
                 output = output.detach().requires_grad_()
-            handler: Callable[..., None] = getattr(self, f"_{kind}")  # _linear, _embedding, ...
-            output.register_hook(lambda g: handler(module, x, g.detach(), arg))
+            output.register_hook(lambda g: handler(self, module, x, g.detach(), arg))
             return output
 
         return forward_hook
 
     def _linear(self, module: nn.Linear, x: Tensor, g: Tensor, _: Any) -> None:
+        weight, bias = self._tracked(module.weight), self._tracked(module.bias)
         for c, (lo, hi) in enumerate(self._segments):
             if hi <= lo:
                 continue
             gc = g[lo:hi].reshape(-1, g.shape[-1]).float()
-            if self._tracked(module.weight):
+            if weight:
                 xc = x[lo:hi].reshape(-1, x.shape[-1]).float()
                 self._view(module.weight, c).addmm_(gc.t(), xc)
-            if self._tracked(module.bias):
+            if bias:
                 self._view(module.bias, c).add_(gc.sum(0))
 
     def _embedding(self, module: nn.Embedding, ids: Tensor, g: Tensor, padding_idx: Any) -> None:
