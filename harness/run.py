@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from harness.adversaries.base import Context, Strategy, make_strategy
+from harness.adversaries.base import Context, Strategy, make_strategy, plain_generation
 from harness.events import (
     EVENTS_FILE,
     Audit,
@@ -53,8 +53,8 @@ from harness.network import DeliveryQueue, SimulatedNetwork
 from harness.scenario import ContributorSpec, Scenario
 from harness.version_registry import RegistryOracle
 from ledger.audit import verify_ledger
-from node.validator.core import SLASHED
-from rollout.backends import TransformersBackend
+from node.validator.core import SLASHED, SubmitResult
+from rollout.backends import GenerationRequest, TransformersBackend, batch_key
 from rollout.worker import open_assignment
 from trainer.config import AggregatorSection, LocalSection, LossSection, TrainerConfig
 from trainer.evals import evaluate
@@ -63,7 +63,7 @@ from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import SigningKey
-from verify.types import Verdict, decode
+from verify.types import SignedAssignment, Verdict, decode
 
 IDLE_RETRY_S = 5.0
 """Simulated seconds a contributor waits after a refused or lost request."""
@@ -131,35 +131,73 @@ class Simulation:
         waits: contributors work while the trainer trains. It starts at most
         ``uploads`` groups per pump: their compute runs on this machine, so
         generation follows the trainer's demand instead of racing ahead of it.
+        Jobs start in rounds (every idle contributor's first, then second...),
+        and each round's plain generations run as one batch (:meth:`_prefetch`).
         """
-        for m in self.members:
-            for _ in range(m.spec.uploads):  # at most a full upload pipeline per pump
-                if m.retired or m.free_at > self.t or not self.sim.is_online(m.spec.id, self.t):
-                    break
-                self._start(m, at=max(m.free_at, self._pumped_at))
+        for r in range(max((m.spec.uploads for m in self.members), default=0)):
+            jobs = [job for m in self.members if r < m.spec.uploads and self._idle(m)
+                    if (job := self._assign(m, at=max(m.free_at, self._pumped_at))) is not None]
+            if not jobs:
+                break
+            self._prefetch(jobs)
+            for job in jobs:
+                self._answer(*job)
         nxt = self.queue.next_ready_at()
         if nxt is None:
             waiting = [m.free_at for m in self.members if not m.retired]
             self.t = max(self.t, min(waiting, default=self.t)) + 1e-3
         else:
             self.t = max(self.t, nxt)
-            for m, body in self.queue.pop_ready(self.t):
-                self._deliver(m, body)
+            self._deliver_all(self.queue.pop_ready(self.t))
         self._pumped_at = self.t
 
-    def _start(self, m: Member, at: float) -> None:
+    def _idle(self, m: Member) -> bool:
+        return not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t)
+
+    def _assign(self, m: Member, at: float) -> tuple[Member, SignedAssignment, float] | None:
+        """Ask the validator for work; a refusal idles (or, banned, retires) the contributor."""
         try:
             sealed = self.net.validator.assign(m.key.public.raw)
         except AdmissionError as exc:
             if exc.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
                 m.retired = True
             m.free_at = at + IDLE_RETRY_S
-            return
+            return None
+        return m, sealed, at
+
+    def _prefetch(self, jobs: list[tuple[Member, SignedAssignment, float]]) -> None:
+        """Generate the plain requests of ``jobs`` (one batch per policy version and sampling).
+
+        Each contributor's share of the batch's time (by rows) is charged to it
+        when its strategy takes the group (``Context.generate``); on a real
+        network every contributor generates on its own hardware, and here a
+        batch is how this machine gets through the same work.
+        """
+        batches: dict[tuple, list[tuple[Member, GenerationRequest]]] = {}
+        for m, sealed, _ in jobs:
+            if plain_generation(m.strategy):
+                a = m.ctx.assignment(sealed)
+                req = m.ctx.request(a)
+                batches.setdefault((a.policy_version, batch_key(req)), []).append((m, req))
+        for (version, _), items in batches.items():
+            if len(items) < 2:
+                continue  # nothing to share: the strategy generates it itself
+            start = time.perf_counter()
+            groups = self._backend(version).generate_batch([req for _, req in items])
+            spent = time.perf_counter() - start
+            rows = sum(req.group_size for _, req in items)
+            for (m, req), completions in zip(items, groups, strict=True):
+                m.ctx.prefetched[req] = (completions, spent * req.group_size / rows)
+
+    def _answer(self, m: Member, sealed: SignedAssignment, at: float) -> None:
         version = open_assignment(sealed, self.net.validator.key.public, m.key.public).policy_version
         m.ctx.backend = self._backend(version)
+        m.ctx.prefetch_s = 0.0
         start = time.perf_counter()
         body = m.strategy.answer(m.ctx, sealed)
-        ready = at + self.sim.compute_time(m.spec.id, time.perf_counter() - start)
+        spent = time.perf_counter() - start + m.ctx.prefetch_s
+        m.ctx.prefetched.clear()
+        ready = at + self.sim.compute_time(m.spec.id, spent)
         delay = self.sim.delay(m.spec.id, "submit")
         # A lost group is given up after IDLE_RETRY_S; the assignment expires unanswered.
         done = ready + (IDLE_RETRY_S if delay is None else delay)
@@ -167,15 +205,32 @@ class Simulation:
         if delay is not None:
             self.queue.push((m, body), done)
 
-    def _deliver(self, m: Member, body: bytes) -> None:
+    def _deliver_all(self, ready: list[tuple[Member, bytes]]) -> None:
+        """Deliver groups arriving together as one batch (``Validator.admit_many``: their spot
+        checks share a forward pass, their verdicts one transaction), in arrival order.
+
+        A group refused with BACKPRESSURE because an earlier group of the batch
+        holds its assignment or a completion is delivered again alone right
+        after, as a contributor retries a 429; so is every other outcome the
+        same as delivering one group at a time.
+        """
+        results = self.net.validator.admit_many([body for _, body in ready])
+        for (m, body), result in zip(ready, results, strict=True):
+            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
+                try:
+                    result = self.net.validator.admit(body)
+                except (AdmissionError, VerificationError) as exc:
+                    result = exc
+            self._deliver(m, result)
+
+    def _deliver(self, m: Member, result: SubmitResult | AdmissionError | VerificationError) -> None:
         v = self.net.validator
-        try:
-            signed = v.submit(body)
-        except (AdmissionError, VerificationError) as exc:
+        if not isinstance(result, SubmitResult):
             self.log.write(VerdictEvent(t=self.t, run=self.run, contributor=m.spec.id,
                                         strategy=m.spec.strategy, accepted=False,
-                                        reason=exc.reason.value, audited=False, reward=None))
+                                        reason=result.reason.value, audited=False, reward=None))
             return
+        signed = result.verdicts
         verdicts = [decode(Verdict, s.verdict, max_bytes=len(s.verdict)) for s in signed]
         accepted = all(x.accepted for x in verdicts)
         reasons = [x.reason for x in verdicts if x.reason and x.reason != Reason.GROUP_REJECTED.value]

@@ -240,17 +240,22 @@ def _kill_at_random(proc: subprocess.Popen, journal: Path, rng: random.Random) -
     """SIGKILL ``proc`` at a random moment; returns when (or 'exited' if it ended first)."""
     if rng.random() < 0.25:
         moment, deadline = "start-up", time.monotonic() + rng.uniform(0.5, 8.0)
-        while time.monotonic() < deadline and proc.poll() is None:
+        start = _journal_lines(journal)  # before this process journals its first step
+        while time.monotonic() < deadline and proc.poll() is None and _journal_lines(journal) == start:
             time.sleep(0.05)
     else:
-        moment, start = "training", _journal_lines(journal)
-        wait_for = start + rng.randint(1, 3)
+        moment, seen = "training", _journal_lines(journal)
+        wait_for = seen + rng.randint(1, 3)
         deadline = time.monotonic() + 300
-        while _journal_lines(journal) < wait_for and proc.poll() is None:
+        changed: list[float] = []  # when the journal last grew: the step time, whatever the machine
+        while seen < wait_for and proc.poll() is None:
             if time.monotonic() > deadline:
                 break
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.5))  # a random point of the next step
+            if (now := _journal_lines(journal)) != seen:
+                seen, changed = now, [*changed[-1:], time.monotonic()]
+        step_s = changed[1] - changed[0] if len(changed) == 2 else 0.5
+        time.sleep(rng.uniform(0.0, step_s))  # a random point of the next step
     if proc.poll() is not None:
         return "exited"
     proc.send_signal(signal.SIGKILL)

@@ -13,7 +13,7 @@ Backends are registered by name (:func:`register_backend`, :func:`make_backend`)
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -80,6 +80,12 @@ class GenerationBackend(Protocol):
     def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
         """Completions ``0 .. group_size - 1``, in group order."""
         ...
+
+
+def batch_key(request: GenerationRequest) -> tuple:
+    """What requests batched into one pass share: sampling, length limit and stop tokens."""
+    return (request.temperature, request.top_k, request.top_p, request.max_tokens,
+            tuple(sorted(set(request.stop_token_ids))))
 
 
 BackendFactory = Callable[..., GenerationBackend]
@@ -176,38 +182,93 @@ class TransformersBackend:
         cache = getattr(out, self._cache_kw)
         cache.batch_repeat_interleave(g_size)
         logits = out.logits[:, -1, :].float().expand(g_size, -1)  # (G, V)
-        stops = torch.tensor(sorted(set(request.stop_token_ids)), dtype=torch.long,
-                             device=self.device)
-        tokens = torch.zeros((g_size, request.max_tokens), dtype=torch.long, device=self.device)
-        chosen = torch.zeros((g_size, request.max_tokens), dtype=torch.float32, device=self.device)
-        done = torch.zeros(g_size, dtype=torch.bool, device=self.device)
-        lengths = torch.full((g_size,), request.max_tokens, dtype=torch.long)
-        for t in range(request.max_tokens):
-            lp = process_logits(logits, request.temperature, request.top_k, request.top_p)
-            nxt = self._sample(lp, request, t, done)  # (G,)
+
+        def step(nxt: torch.Tensor) -> torch.Tensor:
+            out = self.model(input_ids=nxt[:, None], use_cache=True, **{self._cache_kw: cache})
+            return out.logits[:, -1, :].float()
+
+        return self._decode(logits, step, [request])[0]
+
+    @torch.inference_mode()
+    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:
+        """:meth:`generate` of several requests in one batched pass, in request order.
+
+        The requests must agree on sampling parameters, ``max_tokens`` and stop
+        tokens (:func:`batch_key`); prompts may differ in length (left padding).
+        Every row samples with its own request's verifiable noise, so a token
+        can differ from :meth:`generate`'s only where two candidates tie within
+        float rounding of the padded batch (the validator accepts either).
+        """
+        if len(requests) == 1:
+            return [self.generate(requests[0])]
+        if not requests or len({batch_key(r) for r in requests}) != 1:
+            raise ValueError("generate_batch needs one or more requests with one batch_key")
+        prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
+        width = max(len(p) for p in prompts)
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, p in enumerate(prompts):
+            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[row, width - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1)
+        cache = getattr(out, self._cache_kw)
+        state = {"mask": mask, "next": positions[:, -1:] + 1}
+
+        def step(nxt: torch.Tensor) -> torch.Tensor:
+            state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
+            out = self.model(input_ids=nxt[:, None], attention_mask=state["mask"],
+                             position_ids=state["next"], use_cache=True, **{self._cache_kw: cache})
+            state["next"] = state["next"] + 1
+            return out.logits[:, -1, :].float()
+
+        return self._decode(out.logits[:, -1, :].float(), step, requests)
+
+    def _decode(self, logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
+                requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:
+        """Sample every row to a stop token or ``max_tokens``; rows are the requests' G
+        completions in order, ``logits`` the rows' first next-token logits, ``step(tokens)``
+        feeds one token per row and returns the next logits."""
+        first = requests[0]
+        rows = [(r, g) for r in requests for g in range(r.group_size)]
+        n = len(rows)
+        stops = torch.tensor(sorted(set(first.stop_token_ids)), dtype=torch.long, device=self.device)
+        tokens = torch.zeros((n, first.max_tokens), dtype=torch.long, device=self.device)
+        chosen = torch.zeros((n, first.max_tokens), dtype=torch.float32, device=self.device)
+        done = torch.zeros(n, dtype=torch.bool, device=self.device)
+        lengths = torch.full((n,), first.max_tokens, dtype=torch.long)
+        for t in range(first.max_tokens):
+            lp = process_logits(logits, first.temperature, first.top_k, first.top_p)
+            nxt = self._sample(lp, rows, t, done, first.temperature)  # (n,)
             nxt = torch.where(done, tokens[:, t - 1] if t else nxt, nxt)
             tokens[:, t] = nxt
             chosen[:, t] = lp.gather(-1, nxt[:, None])[:, 0]
             hit = torch.isin(nxt, stops) & ~done
             lengths[hit.cpu()] = t + 1
             done |= hit
-            if bool(done.all()) or t + 1 == request.max_tokens:
+            if bool(done.all()) or t + 1 == first.max_tokens:
                 break
-            out = self.model(input_ids=nxt[:, None], use_cache=True, **{self._cache_kw: cache})
-            logits = out.logits[:, -1, :].float()
-        return [self._completion(g, tokens[g], chosen[g], int(lengths[g]), request)
-                for g in range(g_size)]
+            logits = step(nxt)
+        out: list[list[GeneratedCompletion]] = []
+        for row, (r, g) in enumerate(rows):
+            if g == 0:
+                out.append([])
+            out[-1].append(self._completion(g, tokens[row], chosen[row], int(lengths[row]), r))
+        return out
 
-    def _sample(
-        self, lp: torch.Tensor, request: GenerationRequest, t: int, done: torch.Tensor
-    ) -> torch.Tensor:
-        if request.temperature == 0.0:
+    @staticmethod
+    def _sample(lp: torch.Tensor, rows: list[tuple[GenerationRequest, int]], t: int,
+                done: torch.Tensor, temperature: float) -> torch.Tensor:
+        if temperature == 0.0:
             return lp.argmax(dim=-1)  # point mass: the noise cannot change the argmax
         noise = torch.zeros(lp.shape, dtype=torch.float64)
-        live = [g for g in range(lp.shape[0]) if not bool(done[g])]
+        live = [i for i in range(lp.shape[0]) if not bool(done[i])]
         if live:
             noise[live] = noise_for_streams(
-                [(request.sampler_key, request.nonce, request.seed, g, [t]) for g in live], lp.shape[-1])
+                [(r.sampler_key, r.nonce, r.seed, g, [t]) for r, g in (rows[i] for i in live)],
+                lp.shape[-1])
         return sample_verifiable(lp, noise)
 
     @staticmethod

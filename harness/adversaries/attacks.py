@@ -27,6 +27,7 @@ class TamperedLogprobs:
     tokens: int = 3
     name: ClassVar[str] = "tampered-logprobs"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH})
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
@@ -50,6 +51,7 @@ class FabricatedTokens:
     name: ClassVar[str] = "fabricated-tokens"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH,
                                                      Reason.TOKEN_OUTSIDE_SUPPORT})
+    plain_generation: ClassVar[bool] = True
 
     def forge(self, ctx: Context, a, comps: list[GeneratedCompletion]) -> list[GeneratedCompletion]:  # type: ignore[no-untyped-def]
         planted = ctx.tokenizer.encode(self.text)
@@ -70,6 +72,7 @@ class SplicedTokens:
 
     name: ClassVar[str] = "spliced-tokens"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH})
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
@@ -109,6 +112,7 @@ class StaleVersion:
     lag: int = 1
     name: ClassVar[str] = "stale-version"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.ASSIGNMENT_MISMATCH})
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         from rollout.worker import header_fields
@@ -204,6 +208,7 @@ class CherryPick:
     drop: int = 1
     name: ClassVar[str] = "cherry-pick"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.MISSING_GROUP_MEMBER})
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
@@ -221,6 +226,7 @@ class WrongPrompt:
     prompt_id: str = "train/0"
     name: ClassVar[str] = "wrong-prompt"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.WRONG_PROMPT})
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         from rollout.worker import header_fields
@@ -243,6 +249,7 @@ class Poisoning:
     text: str = "0"
     name: ClassVar[str] = "poisoning"
     expect: ClassVar[str] = "bounded"
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         return FabricatedTokens(self.text).answer(ctx, sealed)
@@ -263,6 +270,7 @@ class GradientInflation:
     keep: float = 0.5
     name: ClassVar[str] = "gradient-inflation"
     expect: ClassVar[str] = "bounded"
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
@@ -290,6 +298,7 @@ class RewardHacker:
     text: str = "1 2 3 4 5 6 7 8 9 10 11 12"
     name: ClassVar[str] = "reward-hacker"
     expect: ClassVar[frozenset[Reason]] = FabricatedTokens.expect
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         return FabricatedTokens(self.text).answer(ctx, sealed)
@@ -306,6 +315,7 @@ class Intermittent:
     inner: str = "tampered-logprobs"
     name: ClassVar[str] = "intermittent"
     expect: ClassVar[str] = "inner"
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         from harness.adversaries.base import make_strategy

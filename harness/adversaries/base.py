@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
-from rollout.backends import GeneratedCompletion, GenerationBackend
+from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
 from rollout.worker import Tokenizer, generation_request, open_assignment, sign_completions
 from verify.errors import ConfigError, Reason
 from verify.keys import PublicKey, SigningKey
@@ -30,7 +30,10 @@ class Context:
     ``oracle`` lets a cheater compute honest-looking logprobs for tokens it did
     not sample (the strongest form of several attacks); ``memory`` keeps
     earlier groups for replay and copying; ``shared`` is common to colluding
-    identities (Sybils).
+    identities (Sybils). ``prefetched`` holds groups the harness generated in
+    advance, batched with other contributors' (see :func:`plain_generation`):
+    :meth:`generate` hands one out for exactly its request and adds its share
+    of the batch's compute time to ``prefetch_s``.
     """
 
     key: SigningKey
@@ -41,6 +44,9 @@ class Context:
     memory: list[GroupSubmission] = field(default_factory=list)
     shared: dict[str, Any] = field(default_factory=dict)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
+    prefetched: dict[GenerationRequest, tuple[list[GeneratedCompletion], float]] = field(
+        default_factory=dict)
+    prefetch_s: float = 0.0
 
     def assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_assignment(sealed, self.validator, self.key.public)
@@ -51,9 +57,19 @@ class Context:
     def stops(self) -> list[int]:
         return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
 
-    def generate(self, a: WorkAssignment, **changes: Any) -> list[GeneratedCompletion]:
+    def request(self, a: WorkAssignment, **changes: Any) -> GenerationRequest:
+        """The generation request for ``a`` (as an honest contributor makes it), with ``changes``."""
         req = generation_request(a, self.prompt_ids(a), self.key.public, self.stops())
-        return self.backend.generate(dataclasses.replace(req, **changes) if changes else req)
+        return dataclasses.replace(req, **changes) if changes else req
+
+    def generate(self, a: WorkAssignment, **changes: Any) -> list[GeneratedCompletion]:
+        req = self.request(a, **changes)
+        hit = self.prefetched.pop(req, None)
+        if hit is not None:
+            completions, seconds = hit
+            self.prefetch_s += seconds
+            return completions
+        return self.backend.generate(req)
 
     def honest_logprobs(self, a: WorkAssignment, tokens: list[int]) -> np.ndarray:
         """Processed logprobs of arbitrary tokens under the assigned policy (needs ``oracle``)."""
@@ -110,6 +126,16 @@ def make_strategy(name: str, **params: Any) -> Strategy:
         raise ConfigError(f"strategy {name!r}: {exc}") from None
 
 
+def plain_generation(strategy: Strategy) -> bool:
+    """Whether ``strategy`` answers (at least usually) with ``ctx.generate(a)`` unchanged, so the
+    harness may generate that group in advance, batched with other contributors' groups.
+
+    A strategy says so with a class attribute ``plain_generation = True``; a
+    group generated for one that then asks for something else is wasted work.
+    """
+    return bool(getattr(type(strategy), "plain_generation", False))
+
+
 def completion(g: int, tokens: list[int] | tuple[int, ...], logprobs: np.ndarray) -> GeneratedCompletion:
     lp = np.asarray(logprobs, dtype=np.float32).copy()
     lp.setflags(write=False)
@@ -123,6 +149,7 @@ class Honest:
 
     name: ClassVar[str] = "honest"
     expect: ClassVar[str] = "accepted"
+    plain_generation: ClassVar[bool] = True
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)

@@ -40,7 +40,7 @@ import numpy as np
 
 from ledger.log import Ledger
 from node.config import ValidatorConfig
-from node.validator.commit import Batcher
+from node.validator.commit import Batcher, Steps
 from node.validator.policy import PolicyVersions, TextCodec
 from node.validator.spot import (
     SpotCheckFailed,
@@ -60,6 +60,9 @@ from verify.hashing import COMPLETION, blake3_digest
 from verify.sampling import pit_uniformity_test
 from verify.spotcheck import DistributionOracle, Tolerance
 from verify.types import RolloutEnvelope, SignedAssignment, WorkAssignment, canonical_bytes
+
+AuditResults = list[SpotCheckResult | SpotCheckFailed]
+"""One spot-check result per audited member of a group, in order."""
 
 
 @dataclass
@@ -115,17 +118,19 @@ class GroupChecks:
         self._lock = lock
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
         # One spot-check forward pass at a time, shared by every group waiting for one.
-        self._auditor: Batcher[SpotJob, list[SpotCheckResult | SpotCheckFailed]] = Batcher(
+        self._auditor: Batcher[SpotJob, AuditResults] = Batcher(
             self._spot_batch, max_batch=cfg.audit.queue)
         self._pending_completions: set[bytes] = set()
         self._pit: dict[bytes, list[np.ndarray]] = {}
 
     def judge(self, issued: Issued, members: list[Member], secret: bytes,
-              reserved: set[bytes]) -> None:
+              reserved: set[bytes]) -> Steps[None]:
         """Set each member's ``reason`` (None: accepted); digests reserved go into ``reserved``.
 
-        Raises AdmissionError(BACKPRESSURE) when the group needs an audit slot and
-        none is free, or one of its completions is reserved by another group.
+        Steps: yields the group's ``SpotJob`` when members are drawn for audit and
+        is sent its results (:meth:`spot`). Raises AdmissionError(BACKPRESSURE)
+        when the group needs an audit slot and none is free, or one of its
+        completions is reserved by another group.
         """
         failed = self._group_checks(issued, members, reserved)
         audit_rate = self._audit_rate(issued.wire.contributor_key)
@@ -135,7 +140,7 @@ class GroupChecks:
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
         try:
             if failed is None:
-                failed = self._score_and_audit(issued, members, drawn, secret)
+                failed = yield from self._score_and_audit(issued, members, drawn, secret)
         finally:
             if needs_audit:
                 self._audit_slots.release()
@@ -193,13 +198,17 @@ class GroupChecks:
         override = self.cfg.audit.rate_override
         return override if override >= 0 else self.ledger.audit_rate(contributor)
 
+    def spot(self, jobs: list[SpotJob]) -> list[AuditResults]:
+        """Spot checks of several groups' drawn members: one batch, shared with concurrent callers."""
+        return self._auditor.run_many(jobs)
+
     def _score_and_audit(self, issued: Issued, members: list[Member], audited: list[Member],
-                         secret: bytes) -> Member | None:
+                         secret: bytes) -> Steps[Member | None]:
         texts = self.codec.decode_batch([m.rollout.token_ids.tolist() for m in members])
         for m, text in zip(members, texts, strict=True):
             m.reward = reward(issued.problem.task, text, issued.problem)
         if audited:
-            results = self._auditor.run(SpotJob([m.rollout for m in audited], issued.prompt_ids, secret))
+            results = yield SpotJob([m.rollout for m in audited], issued.prompt_ids, secret)
             for m, result in zip(audited, results, strict=True):
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
@@ -210,7 +219,7 @@ class GroupChecks:
                 m.pit = result.pit
         return self._pit_check(issued.wire.contributor_key, members)
 
-    def _spot_batch(self, jobs: list[SpotJob]) -> list[list[SpotCheckResult | SpotCheckFailed]]:
+    def _spot_batch(self, jobs: list[SpotJob]) -> list[AuditResults]:
         results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
         self.metrics["audit/batch_groups"] = float(len(jobs))
         self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)

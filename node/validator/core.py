@@ -53,13 +53,15 @@ from ledger.records import (
 from node.config import ValidatorConfig
 from node.validator import trainer_side
 from node.validator.checks import GroupChecks, Issued, Member
+from node.validator.commit import Steps, drive, drive_many
 from node.validator.epochs import EpochSecrets
 from node.validator.policy import PolicyVersions, TextCodec
-from node.validator.record import SLASHED, Recorder
+from node.validator.record import SLASHED, GroupWrite, Recorder
+from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
 from verify.envelope import Limits, decode_group, verify_envelope
-from verify.errors import AdmissionError, Reason
+from verify.errors import AdmissionError, Reason, VerificationError
 from verify.hashing import COMPLETION, blake3_digest
 from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
@@ -226,6 +228,28 @@ class Validator:
 
     def admit(self, raw: bytes) -> SubmitResult:
         """:meth:`submit`, also saying whether the verdicts are new. Thread-safe."""
+        return drive(self._admission(raw), self._serve)
+
+    def admit_many(self, raws: Sequence[bytes]) -> list[SubmitResult | AdmissionError | VerificationError]:
+        """:meth:`admit` of several groups together, each one's result or refusal in order.
+
+        The groups' spot checks share one batched forward pass and their writes
+        one transaction; each group's verdicts are recorded in order. Every group
+        is checked before the others are recorded, as if they had arrived at
+        once: a second group with a completion or an assignment of an earlier
+        one in the batch is refused with BACKPRESSURE (retry it alone).
+        """
+        results = drive_many([self._admission(raw) for raw in raws], self._serve,
+                             rank=lambda request: 0 if isinstance(request, SpotJob) else 1,
+                             catch=(AdmissionError, VerificationError))
+        return results  # type: ignore[return-value]
+
+    def _serve(self, requests: list[SpotJob | GroupWrite]) -> Sequence[object]:
+        if isinstance(requests[0], SpotJob):
+            return self._checks.spot(requests)  # type: ignore[arg-type]
+        return self._recorder.write(requests)  # type: ignore[arg-type]
+
+    def _admission(self, raw: bytes) -> Steps[SubmitResult]:
         group = decode_group(raw, self.limits)
         group_digest = blake3_digest(COMPLETION, b"group", raw)
         aid = group.assignment_id
@@ -249,7 +273,7 @@ class Validator:
             secret = self._epochs.draw()
             recorded = False
             try:
-                verdicts = self._judge(issued, members, secret, group_digest)
+                verdicts = yield from self._judge(issued, members, secret, group_digest)
                 recorded = True
             finally:
                 self._epochs.release(recorded)
@@ -261,11 +285,11 @@ class Validator:
         return SubmitResult(verdicts, True, tuple(m.reason.value if m.reason else "" for m in members))
 
     def _judge(self, issued: Issued, members: list[Member], secret: bytes,
-               group_digest: bytes) -> list[SignedVerdict]:
+               group_digest: bytes) -> Steps[list[SignedVerdict]]:
         reserved: set[bytes] = set()
         try:
-            self._checks.judge(issued, members, secret, reserved)
-            return self._recorder.record(issued, members, group_digest)
+            yield from self._checks.judge(issued, members, secret, reserved)
+            return (yield from self._recorder.record(issued, members, group_digest))
         finally:
             # recorded by now (accepted ones are in the store) or abandoned
             self._checks.release(reserved)

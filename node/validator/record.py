@@ -35,7 +35,7 @@ from ledger.log import Ledger
 from ledger.records import Record, Slashed, VerdictRecorded, check_record, evidence_digest
 from node.config import ValidatorConfig
 from node.validator.checks import Issued, Member, completion_digest
-from node.validator.commit import GroupCommitter
+from node.validator.commit import GroupCommitter, Steps
 from node.validator.state import StateStore
 from verify.errors import Reason
 from verify.keys import SigningKey
@@ -69,8 +69,12 @@ class Recorder:
         self._records_since_checkpoint = 0
         self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
 
-    def record(self, issued: Issued, members: list[Member], group_digest: bytes) -> list[SignedVerdict]:
-        """Build and seal the verdicts, then store them durably (group commit) before returning."""
+    def record(self, issued: Issued, members: list[Member],
+               group_digest: bytes) -> Steps[list[SignedVerdict]]:
+        """Build and seal the verdicts, then store them durably before returning them.
+
+        Steps: yields the group's ``GroupWrite`` and continues once it is durable
+        (:meth:`write`)."""
         a = issued.wire
         now = self.clock()
         records: list[Record] = []
@@ -101,8 +105,12 @@ class Recorder:
         submission = (a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
         # Returns once durable in the ledger. Until then the group is in flight, so a
         # resubmission gets BACKPRESSURE, never a second judgement.
-        self.committer.commit(GroupWrite(records, samples, completions, submission))
+        yield GroupWrite(records, samples, completions, submission)
         return verdicts
+
+    def write(self, writes: list[GroupWrite]) -> list[None]:
+        """Store several groups durably: one transaction, shared with concurrent callers."""
+        return self.committer.commit_many(writes)
 
     def _write_batch(self, batch: list[GroupWrite]) -> None:
         """Several groups at once: their accepted bodies in one state transaction, their

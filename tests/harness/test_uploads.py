@@ -61,11 +61,13 @@ def _pumping(uploads: int, cycle: float, t: float) -> tuple[Simulation, list[flo
     sim.members = [member]
     starts: list[float] = []
 
-    def start(m: Member, at: float) -> None:
+    def answer(m: Member, sealed: object, at: float) -> None:
         starts.append(at)
         m.uploading, m.free_at = free_after([*m.uploading, at + cycle + 0.05], at + cycle, uploads)
 
-    sim._start = start  # type: ignore[method-assign]
+    sim._assign = lambda m, at: (m, None, at)  # type: ignore[method-assign,assignment,return-value]
+    sim._prefetch = lambda jobs: None  # type: ignore[method-assign]
+    sim._answer = answer  # type: ignore[method-assign,assignment]
     return sim, starts
 
 

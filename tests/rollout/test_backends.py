@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -119,6 +121,39 @@ def test_generation_batch_size_does_not_change_a_completion(backend):
     assert np.abs(alone.logprobs - in_group.logprobs).max() <= 1e-5
     short = backend.generate(_request(group=2, max_tokens=1))
     assert all(len(c.token_ids) == 1 for c in short)
+
+
+@pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 20, 0.9)])
+def test_a_batch_of_requests_generates_what_each_would_alone(backend, model_dir, params):
+    # prompts of different lengths (left padding), other nonces, seeds and keys per request
+    prompts = [PROMPT, PROMPT[:3], (5, 9, 200, 31, 7, 7, 7, 7, 12, 40, 41), PROMPT[2:]]
+    requests = [dataclasses.replace(_request(*params, group=4, max_tokens=24, seed=20 + i),
+                                    prompt_ids=p, nonce=bytes([i]) * 32, sampler_key=bytes([i + 1]) * 32)
+                for i, p in enumerate(prompts)]
+    batched = backend.generate_batch(requests)
+    assert len(batched) == len(requests)
+    for request, group in zip(requests, batched, strict=True):
+        alone = backend.generate(request)
+        assert [c.group_index for c in group] == list(range(4))
+        assert [c.token_ids for c in group] == [c.token_ids for c in alone]
+        assert [c.finish_reason for c in group] == [c.finish_reason for c in alone]
+        for a, b in zip(group, alone, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=FLOAT32_TOLERANCE.token_abs)
+        # and the validator's recomputation accepts them (same committed definition)
+        oracle = TransformersOracle({0: model_dir}, dtype="float32")
+        for c, recomputed in zip(group, oracle.logprobs_batch(0, _oracle_requests(request, group)),
+                                 strict=True):
+            np.testing.assert_allclose(c.logprobs, recomputed, atol=FLOAT32_TOLERANCE.token_abs)
+    assert len({c.token_ids for g in batched for c in g}) > 8
+
+
+def test_a_batch_must_share_sampling_and_length(backend):
+    with pytest.raises(ValueError, match="batch_key"):
+        backend.generate_batch([_request(), _request(temperature=0.7)])
+    with pytest.raises(ValueError, match="batch_key"):
+        backend.generate_batch([])
+    assert [c.token_ids for c in backend.generate_batch([_request()])[0]] == \
+        [c.token_ids for c in backend.generate(_request())]
 
 
 def test_small_batches_split_by_token_budget(model_dir, backend):
