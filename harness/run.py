@@ -135,10 +135,11 @@ class Simulation:
         and each round's plain generations run as one batch (:meth:`_prefetch`).
         """
         for r in range(max((m.spec.uploads for m in self.members), default=0)):
-            jobs = [job for m in self.members if r < m.spec.uploads and self._idle(m)
-                    if (job := self._assign(m, at=max(m.free_at, self._pumped_at))) is not None]
-            if not jobs:
+            due = [(m, max(m.free_at, self._pumped_at)) for m in self.members
+                   if r < m.spec.uploads and self._idle(m)]
+            if not due:
                 break
+            jobs = self._assign_all(due)
             self._prefetch(jobs)
             for job in jobs:
                 self._answer(*job)
@@ -154,16 +155,19 @@ class Simulation:
     def _idle(self, m: Member) -> bool:
         return not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t)
 
-    def _assign(self, m: Member, at: float) -> tuple[Member, SignedAssignment, float] | None:
-        """Ask the validator for work; a refusal idles (or, banned, retires) the contributor."""
-        try:
-            sealed = self.net.validator.assign(m.key.public.raw)
-        except AdmissionError as exc:
-            if exc.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
-                m.retired = True
-            m.free_at = at + IDLE_RETRY_S
-            return None
-        return m, sealed, at
+    def _assign_all(self, due: list[tuple[Member, float]]) -> list[tuple[Member, SignedAssignment, float]]:
+        """Ask the validator for work for each ``(member, at)``; a refusal idles (or, banned,
+        retires) the contributor."""
+        jobs = []
+        answers = self.net.validator.assign_many([m.key.public.raw for m, _ in due])
+        for (m, at), sealed in zip(due, answers, strict=True):
+            if isinstance(sealed, AdmissionError):
+                if sealed.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
+                    m.retired = True
+                m.free_at = at + IDLE_RETRY_S
+            else:
+                jobs.append((m, sealed, at))
+        return jobs
 
     def _prefetch(self, jobs: list[tuple[Member, SignedAssignment, float]]) -> None:
         """Generate the plain requests of ``jobs`` (one batch per policy version and sampling).

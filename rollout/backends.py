@@ -83,9 +83,9 @@ class GenerationBackend(Protocol):
 
 
 def batch_key(request: GenerationRequest) -> tuple:
-    """What requests batched into one pass share: sampling, length limit and stop tokens."""
-    return (request.temperature, request.top_k, request.top_p, request.max_tokens,
-            tuple(sorted(set(request.stop_token_ids))))
+    """What requests batched into one pass share: group size, sampling, length limit, stops."""
+    return (request.group_size, request.temperature, request.top_k, request.top_p,
+            request.max_tokens, tuple(sorted(set(request.stop_token_ids))))
 
 
 BackendFactory = Callable[..., GenerationBackend]
@@ -193,8 +193,9 @@ class TransformersBackend:
     def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:
         """:meth:`generate` of several requests in one batched pass, in request order.
 
-        The requests must agree on sampling parameters, ``max_tokens`` and stop
-        tokens (:func:`batch_key`); prompts may differ in length (left padding).
+        The requests must agree on group size, sampling parameters, ``max_tokens``
+        and stop tokens (:func:`batch_key`); prompts may differ in length (left
+        padding). Each prompt is encoded once and its cache repeated G times.
         Every row samples with its own request's verifiable noise, so a token
         can differ from :meth:`generate`'s only where two candidates tie within
         float rounding of the padded batch (the validator accepts either).
@@ -203,19 +204,22 @@ class TransformersBackend:
             return [self.generate(requests[0])]
         if not requests or len({batch_key(r) for r in requests}) != 1:
             raise ValueError("generate_batch needs one or more requests with one batch_key")
-        prompts = [r.prompt_ids for r in requests for _ in range(r.group_size)]
-        width = max(len(p) for p in prompts)
-        ids = torch.zeros((len(prompts), width), dtype=torch.long)
-        mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for row, p in enumerate(prompts):
-            ids[row, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[row, width - len(p):] = 1
+        g_size = requests[0].group_size
+        width = max(len(r.prompt_ids) for r in requests)
+        ids = torch.zeros((len(requests), width), dtype=torch.long)
+        mask = torch.zeros((len(requests), width), dtype=torch.long)
+        for row, r in enumerate(requests):
+            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
+            mask[row, width - len(r.prompt_ids):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        # Each prompt once; its cache, mask and logits then serve its G completions.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)
         cache = getattr(out, self._cache_kw)
-        state = {"mask": mask, "next": positions[:, -1:] + 1}
+        cache.batch_repeat_interleave(g_size)
+        state = {"mask": mask.repeat_interleave(g_size, dim=0),
+                 "next": positions[:, -1:].repeat_interleave(g_size, dim=0) + 1}
 
         def step(nxt: torch.Tensor) -> torch.Tensor:
             state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
@@ -224,7 +228,8 @@ class TransformersBackend:
             state["next"] = state["next"] + 1
             return out.logits[:, -1, :].float()
 
-        return self._decode(out.logits[:, -1, :].float(), step, requests)
+        return self._decode(out.logits[:, -1, :].float().repeat_interleave(g_size, dim=0), step,
+                            requests)
 
     def _decode(self, logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
                 requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:

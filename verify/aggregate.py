@@ -243,8 +243,8 @@ def _median(x: Tensor, w: Tensor | None) -> Tensor:
 def _median_block(x: Tensor, w: Tensor | None) -> Tensor:
     n = x.shape[0]
     if w is None:
-        values = sorted_rows(x)
-        return (values[(n - 1) // 2] + values[n // 2]) / 2
+        values = sorted_rows(x, ((n - 1) // 2, n // 2))
+        return (values[0] + values[1]) / 2
     values, order = torch.sort(x, dim=0)
     cum = torch.cumsum(w.to(x.device)[order], dim=0)  # (n, d)
     half = float(w.sum()) / 2

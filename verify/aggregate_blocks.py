@@ -11,7 +11,8 @@ whole-matrix expression gives.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -53,23 +54,52 @@ def by_columns(x: Tensor, fn: Callable[[Tensor], Tensor]) -> Tensor:
     return out
 
 
-def sorted_rows(x: Tensor) -> Tensor:
-    """``torch.sort(x, dim=0).values`` (exactly the same values).
+def sorted_rows(x: Tensor, ranks: Sequence[int] | None = None) -> Tensor:
+    """``torch.sort(x, dim=0).values`` (exactly the same values), or only its rows ``ranks``.
 
-    For a few rows (contributors) and many columns (parameters) an odd-even
-    transposition network of elementwise min/max is several times faster than
-    a sort along the strided dimension: n rounds over the (n, d) rows, each a
-    pass of independent compare-exchanges. Needs no NaN (callers pass finite
-    gradients).
+    For a few rows (contributors) and many columns (parameters) a sorting
+    network of elementwise min/max is several times faster than a sort along
+    the strided dimension: Batcher's odd-even merge sort (19 compare-exchanges
+    for 8 rows), each a pass over two rows. For ``ranks`` only the
+    compare-exchanges those rows depend on run (the middle pair of 8 rows needs 17).
+    Needs no NaN (callers pass finite gradients).
     """
     n = x.shape[0]
+    wanted = tuple(range(n)) if ranks is None else tuple(ranks)
     if n > _NETWORK_MAX_ROWS:
-        return torch.sort(x, dim=0).values
+        return torch.sort(x, dim=0).values[list(wanted)]
     rows = list(x.unbind(0))
-    for r in range(n):
-        for i in range(r % 2, n - 1, 2):
-            rows[i], rows[i + 1] = torch.minimum(rows[i], rows[i + 1]), torch.maximum(rows[i], rows[i + 1])
-    return torch.stack(rows)
+    for i, j in _network(n, wanted):
+        rows[i], rows[j] = torch.minimum(rows[i], rows[j]), torch.maximum(rows[i], rows[j])
+    return torch.stack([rows[r] for r in wanted])
+
+
+@functools.cache
+def _network(n: int, wanted: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """Batcher's odd-even merge sort of ``n`` rows (``(i, j)``: row i takes the min, j the max),
+    keeping only the compare-exchanges whose results reach a row in ``wanted``.
+
+    Built for the next power of two; a compare-exchange with a row past ``n``
+    (think +inf there) never moves anything and is dropped.
+    """
+    size = 1 << max(0, (n - 1).bit_length())
+    pairs: list[tuple[int, int]] = []
+    p = 1
+    while p < size:
+        k = p
+        while k >= 1:
+            for j in range(k % p, size - k, 2 * k):
+                for i in range(min(k, size - j - k)):
+                    if (i + j) // (2 * p) == (i + j + k) // (2 * p):
+                        pairs.append((i + j, i + j + k))
+            k //= 2
+        p *= 2
+    live, kept = set(wanted), []
+    for i, j in reversed([(i, j) for i, j in pairs if j < n]):
+        if i in live or j in live:
+            kept.append((i, j))
+            live |= {i, j}
+    return tuple(reversed(kept))
 
 
 def clip_iterations(x: Tensor, v: Tensor, share: Tensor, tau: float, iters: int) -> Tensor:

@@ -193,33 +193,57 @@ class Validator:
 
     def assign(self, contributor: bytes) -> SignedAssignment:
         """Issue one prompt, G completions, a fresh nonce and seed; recorded in the ledger."""
-        a_cfg = self.cfg.assignment
+        out = self.assign_many([contributor])[0]
+        if isinstance(out, AdmissionError):
+            raise out
+        return out
+
+    def assign_many(self, contributors: Sequence[bytes]) -> list[SignedAssignment | AdmissionError]:
+        """:meth:`assign` for several contributors at once, each one's assignment or refusal in
+        order; the issued ones go to the ledger in one transaction."""
+        out: list[SignedAssignment | AdmissionError] = []
+        issued: list[Issued] = []
         with self._lock:
-            self._check_key(contributor)
-            version = self.versions.current
-            problem = self._next_problem(version)
-            now = self.clock()
-            wire = WorkAssignment(
-                schema_version=SCHEMA_VERSION, assignment_id=self.entropy(16),
-                validator_key=self.key.public.raw, contributor_key=contributor,
-                task_id=problem.task, prompt_id=problem.id,
-                prompt_digest=bytes.fromhex(problem.prompt_digest), prompt=problem.prompt,
-                group_size=a_cfg.group_size, policy_version=version,
-                manifest_digest=self.versions.digest(version) or b"\x00" * 32,
-                sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
-                                        int.from_bytes(self.entropy(8), "little") >> 1),
-                nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
-            )
-            sealed = seal(self.key, wire)
-            assert isinstance(sealed, SignedAssignment)
-            self.state.put_assignment(wire.assignment_id, canonical_bytes(sealed))
-            self.ledger.append(AssignmentIssued(
-                wire.assignment_id, contributor, wire.task_id, wire.prompt_id, wire.prompt_digest,
-                version, wire.group_size, wire.nonce, now))
-            self._used_prompts.add((problem.id, version))
-            self._issued[wire.assignment_id] = Issued(sealed, wire, problem,
-                                                      tuple(self.codec.encode(problem.prompt)))
-            return sealed
+            for contributor in contributors:
+                try:
+                    self._check_key(contributor)
+                    item = self._issue(contributor)
+                except AdmissionError as exc:
+                    out.append(exc)
+                    continue
+                self._used_prompts.add((item.problem.id, item.wire.policy_version))
+                issued.append(item)
+                out.append(item.sealed)
+            if issued:
+                self.state.put_assignments([(i.wire.assignment_id, canonical_bytes(i.sealed))
+                                            for i in issued])
+                self.ledger.append_many([AssignmentIssued(
+                    w.assignment_id, w.contributor_key, w.task_id, w.prompt_id, w.prompt_digest,
+                    w.policy_version, w.group_size, w.nonce, w.issued_at_ms)
+                    for w in (i.wire for i in issued)])
+                for i in issued:
+                    self._issued[i.wire.assignment_id] = i
+        return out
+
+    def _issue(self, contributor: bytes) -> Issued:
+        a_cfg = self.cfg.assignment
+        version = self.versions.current
+        problem = self._next_problem(version)
+        now = self.clock()
+        wire = WorkAssignment(
+            schema_version=SCHEMA_VERSION, assignment_id=self.entropy(16),
+            validator_key=self.key.public.raw, contributor_key=contributor,
+            task_id=problem.task, prompt_id=problem.id,
+            prompt_digest=bytes.fromhex(problem.prompt_digest), prompt=problem.prompt,
+            group_size=a_cfg.group_size, policy_version=version,
+            manifest_digest=self.versions.digest(version) or b"\x00" * 32,
+            sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
+                                    int.from_bytes(self.entropy(8), "little") >> 1),
+            nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
+        )
+        sealed = seal(self.key, wire)
+        assert isinstance(sealed, SignedAssignment)
+        return Issued(sealed, wire, problem, tuple(self.codec.encode(problem.prompt)))
 
     # -- submission ----------------------------------------------------------
     def submit(self, raw: bytes) -> list[SignedVerdict]:

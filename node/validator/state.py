@@ -113,8 +113,11 @@ class StateStore:
         return {bytes(r[0]) for r in rows}
 
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:
-        with self._lock:
-            self._db.execute("INSERT OR REPLACE INTO assignments VALUES (?, ?)", (assignment_id, sealed))
+        self.put_assignments([(assignment_id, sealed)])
+
+    def put_assignments(self, rows: list[tuple[bytes, bytes]]) -> None:
+        """(assignment id, sealed assignment) rows, in one transaction."""
+        self._many(("INSERT OR REPLACE INTO assignments VALUES (?, ?)", rows))
 
     def assignment(self, assignment_id: bytes) -> bytes | None:
         with self._lock:

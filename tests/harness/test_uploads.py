@@ -65,7 +65,7 @@ def _pumping(uploads: int, cycle: float, t: float) -> tuple[Simulation, list[flo
         starts.append(at)
         m.uploading, m.free_at = free_after([*m.uploading, at + cycle + 0.05], at + cycle, uploads)
 
-    sim._assign = lambda m, at: (m, None, at)  # type: ignore[method-assign,assignment,return-value]
+    sim._assign_all = lambda due: [(m, None, at) for m, at in due]  # type: ignore[method-assign,assignment,misc]
     sim._prefetch = lambda jobs: None  # type: ignore[method-assign]
     sim._answer = answer  # type: ignore[method-assign,assignment]
     return sim, starts

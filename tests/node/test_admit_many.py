@@ -168,3 +168,19 @@ def test_a_refusal_in_a_batch_leaves_nothing_held(make_validator, backend, codec
     assert isinstance(second, AdmissionError) and second.reason is Reason.BACKPRESSURE
     assert v.admit(raws[1]).fresh
     assert v._inflight == set() and v._checks._pending_completions == set()
+
+
+def test_assign_many_issues_distinct_prompts_and_refuses_each_unknown_key(make_validator) -> None:
+    v = make_validator()
+    for i, k in enumerate(KEYS[:3]):
+        v.register(k.public.raw, f"c{i}")
+    stranger = SigningKey.from_seed(b"\x7f" * 32).public.raw
+    before = v.ledger.size()
+    out = v.assign_many([KEYS[0].public.raw, stranger, KEYS[1].public.raw, KEYS[2].public.raw])
+    assert isinstance(out[1], AdmissionError) and out[1].reason is Reason.UNKNOWN_KEY
+    opened = [open_assignment(s, v.key.public, k.public)  # type: ignore[arg-type]
+              for s, k in zip([out[0], out[2], out[3]], KEYS[:3], strict=True)]
+    assert len({a.prompt_id for a in opened}) == 3 and len({a.nonce for a in opened}) == 3
+    assert v.ledger.size() == before + 3  # one AssignmentIssued each, nothing for the refusal
+    # each is open for submission like a single assign's
+    assert all(v.state.assignment(a.assignment_id) is not None for a in opened)
