@@ -18,7 +18,12 @@ one least disturbed by other load on a shared machine).
   the trainer aggregates one gradient per contributor robustly and publishes a
   signed, compressed update every step, whose decoded copy the contributors
   sample from and the spot checks recompute under (the in-process network
-  decodes it once for everyone). Timed: the trainer's ``train_step`` calls,
+  decodes it once for everyone). The contributors share this machine: those
+  that start work at the same moment generate in one batch (each row with its
+  own contributor's sampler noise, as on its own hardware), and groups that
+  arrive together are admitted together (``Validator.admit_many``: one
+  spot-check pass, one ledger transaction), as a busy node batches concurrent
+  submissions. Timed: the trainer's ``train_step`` calls,
   which contain all of that (contributors generate inside the trainer's
   wait). Not timed: model loading, the held-out evals the harness runs before
   the first and after the last step (the eval interval is set past the run so

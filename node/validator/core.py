@@ -27,7 +27,11 @@ Concurrency: ``admit`` may run on several threads at once. The assignment is
 claimed (in flight) before any check; completion digests are reserved while
 a group is judged, so two concurrent copies cannot both pass the duplicate
 check; the epoch secret a group was drawn with is revealed only after that
-group's verdicts are in the ledger (``node.validator.epochs``).
+group's verdicts are in the ledger (``node.validator.epochs``). Admission is
+written as steps (``node.validator.commit.Steps``) that yield their spot-check
+job and their write, so ``admit_many`` can also run several groups on one
+thread with one spot-check pass and one transaction for all of them, under
+the same rules as concurrent arrivals.
 
 Invariant: a sample is served to the trainer only if its envelope verified,
 its reward was computed here, and its accepted verdict is in the ledger.
