@@ -48,17 +48,26 @@ from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.state import StateStore
 from rewards.tasks.base import generate as generate_problems
-from rollout.backends import TransformersBackend
+from rollout.backends import GeneratedCompletion, TransformersBackend, batch_key
 from rollout.oracle import UnknownPolicyVersion
 from rollout.sync import PolicySync
-from rollout.worker import answer
+from rollout.worker import generation_request, sign_completions
 from trainer.evals import EvalReport, eval_statement
 from trainer.publish import StagePublisher, build_manifest
-from verify.errors import AdmissionError, ConfigError
+from verify.errors import AdmissionError, ConfigError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.signed import open_sealed
 from verify.spotcheck import FLOAT32_TOLERANCE
-from verify.types import SampleBatch, SignedManifest, Verdict, canonical_bytes, decode
+from verify.types import (
+    GroupSubmission,
+    SampleBatch,
+    SignedAssignment,
+    SignedManifest,
+    Verdict,
+    WorkAssignment,
+    canonical_bytes,
+    decode,
+)
 
 
 def simulation_entropy(seed: int, opened_at: int) -> Callable[[int], bytes]:
@@ -184,33 +193,68 @@ class LocalNetwork:
 
     # -- rollouts
 
-    def _submit_one(self, index: int) -> None:
-        key, name = self.contributors[index]
-        try:
-            sealed = self.validator.assign(key.public.raw)
-            version = self.validator.open_assignment(sealed).policy_version
-            backend = TransformersBackend(self.registry[version])
-            if name == "honest":
-                group = answer(key, sealed, self.validator.key.public, backend, self.codec)
-                body = canonical_bytes(group)
-            else:
-                ctx = Context(key, backend, self.codec, self.validator.key.public,
-                              oracle=RegistryOracle(self.registry))
-                body = make_strategy(name).answer(ctx, sealed)
-            verdicts = self.validator.submit(body)
-        except AdmissionError as exc:
-            self.stats.admission_errors[exc.reason.value if exc.reason else "?"] += 1
-            return
-        self.stats.submitted += 1
-        for sv in verdicts:
-            v = open_sealed(Verdict, sv, self.validator.key.public)
-            self.stats.verdicts["accepted" if v.accepted else v.reason] += 1
-            self.stats.audited += int(v.audited)
-
     def step(self, groups: int) -> None:
-        """Have the contributors answer ``groups`` assignments, round-robin."""
-        for _ in range(groups):
-            self._submit_one(next(self._turn))
+        """Have the contributors answer ``groups`` assignments, round-robin.
+
+        A round (each contributor at most once) is issued in one ledger
+        transaction, its honest groups are generated in one batch per policy
+        version and its groups are admitted together (``Validator.admit_many``);
+        a group refused with BACKPRESSURE by an earlier one of its round is
+        submitted again alone.
+        """
+        turns = [next(self._turn) for _ in range(groups)]
+        for lo in range(0, len(turns), len(self.contributors)):
+            self._round([self.contributors[i] for i in turns[lo: lo + len(self.contributors)]])
+
+    def _round(self, members: list[tuple[SigningKey, str]]) -> None:
+        issued = []
+        for (key, name), sealed in zip(members, self.validator.assign_many(
+                [key.public.raw for key, _ in members]), strict=True):
+            if isinstance(sealed, AdmissionError):
+                self._refused(sealed)
+            else:
+                issued.append((key, name, sealed, self.validator.open_assignment(sealed)))
+        bodies = self._answers(issued)
+        for body, result in zip(bodies, self.validator.admit_many(bodies), strict=True):
+            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
+                try:
+                    result = self.validator.admit(body)
+                except VerificationError as exc:
+                    result = exc
+            if isinstance(result, VerificationError):
+                self._refused(result)
+                continue
+            self.stats.submitted += 1
+            for sv in result.verdicts:
+                v = open_sealed(Verdict, sv, self.validator.key.public)
+                self.stats.verdicts["accepted" if v.accepted else v.reason] += 1
+                self.stats.audited += int(v.audited)
+
+    def _answers(self, issued: list[tuple[SigningKey, str, SignedAssignment, WorkAssignment]]) -> list[bytes]:
+        """Each issued assignment's group, in order: honest ones generated in batches."""
+        stops = [self.codec.eos_token_id] if self.codec.eos_token_id is not None else []
+        requests = {i: generation_request(a, self.codec.encode(a.prompt), key.public, stops)
+                    for i, (key, name, _, a) in enumerate(issued) if name == "honest"}
+        batches: dict[tuple, list[int]] = {}
+        for i, req in requests.items():
+            batches.setdefault((issued[i][3].policy_version, batch_key(req)), []).append(i)
+        generated: dict[int, list[GeneratedCompletion]] = {}
+        for (version, _), idx in batches.items():
+            backend = TransformersBackend(self.registry[version])
+            generated.update(zip(idx, backend.generate_batch([requests[i] for i in idx]), strict=True))
+        bodies = []
+        for i, (key, name, sealed, a) in enumerate(issued):
+            if i in generated:
+                group = GroupSubmission(a.assignment_id, sign_completions(key, a, generated[i]))
+                bodies.append(canonical_bytes(group))
+            else:
+                ctx = Context(key, TransformersBackend(self.registry[a.policy_version]), self.codec,
+                              self.validator.key.public, oracle=RegistryOracle(self.registry))
+                bodies.append(make_strategy(name).answer(ctx, sealed))
+        return bodies
+
+    def _refused(self, exc: VerificationError) -> None:
+        self.stats.admission_errors[exc.reason.value if exc.reason else "?"] += 1
 
     def fetch(self, cursor: int, limit: int) -> SampleBatch:
         """``trainer.buffer.SampleSource``: accepted samples from ledger index ``cursor``."""
