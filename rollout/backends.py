@@ -148,6 +148,19 @@ def load_causal_lm(
     return model.to(device).eval()
 
 
+def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Prompts left-padded to one width: token ids, attention mask and position ids
+    (each row's first real token at position 0), all ``(len(prompts), width)`` on the CPU."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p):] = 1
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 def cache_kwarg(model: torch.nn.Module) -> str:
     """The forward keyword (and output field) of the KV cache: ``cache`` in transformers 5."""
     params = inspect.signature(model.forward).parameters
@@ -205,14 +218,7 @@ class TransformersBackend:
         if not requests or len({batch_key(r) for r in requests}) != 1:
             raise ValueError("generate_batch needs one or more requests with one batch_key")
         g_size = requests[0].group_size
-        width = max(len(r.prompt_ids) for r in requests)
-        ids = torch.zeros((len(requests), width), dtype=torch.long)
-        mask = torch.zeros((len(requests), width), dtype=torch.long)
-        for row, r in enumerate(requests):
-            ids[row, width - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[row, width - len(r.prompt_ids):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        ids, mask, positions = (t.to(self.device) for t in left_padded([r.prompt_ids for r in requests]))
         # Each prompt once; its cache, mask and logits then serve its G completions.
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1)

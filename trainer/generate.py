@@ -14,13 +14,14 @@ pass recomputes — whatever temperature was used to pick the token.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import cast
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from rollout.backends import cache_kwarg, left_padded
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,6 @@ def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
     return int(pad)
 
 
-def _cache_kwarg(model: PreTrainedModel) -> str:
-    # transformers 5 names the KV cache ``cache``; 4.x names it ``past_key_values``.
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
 def _out_cache(out):  # noqa: ANN001, ANN202
     cache = getattr(out, "cache", None)
     return cache if cache is not None else out.past_key_values
@@ -89,15 +85,8 @@ def _generate_batch(
     gen: torch.Generator,
 ) -> list[tuple[list[int], list[float], bool]]:
     device = next(model.parameters()).device
-    width = max(len(p) for p in prompt_ids)
-    ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompt_ids), width), dtype=torch.long)
-    for row, p in enumerate(prompt_ids):
-        ids[row, width - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[row, width - len(p) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-    cache_kw = _cache_kwarg(model)
+    ids, mask, positions = (t.to(device) for t in left_padded(prompt_ids, pad_id))  # (B, T)
+    cache_kw = cache_kwarg(model)
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
     cache, logits = _out_cache(out), out.logits[:, -1, :].float()  # (B, V)
     next_pos = positions[:, -1:] + 1  # (B, 1)
