@@ -48,13 +48,13 @@ from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.state import StateStore
 from rewards.tasks.base import generate as generate_problems
-from rollout.backends import GeneratedCompletion, TransformersBackend, batch_key
+from rollout.backends import TransformersBackend, generate_grouped
 from rollout.oracle import UnknownPolicyVersion
 from rollout.sync import PolicySync
-from rollout.worker import generation_request, sign_completions
+from rollout.worker import honest_request, sign_completions
 from trainer.evals import EvalReport, eval_statement
 from trainer.publish import StagePublisher, build_manifest
-from verify.errors import AdmissionError, ConfigError, Reason, VerificationError
+from verify.errors import AdmissionError, ConfigError, VerificationError
 from verify.keys import SigningKey
 from verify.signed import open_sealed
 from verify.spotcheck import FLOAT32_TOLERANCE
@@ -198,9 +198,9 @@ class LocalNetwork:
 
         A round (each contributor at most once) is issued in one ledger
         transaction, its honest groups are generated in one batch per policy
-        version and its groups are admitted together (``Validator.admit_many``);
+        version and its groups are admitted together (``Validator.admit_in_turn``:
         a group refused with BACKPRESSURE by an earlier one of its round is
-        submitted again alone.
+        submitted again alone).
         """
         turns = [next(self._turn) for _ in range(groups)]
         for lo in range(0, len(turns), len(self.contributors)):
@@ -215,12 +215,7 @@ class LocalNetwork:
             else:
                 issued.append((key, name, sealed, self.validator.open_assignment(sealed)))
         bodies = self._answers(issued)
-        for body, result in zip(bodies, self.validator.admit_many(bodies), strict=True):
-            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
-                try:
-                    result = self.validator.admit(body)
-                except VerificationError as exc:
-                    result = exc
+        for result in self.validator.admit_in_turn(bodies):
             if isinstance(result, VerificationError):
                 self._refused(result)
                 continue
@@ -232,16 +227,12 @@ class LocalNetwork:
 
     def _answers(self, issued: list[tuple[SigningKey, str, SignedAssignment, WorkAssignment]]) -> list[bytes]:
         """Each issued assignment's group, in order: honest ones generated in batches."""
-        stops = [self.codec.eos_token_id] if self.codec.eos_token_id is not None else []
-        requests = {i: generation_request(a, self.codec.encode(a.prompt), key.public, stops)
-                    for i, (key, name, _, a) in enumerate(issued) if name == "honest"}
-        batches: dict[tuple, list[int]] = {}
-        for i, req in requests.items():
-            batches.setdefault((issued[i][3].policy_version, batch_key(req)), []).append(i)
-        generated: dict[int, list[GeneratedCompletion]] = {}
-        for (version, _), idx in batches.items():
-            backend = TransformersBackend(self.registry[version])
-            generated.update(zip(idx, backend.generate_batch([requests[i] for i in idx]), strict=True))
+        honest = [i for i, (_, name, _, _) in enumerate(issued) if name == "honest"]
+        done = generate_grouped(
+            [(issued[i][3].policy_version, honest_request(issued[i][3], issued[i][0].public, self.codec))
+             for i in honest],
+            lambda version: TransformersBackend(self.registry[version]))
+        generated = {i: got[0] for i, got in zip(honest, done, strict=True) if got is not None}
         bodies = []
         for i, (key, name, sealed, a) in enumerate(issued):
             if i in generated:

@@ -54,7 +54,7 @@ from harness.scenario import ContributorSpec, Scenario
 from harness.version_registry import RegistryOracle
 from ledger.audit import verify_ledger
 from node.validator.core import SLASHED, SubmitResult
-from rollout.backends import GenerationRequest, TransformersBackend, batch_key
+from rollout.backends import TransformersBackend, generate_grouped
 from rollout.worker import open_assignment
 from trainer.config import AggregatorSection, LocalSection, LossSection, TrainerConfig
 from trainer.evals import evaluate
@@ -177,21 +177,13 @@ class Simulation:
         network every contributor generates on its own hardware, and here a
         batch is how this machine gets through the same work.
         """
-        batches: dict[tuple, list[tuple[Member, GenerationRequest]]] = {}
-        for m, sealed, _ in jobs:
-            if plain_generation(m.strategy):
-                a = m.ctx.assignment(sealed)
-                req = m.ctx.request(a)
-                batches.setdefault((a.policy_version, batch_key(req)), []).append((m, req))
-        for (version, _), items in batches.items():
-            if len(items) < 2:
-                continue  # nothing to share: the strategy generates it itself
-            start = time.perf_counter()
-            groups = self._backend(version).generate_batch([req for _, req in items])
-            spent = time.perf_counter() - start
-            rows = sum(req.group_size for _, req in items)
-            for (m, req), completions in zip(items, groups, strict=True):
-                m.ctx.prefetched[req] = (completions, spent * req.group_size / rows)
+        plain = [(m, m.ctx.assignment(sealed)) for m, sealed, _ in jobs if plain_generation(m.strategy)]
+        requests = [(a.policy_version, m.ctx.request(a)) for m, a in plain]
+        # A request alone in its batch is left to its strategy: nothing to share.
+        done = generate_grouped(requests, self._backend, min_batch=2)
+        for (m, _), (_, req), got in zip(plain, requests, done, strict=True):
+            if got is not None:
+                m.ctx.prefetched[req] = got
 
     def _answer(self, m: Member, sealed: SignedAssignment, at: float) -> None:
         version = open_assignment(sealed, self.net.validator.key.public, m.key.public).policy_version
@@ -215,19 +207,14 @@ class Simulation:
 
         A group refused with BACKPRESSURE because an earlier group of the batch
         holds its assignment or a completion is delivered again alone right
-        after, as a contributor retries a 429; so is every other outcome the
-        same as delivering one group at a time.
+        after (``Validator.admit_in_turn``), so every outcome is the one of
+        delivering one group at a time.
         """
-        results = self.net.validator.admit_many([body for _, body in ready])
-        for (m, body), result in zip(ready, results, strict=True):
-            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
-                try:
-                    result = self.net.validator.admit(body)
-                except (AdmissionError, VerificationError) as exc:
-                    result = exc
+        results = self.net.validator.admit_in_turn([body for _, body in ready])
+        for (m, _), result in zip(ready, results, strict=True):
             self._deliver(m, result)
 
-    def _deliver(self, m: Member, result: SubmitResult | AdmissionError | VerificationError) -> None:
+    def _deliver(self, m: Member, result: SubmitResult | VerificationError) -> None:
         v = self.net.validator
         if not isinstance(result, SubmitResult):
             self.log.write(VerdictEvent(t=self.t, run=self.run, contributor=m.spec.id,

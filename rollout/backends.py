@@ -13,6 +13,7 @@ Backends are registered by name (:func:`register_backend`, :func:`make_backend`)
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +87,32 @@ def batch_key(request: GenerationRequest) -> tuple:
     """What requests batched into one pass share: group size, sampling, length limit, stops."""
     return (request.group_size, request.temperature, request.top_k, request.top_p,
             request.max_tokens, tuple(sorted(set(request.stop_token_ids))))
+
+
+def generate_grouped(
+    jobs: Sequence[tuple[int, GenerationRequest]], backend: Callable[[int], TransformersBackend],
+    *, min_batch: int = 1,
+) -> list[tuple[list[GeneratedCompletion], float] | None]:
+    """Each ``(policy version, request)``'s completions and its share of its batch's seconds.
+
+    Requests of one version and one :func:`batch_key` run as one
+    ``backend(version).generate_batch``; a batch's wall time is shared by rows.
+    Requests whose batch would hold fewer than ``min_batch`` get None.
+    """
+    batches: dict[tuple, list[int]] = {}
+    for i, (version, req) in enumerate(jobs):
+        batches.setdefault((version, batch_key(req)), []).append(i)
+    out: list[tuple[list[GeneratedCompletion], float] | None] = [None] * len(jobs)
+    for (version, _), idx in batches.items():
+        if len(idx) < min_batch:
+            continue
+        start = time.perf_counter()
+        groups = backend(version).generate_batch([jobs[i][1] for i in idx])
+        spent = time.perf_counter() - start
+        rows = sum(jobs[i][1].group_size for i in idx)
+        for i, completions in zip(idx, groups, strict=True):
+            out[i] = (completions, spent * jobs[i][1].group_size / rows)
+    return out
 
 
 BackendFactory = Callable[..., GenerationBackend]

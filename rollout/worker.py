@@ -59,6 +59,13 @@ def generation_request(a: WorkAssignment, prompt_ids: Sequence[int], me: PublicK
     )
 
 
+def honest_request(a: WorkAssignment, me: PublicKey, tokenizer: Tokenizer) -> GenerationRequest:
+    """The request an honest contributor makes for ``a``: the prompt as ``tokenizer`` encodes
+    it, ending a completion at its end-of-sequence token."""
+    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    return generation_request(a, tokenizer.encode(a.prompt), me, stops)
+
+
 def header_fields(a: WorkAssignment, group_index: int, created_at_ms: int) -> dict:
     """Every header field the assignment determines (the rest come from the body)."""
     return dict(
@@ -88,7 +95,5 @@ def answer(
 ) -> GroupSubmission:
     """Steps 1-4: the honest contributor's whole job for one assignment."""
     a = open_assignment(sealed, validator, key.public)
-    prompt_ids = tokenizer.encode(a.prompt)
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    completions = backend.generate(generation_request(a, prompt_ids, key.public, stops))
+    completions = backend.generate(honest_request(a, key.public, tokenizer))
     return GroupSubmission(a.assignment_id, sign_completions(key, a, completions, chunk_size, clock))

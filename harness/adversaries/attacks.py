@@ -97,9 +97,7 @@ class WrongModel:
         if self._backend is None:
             self._backend = TransformersBackend(self.model_dir)
         a = ctx.assignment(sealed)
-        from rollout.worker import generation_request
-
-        comps = self._backend.generate(generation_request(a, ctx.prompt_ids(a), ctx.key.public, ctx.stops()))
+        comps = self._backend.generate(ctx.request(a))
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
 
 

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 
 from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
-from rollout.worker import Tokenizer, generation_request, open_assignment, sign_completions
+from rollout.worker import Tokenizer, honest_request, open_assignment, sign_completions
 from verify.errors import ConfigError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.spotcheck import LogprobOracle
@@ -59,7 +59,7 @@ class Context:
 
     def request(self, a: WorkAssignment, **changes: Any) -> GenerationRequest:
         """The generation request for ``a`` (as an honest contributor makes it), with ``changes``."""
-        req = generation_request(a, self.prompt_ids(a), self.key.public, self.stops())
+        req = honest_request(a, self.key.public, self.tokenizer)
         return dataclasses.replace(req, **changes) if changes else req
 
     def generate(self, a: WorkAssignment, **changes: Any) -> list[GeneratedCompletion]:

@@ -272,6 +272,19 @@ class Validator:
                              catch=(AdmissionError, VerificationError))
         return results  # type: ignore[return-value]
 
+    def admit_in_turn(self, raws: Sequence[bytes]) -> list[SubmitResult | VerificationError]:
+        """:meth:`admit_many`, then each group it refused with BACKPRESSURE admitted again alone,
+        in order, as a contributor retries a 429: every group gets the outcome it would get
+        delivered one at a time, with the batch's shared passes for the rest."""
+        results: list[SubmitResult | VerificationError] = list(self.admit_many(raws))
+        for i, result in enumerate(results):
+            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
+                try:
+                    results[i] = self.admit(raws[i])
+                except VerificationError as exc:
+                    results[i] = exc
+        return results
+
     def _serve(self, requests: list[SpotJob | GroupWrite]) -> Sequence[object]:
         if isinstance(requests[0], SpotJob):
             return self._checks.spot(requests)  # type: ignore[arg-type]

@@ -184,3 +184,14 @@ def test_assign_many_issues_distinct_prompts_and_refuses_each_unknown_key(make_v
     assert v.ledger.size() == before + 3  # one AssignmentIssued each, nothing for the refusal
     # each is open for submission like a single assign's
     assert all(v.state.assignment(a.assignment_id) is not None for a in opened)
+
+
+def test_admit_in_turn_retries_a_refused_copy_alone(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raws = [canonical_bytes(g) for g in _groups(v, backend, codec, 2)]
+    out = v.admit_in_turn([raws[0], raws[1], raws[0]])
+    first, second, copy = out
+    assert isinstance(first, SubmitResult) and first.fresh and isinstance(second, SubmitResult)
+    # the copy was refused while its original was judged, then answered from the stored verdicts
+    assert isinstance(copy, SubmitResult) and not copy.fresh and copy.verdicts == first.verdicts
+    assert v.metrics["audit/batches"] == 1
