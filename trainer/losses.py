@@ -28,7 +28,7 @@ from typing import ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from verify.errors import ConfigError
+from verify.errors import build_registered
 
 Metrics = dict[str, float]
 
@@ -110,12 +110,7 @@ def register_policy_loss(
 
 def get_policy_loss(name: str, **params: object) -> PolicyLoss:
     """Build the loss registered as ``name``; ConfigError on a bad name or parameter."""
-    if name not in POLICY_LOSSES:
-        raise ConfigError(f"unknown policy loss {name!r}; known: {sorted(POLICY_LOSSES)}")
-    try:
-        return POLICY_LOSSES[name](**params)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"policy loss {name!r}: {exc}") from exc
+    return build_registered("policy loss", POLICY_LOSSES, name, params)
 
 
 # -- shared pieces ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ from verify.aggregate_blocks import (
     nonfinite_rows,
     sorted_rows,
 )
-from verify.errors import ConfigError
+from verify.errors import build_registered
 
 __all__ = [
     "AGGREGATORS",
@@ -86,14 +86,7 @@ def register_aggregator(
 
 def get_aggregator(name: str, **params: object) -> Aggregator:
     """Build the aggregator registered as ``name``; ``ConfigError`` on a bad name or parameter."""
-    try:
-        factory = AGGREGATORS[name]
-    except KeyError:
-        raise ConfigError(f"unknown aggregator {name!r}; known: {sorted(AGGREGATORS)}") from None
-    try:
-        return factory(**params)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"aggregator {name!r}: {exc}") from exc
+    return build_registered("aggregator", AGGREGATORS, name, params)
 
 
 # -- input checks -------------------------------------------------------------------------

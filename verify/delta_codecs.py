@@ -44,7 +44,7 @@ from verify.delta_quant import (
     sparse_indices,
     values_f32,
 )
-from verify.errors import ConfigError, Reason
+from verify.errors import Reason, build_registered
 
 
 @runtime_checkable
@@ -224,12 +224,7 @@ CODECS: dict[str, Callable[..., Codec]] = {
 
 def get_codec(name: str, **params: object) -> Codec:
     """Build the codec registered as ``name``; ConfigError on a bad name or parameter."""
-    if name not in CODECS:
-        raise ConfigError(f"unknown codec {name!r}; known: {sorted(CODECS)}")
-    try:
-        return CODECS[name](**params)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"codec {name!r}: {exc}") from exc
+    return build_registered("codec", CODECS, name, params)
 
 
 def parse_header(data: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS) -> DeltaHeader:

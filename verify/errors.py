@@ -10,7 +10,10 @@ values are stable wire and storage identifiers and must never be renamed.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Reason(enum.StrEnum):
@@ -75,6 +78,20 @@ class ProofTrainError(Exception):
 
 class ConfigError(ProofTrainError):
     """A configuration file or value is invalid."""
+
+
+def build_registered(kind: str, registry: Mapping[str, Callable[..., T]], name: str,
+                     params: Mapping[str, object]) -> T:
+    """``registry[name](**params)``; ConfigError naming ``kind`` for an unknown name (with
+    the known ones) or for parameters the factory refuses (TypeError or ValueError)."""
+    try:
+        factory = registry[name]
+    except KeyError:
+        raise ConfigError(f"unknown {kind} {name!r}; known: {sorted(registry)}") from None
+    try:
+        return factory(**params)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{kind} {name!r}: {exc}") from exc
 
 
 class KeyFileError(ProofTrainError):
