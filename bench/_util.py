@@ -35,3 +35,21 @@ def best_rate(fn: Callable[[], object], ops: int, rounds: int = 7) -> float:
 def emit(result: dict) -> None:
     """Print the one JSON object a benchmark ends with."""
     print(json.dumps(result, sort_keys=True))
+
+
+def cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) clock ticks of the whole machine so far (Linux ``/proc/stat``), else None."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def busy_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
+    """Share of the machine's CPU time that was busy between two :func:`cpu_ticks` readings."""
+    if start is None or end is None or end[1] <= start[1]:
+        return None
+    return round((end[0] - start[0]) / (end[1] - start[1]), 3)

@@ -20,10 +20,16 @@ Prints progress on stderr and one JSON object on the last line of stdout:
   spotcheck_cost_ratio_single_group
                              the same, one group per forward pass (an idle node)
   audit_batch_mean_groups    groups per spot-check forward pass that a node formed by itself
-                             while admitting honest groups over HTTP from admission_threads
+                             while admitting honest groups over HTTP from --audited-clients
                              clients with every rollout audited (audited_groups_per_s)
+  admission_cpu_busy         share of the machine's CPU busy during the admission run (clients,
+                             node and its precheck processes together)
+
+The node runs with --processes precheck worker processes and --threads admission threads
+(``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.
 
     python bench/validator.py [--groups 200] [--group-size 8] [--tokens 1024] [--clients 4]
+                              [--processes 1] [--threads 1]
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._util import best_rate, emit  # noqa: E402
+from bench._util import best_rate, busy_fraction, cpu_ticks, emit  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -58,7 +64,8 @@ def model_dir(work: Path) -> Path:
         return build_tiny_model(work / "tiny")
 
 
-def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_rate: float = 0.0):  # type: ignore[no-untyped-def]
+def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_rate: float = 0.0,  # type: ignore[no-untyped-def]
+                   node: dict | None = None):
     from ledger.log import Ledger
     from node.config import ValidatorConfig, load
     from node.validator.core import Validator
@@ -73,6 +80,7 @@ def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_
         "assignment.group_size": group_size, "assignment.max_tokens": tokens,
         "audit.rate_override": audit_rate, "audit.queue": 64, "limits.requests_per_s": 1e6,
         "limits.burst": 1_000_000, "node.checkpoint_every": 1_000_000,
+        **{f"node.{k}": value for k, value in (node or {}).items()},
     })
     key = SigningKey.from_seed(b"\x01" * 32)
     codec = HFTextCodec(model)
@@ -127,16 +135,17 @@ def honest_groups(v, model: Path, codec, n: int, clients: int):  # type: ignore[
                          lambda k, sealed: answer(k, sealed, v.key.public, backend, codec))
 
 
-def audited_admission(work: Path, model: Path, group_size: int, groups: int, clients: int) -> dict:
+def audited_admission(work: Path, model: Path, group_size: int, groups: int, clients: int,
+                      node: dict) -> dict:
     """Honest groups over HTTP with every rollout audited: how many groups share a spot check.
 
     Every client submits real generations, the node spot-checks all of them,
     and the figure is the mean number of groups per spot-check forward pass
     the node formed on its own (its ``admission_threads`` bound it).
     """
-    v, codec = make_validator(work, model, group_size, 32, audit_rate=1.0)
+    v, codec = make_validator(work, model, group_size, 32, audit_rate=1.0, node=node)
     per_client = honest_groups(v, model, codec, groups, clients)
-    groups_per_s, _ = admission(v, per_client, work)
+    groups_per_s, _, _ = admission(v, per_client, work)
     check_admitted(v, groups, group_size)
     audited = v.metrics.get("audit/groups", 0.0)
     batches = max(v.metrics.get("audit/batches", 0.0), 1.0)
@@ -146,8 +155,9 @@ def audited_admission(work: Path, model: Path, group_size: int, groups: int, cli
             "audit_batch_mean_groups": round(audited / batches, 2), "audit_clients": clients}
 
 
-def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list[float]]:  # type: ignore[no-untyped-def]
-    """Groups admitted per second over HTTP, and every request's latency.
+def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list[float], float | None]:  # type: ignore[no-untyped-def]
+    """Groups admitted per second over HTTP, every request's latency, and the share of the
+    machine's CPU that was busy meanwhile (clients and node together).
 
     Each client is its own process (as contributors are) holding one
     keep-alive connection, so the load generator does not share the
@@ -161,7 +171,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list
     from node.validator.server import BackgroundServer
     from node.validator.service import create_app
 
-    procs = []
+    procs: list[subprocess.Popen] = []
     with BackgroundServer(create_app(v)) as url:
         for i, bodies in enumerate(per_client):
             path = work / f"client{i}.msgpack"
@@ -171,19 +181,20 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        start = time.perf_counter()
+        start, ticks = time.perf_counter(), cpu_ticks()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
         outs = [proc.communicate()[0] for proc in procs]
         elapsed = time.perf_counter() - start
+        busy = busy_fraction(ticks, cpu_ticks())
     latencies: list[float] = []
     for proc, out in zip(procs, outs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"a client failed: {out.strip()[-2_000:]}")
         latencies.extend(msgspec.json.decode(out.strip().splitlines()[-1]))
-    return sum(len(b) for b in per_client) / elapsed, latencies
+    return sum(len(b) for b in per_client) / elapsed, latencies, busy
 
 
 def client(url: str, bodies_path: str) -> None:
@@ -339,6 +350,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--audited-groups", type=int, default=96,
                         help="honest groups of the audited admission run")
+    parser.add_argument("--audited-clients", type=int, default=16,
+                        help="clients of the audited admission run")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="the node's admission_processes (precheck worker processes)")
+    parser.add_argument("--threads", type=int, default=1, help="the node's admission_threads")
     parser.add_argument("--client-of", help=argparse.SUPPRESS)
     parser.add_argument("--bodies", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -351,7 +367,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = model_dir(work)
-        v, codec = make_validator(work, model, args.group_size, args.tokens)
+        node = {"admission_processes": args.processes, "admission_threads": args.threads}
+        v, codec = make_validator(work, model, args.group_size, args.tokens, node=node)
         log(f"signing {args.groups} groups of {args.group_size} x {args.tokens} tokens")
         per_client = synthetic_groups(v, args.groups, args.tokens, codec.vocab_size, args.clients)
         envelopes = [env for bodies in per_client for body in bodies
@@ -359,13 +376,13 @@ def main() -> None:
         env_rate = verify_rate(envelopes, verify_envelope)
         env_best = best_rate(lambda: verify_envelope(envelopes[0]), 300)
         log("admitting over loopback HTTP")
-        groups_per_s, latencies = admission(v, per_client, work)
+        groups_per_s, latencies, busy = admission(v, per_client, work)
         check_admitted(v, args.groups, args.group_size)
         v.ledger.close()
         v.state.close()
         log("admitting honest groups with every rollout audited")
         audited = audited_admission(work / "audited", model, args.group_size, args.audited_groups,
-                                    v.cfg.node.admission_threads)
+                                    args.audited_clients, node)
         log("measuring spot-check cost against generation")
         batch = max(1, round(audited["audit_batch_mean_groups"]))
         cost = spotcheck_cost(model, codec, args.group_size, batch)
@@ -373,7 +390,7 @@ def main() -> None:
     emit({
         "bench": "validator",
         "groups": args.groups, "group_size": args.group_size, "tokens_per_rollout": args.tokens,
-        "clients": args.clients,
+        "clients": args.clients, "admission_processes": args.processes, "admission_threads": args.threads,
         "admitted_groups_per_s": round(groups_per_s, 1),
         "admitted_envelopes_per_s": round(envelopes_per_s, 1),
         "envelope_verifies_per_s": round(env_rate, 1),
@@ -383,6 +400,7 @@ def main() -> None:
         "admission_ratio_target": 0.5,
         "admission_p50_ms": round(1000 * float(np.percentile(latencies, 50)), 2),
         "admission_p99_ms": round(1000 * float(np.percentile(latencies, 99)), 2),
+        "admission_cpu_busy": busy,
         **cost, **audited,
         "spotcheck_cost_target": 0.35,
         "model": str(model),

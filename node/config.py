@@ -35,9 +35,15 @@ class NodeSection(_Section):
     and publish policies. Empty disables those endpoints."""
     checkpoint_every: int = Field(default=64, ge=1)
     """Sign a checkpoint after this many submissions."""
-    admission_threads: int = Field(default=16, ge=1, le=256)
-    """Submissions admitted concurrently. Groups waiting for a spot check share one forward
-    pass and groups waiting for the ledger share one commit, so this also bounds those batches."""
+    admission_threads: int = Field(default=1, ge=1, le=256)
+    """Threads admitting submissions. Each takes every submission waiting (at most
+    ``audit.queue``) as one batch: one spot-check forward pass and one ledger commit for it.
+    One is fastest unless spot checks dominate: admission is mostly Python, and more
+    threads contend with the HTTP event loop for the interpreter lock."""
+    admission_processes: int = Field(default=0, ge=0, le=256)
+    """Worker processes that verify submitted envelopes and compute rewards before admission
+    (``node.validator.precheck``), taking that work off the node's own process; 0 does it on
+    the admission threads. One per core left after the node and its spot checks."""
 
 
 class PolicySection(_Section):

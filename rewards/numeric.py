@@ -43,6 +43,7 @@ MAX_NUMBER_CHARS = 40
 MAX_SYMBOLIC_CHARS = 64
 
 _NUMBER = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?(?![\w])", re.ASCII)
+_NUMBER_CHARS = "0123456789-,./"  # every character a _NUMBER match can contain
 _BOXED = "\\boxed{"
 _LATEX_FRAC = re.compile(r"^(-?)\\[dt]?frac\{(-?\d+)\}\{(\d+)\}$")
 _SYMBOLIC_OK = re.compile(r"^[0-9A-Za-z\\{}()\[\]+\-*/.,^_ ]+$")
@@ -107,8 +108,26 @@ def extract_answer(completion: str) -> str | None:
     if "####" in completion:
         tail = completion.rsplit("####", 1)[1].strip()
         return tail.splitlines()[0].strip() if tail else None
-    last = deque(_NUMBER.finditer(completion), maxlen=1)
-    return last[0].group(0) if last else None
+    return _last_number(completion)
+
+
+def _last_number(text: str, window: int = 128) -> str | None:
+    """The last ``_NUMBER`` match of a left-to-right scan of ``text``, reading mostly its tail.
+
+    A match never contains a character outside :data:`_NUMBER_CHARS`, so a
+    left-to-right scan reaches any such character ``s`` with no match pending
+    and finds after it exactly the matches a scan starting at ``s`` finds (the
+    lookbehind still sees the text before ``s``). The scan therefore starts at
+    such a character near the end and moves back, by a growing window, only
+    while nothing is found after it: linear in ``len(text)`` at worst.
+    """
+    while True:
+        cut = max(0, len(text) - window)
+        start = max(0, len(text[:cut].rstrip(_NUMBER_CHARS)) - 1)
+        last = deque(_NUMBER.finditer(text, start), maxlen=1)
+        if last or start == 0:
+            return last[0].group(0) if last else None
+        window *= 4
 
 
 def _canonical(answer: str) -> str:

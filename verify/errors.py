@@ -121,12 +121,18 @@ class VerificationError(ProofTrainError):
     ) -> None:
         if reason is not None:
             self.reason = reason
+        self.message = message
         self.expected = expected
         self.computed = computed
         detail = ""
         if expected is not None or computed is not None:
             detail = f" (expected {_short(expected)}, computed {_short(computed)})"
         super().__init__(f"[{self.reason.value}] {message}{detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Unpickles as it was, without running __init__ on the formatted message again
+        # (admission's worker processes send these back).
+        return _rebuilt, (type(self), self.args, self.__dict__)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -135,6 +141,13 @@ class VerificationError(ProofTrainError):
             "expected": _short(self.expected),
             "computed": _short(self.computed),
         }
+
+
+def _rebuilt(cls: type[VerificationError], args: tuple[Any, ...], state: dict[str, Any]) -> VerificationError:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
 
 
 class DecodeError(VerificationError):

@@ -42,6 +42,7 @@ from ledger.log import Ledger
 from node.config import ValidatorConfig
 from node.validator.commit import Batcher, Steps
 from node.validator.policy import PolicyVersions, TextCodec
+from node.validator.precheck import completion_digest
 from node.validator.spot import (
     SpotCheckFailed,
     SpotCheckResult,
@@ -56,7 +57,6 @@ from rewards.registry import reward
 from verify.challenge import should_audit
 from verify.envelope import VerifiedRollout
 from verify.errors import AdmissionError, Reason, VerificationError
-from verify.hashing import COMPLETION, blake3_digest
 from verify.sampling import pit_uniformity_test
 from verify.spotcheck import DistributionOracle, Tolerance
 from verify.types import RolloutEnvelope, SignedAssignment, WorkAssignment, canonical_bytes
@@ -87,6 +87,8 @@ class Member:
     evidence: bytes = b""
     pit: np.ndarray | None = None
     completion: bytes = b""
+    prescored: float | None = None
+    """The reward computed before admission (``node.validator.precheck``), if it was."""
 
     @property
     def raw(self) -> bytes:
@@ -97,12 +99,6 @@ class Member:
 def fail(member: Member, reason: Reason) -> Member:
     member.reason = reason
     return member
-
-
-def completion_digest(rollout: VerifiedRollout) -> bytes:
-    h = rollout.header
-    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.tobytes(),
-                         rollout.logprobs.tobytes())
 
 
 class GroupChecks:
@@ -178,7 +174,7 @@ class GroupChecks:
             return fail(members[0], Reason.STALE)
         vocab = self.codec.vocab_size
         for m in members:
-            m.completion = completion_digest(m.rollout)
+            m.completion = m.completion or completion_digest(m.rollout)
         digests = {m.completion for m in members}
         with self._lock:  # reserve, then read the store: a racing copy sees one or the other
             if not digests.isdisjoint(self._pending_completions):
@@ -204,9 +200,13 @@ class GroupChecks:
 
     def _score_and_audit(self, issued: Issued, members: list[Member], audited: list[Member],
                          secret: bytes) -> Steps[Member | None]:
-        texts = self.codec.decode_batch([m.rollout.token_ids.tolist() for m in members])
-        for m, text in zip(members, texts, strict=True):
-            m.reward = reward(issued.problem.task, text, issued.problem)
+        if all(m.prescored is not None for m in members):
+            for m in members:
+                m.reward = m.prescored  # type: ignore[assignment]
+        else:
+            texts = self.codec.decode_batch([m.rollout.token_ids for m in members])
+            for m, text in zip(members, texts, strict=True):
+                m.reward = reward(issued.problem.task, text, issued.problem)
         if audited:
             results = yield SpotJob([m.rollout for m in audited], issued.prompt_ids, secret)
             for m, result in zip(audited, results, strict=True):

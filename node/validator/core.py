@@ -60,18 +60,19 @@ from node.validator.checks import GroupChecks, Issued, Member
 from node.validator.commit import Steps, drive, drive_many
 from node.validator.epochs import EpochSecrets
 from node.validator.policy import PolicyVersions, TextCodec
+from node.validator.precheck import Prechecked, group_digest
 from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
 from verify.envelope import Limits, decode_group, verify_envelope
 from verify.errors import AdmissionError, Reason, VerificationError
-from verify.hashing import COMPLETION, blake3_digest
 from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
 from verify.spotcheck import DistributionOracle, Tolerance
 from verify.types import (
     SCHEMA_VERSION,
+    RolloutEnvelope,
     SampleBatch,
     SamplingParams,
     SignedAssignment,
@@ -254,11 +255,25 @@ class Validator:
         """Admit one group submission; return one signed verdict per rollout."""
         return self.admit(raw).verdicts
 
-    def admit(self, raw: bytes) -> SubmitResult:
-        """:meth:`submit`, also saying whether the verdicts are new. Thread-safe."""
-        return drive(self._admission(raw), self._serve)
+    def admit(self, raw: bytes, pre: Prechecked | None = None) -> SubmitResult:
+        """:meth:`submit`, also saying whether the verdicts are new. Thread-safe.
 
-    def admit_many(self, raws: Sequence[bytes]) -> list[SubmitResult | AdmissionError | VerificationError]:
+        ``pre``: this submission's envelopes already verified and scored elsewhere
+        (``node.validator.precheck``); used where admission would compute them."""
+        return drive(self._admission(raw, pre), self.serve)
+
+    def precheck_job(self, raw: bytes) -> tuple[bytes, Problem] | None:
+        """(assigned key, problem) for prechecking ``raw`` elsewhere; None when its assignment
+        is not open (admission then answers with the reason)."""
+        try:
+            aid = _GROUP_HEAD.decode(raw).assignment_id
+        except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+            return None
+        issued = self._issued.get(aid)
+        return None if issued is None else (issued.wire.contributor_key, issued.problem)
+
+    def admit_many(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None = None,
+                   ) -> list[SubmitResult | VerificationError]:
         """:meth:`admit` of several groups together, each one's result or refusal in order.
 
         The groups' spot checks share one batched forward pass and their writes
@@ -267,37 +282,40 @@ class Validator:
         once: a second group with a completion or an assignment of an earlier
         one in the batch is refused with BACKPRESSURE (retry it alone).
         """
-        results = drive_many([self._admission(raw) for raw in raws], self._serve,
-                             rank=lambda request: 0 if isinstance(request, SpotJob) else 1,
-                             catch=(AdmissionError, VerificationError))
-        return results  # type: ignore[return-value]
+        return drive_many(self._jobs(raws, prechecked), self.serve, rank=_rank,  # type: ignore[return-value]
+                          catch=(VerificationError,))
 
-    def admit_in_turn(self, raws: Sequence[bytes]) -> list[SubmitResult | VerificationError]:
+    def admit_in_turn(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None = None,
+                      ) -> list[SubmitResult | VerificationError]:
         """:meth:`admit_many`, then each group it refused with BACKPRESSURE admitted again alone,
         in order, as a contributor retries a 429: every group gets the outcome it would get
         delivered one at a time, with the batch's shared passes for the rest."""
-        results: list[SubmitResult | VerificationError] = list(self.admit_many(raws))
-        for i, result in enumerate(results):
-            if isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE:
-                try:
-                    results[i] = self.admit(raws[i])
-                except VerificationError as exc:
-                    results[i] = exc
+        pres = prechecked or [None] * len(raws)
+        results = self.admit_many(raws, pres)
+        for i in _backpressured(results):
+            results[i] = self.admit_many([raws[i]], [pres[i]])[0]
         return results
 
-    def _serve(self, requests: list[SpotJob | GroupWrite]) -> Sequence[object]:
+    def serve(self, requests: list[SpotJob | GroupWrite]) -> Sequence[object]:
+        """What admission steps wait for, several at once: spot checks (one forward pass) or
+        group writes (one transaction). Thread-safe; concurrent calls share batches."""
         if isinstance(requests[0], SpotJob):
             return self._checks.spot(requests)  # type: ignore[arg-type]
         return self._recorder.write(requests)  # type: ignore[arg-type]
 
-    def _admission(self, raw: bytes) -> Steps[SubmitResult]:
+    def _jobs(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None,
+              ) -> list[Steps[SubmitResult]]:
+        pres = prechecked or [None] * len(raws)
+        return [self._admission(raw, pre) for raw, pre in zip(raws, pres, strict=True)]
+
+    def _admission(self, raw: bytes, pre: Prechecked | None = None) -> Steps[SubmitResult]:
         group = decode_group(raw, self.limits)
-        group_digest = blake3_digest(COMPLETION, b"group", raw)
+        digest = pre.digest if pre is not None else group_digest(raw)
         aid = group.assignment_id
         with self._lock:
             prior = self.state.submission(aid)
             if prior is not None:
-                if prior[0] == group_digest:
+                if prior[0] == digest:
                     return SubmitResult(_VERDICTS.decode(prior[1]), fresh=False)
                 raise AdmissionError("assignment was already answered", reason=Reason.REPLAY)
             issued = self._issued.get(aid)
@@ -310,11 +328,12 @@ class Validator:
             self._inflight.add(aid)
         try:
             key = issued.wire.contributor_key
-            members = [Member(verify_envelope(env, self.limits, key), env) for env in group.envelopes]
+            members = _members(group.envelopes, key, self.limits,
+                               pre if pre is not None and pre.key == key else None)
             secret = self._epochs.draw()
             recorded = False
             try:
-                verdicts = yield from self._judge(issued, members, secret, group_digest)
+                verdicts = yield from self._judge(issued, members, secret, digest)
                 recorded = True
             finally:
                 self._epochs.release(recorded)
@@ -363,3 +382,37 @@ class Validator:
 
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_sealed(WorkAssignment, sealed, self.key.public)
+
+
+def _rank(request: object) -> int:
+    """Spot checks are served before writes: a batch's groups all reach their writes together."""
+    return 0 if isinstance(request, SpotJob) else 1
+
+
+def _backpressured(results: Sequence[object]) -> list[int]:
+    return [i for i, r in enumerate(results)
+            if isinstance(r, AdmissionError) and r.reason is Reason.BACKPRESSURE]
+
+
+class _GroupHead(msgspec.Struct, array_like=True):
+    """The first field of a ``GroupSubmission`` (the rest is skipped unparsed)."""
+
+    assignment_id: bytes
+
+
+_GROUP_HEAD = msgspec.msgpack.Decoder(_GroupHead)
+
+
+def _members(envelopes: Sequence[RolloutEnvelope], key: bytes, limits: Limits,
+             pre: Prechecked | None) -> list[Member]:
+    """Every envelope verified under ``key`` (the first failure raised), with ``pre``'s
+    results and rewards when given."""
+    if pre is None:
+        return [Member(verify_envelope(env, limits, key), env) for env in envelopes]
+    if pre.error is not None:
+        raise pre.error
+    assert pre.rollouts is not None
+    rewards: Sequence[float | None] = pre.rewards or [None] * len(envelopes)
+    completions = pre.completions or [b""] * len(envelopes)
+    return [Member(r, env, prescored=score, completion=completion)
+            for r, env, score, completion in zip(pre.rollouts, envelopes, rewards, completions, strict=True)]

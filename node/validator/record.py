@@ -34,8 +34,9 @@ import numpy as np
 from ledger.log import Ledger
 from ledger.records import Record, Slashed, VerdictRecorded, check_record, evidence_digest
 from node.config import ValidatorConfig
-from node.validator.checks import Issued, Member, completion_digest
+from node.validator.checks import Issued, Member
 from node.validator.commit import GroupCommitter, Steps
+from node.validator.precheck import completion_digest
 from node.validator.state import StateStore
 from verify.errors import Reason
 from verify.keys import SigningKey

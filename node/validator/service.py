@@ -15,9 +15,11 @@ Endpoints (OpenAPI at /openapi.json):
     POST /v1/blobs           trainer store a blob -> {"digest": hex}
     GET  /v1/samples         trainer accepted samples from ?cursor=N&limit=M (msgpack SampleBatch)
 
-Submissions run on a pool of admission threads (``Validator.admit`` is
-thread-safe; signature checks, hashing and SQLite release the GIL, so several
-groups' work overlaps, and their ledger writes share one transaction). Every
+Submissions are admitted in batches (``node.validator.intake``): every
+submission waiting when an admission thread is free goes into its next batch,
+with one spot-check forward pass and one ledger transaction for all of them.
+With ``node.admission_processes`` set, each submission's envelopes are first
+verified and scored in a worker process (``node.validator.precheck``). Every
 other validator call runs on one worker thread. When ``audit.queue`` calls
 are already waiting, submissions get 429 with Retry-After.
 Errors are JSON ``{"reason": ..., "message": ...}`` with a status chosen from
@@ -27,8 +29,9 @@ the reason; malformed input never produces a 500.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -47,7 +50,9 @@ from prometheus_client import (
 from pydantic import BaseModel
 
 from node.validator.auth import verify_request
-from node.validator.core import Validator
+from node.validator.core import SubmitResult, Validator
+from node.validator.intake import AdmissionQueue
+from node.validator.precheck import Prechecked, PrecheckPool
 from verify.errors import ProofTrainError, Reason
 from verify.keys import PublicKey
 from verify.types import (
@@ -154,6 +159,12 @@ class Metrics:
         self.queue = Gauge("prooftrain_verify_queue_depth", "validator calls waiting",
                            registry=self.registry)
         self.ledger_size = Gauge("prooftrain_ledger_size", "ledger entries", registry=self.registry)
+        self.prechecked = Counter("prooftrain_verify_prechecked_total",
+                                  "submissions verified and scored by a precheck worker process",
+                                  registry=self.registry)
+        self.precheck_failures = Counter("prooftrain_verify_precheck_failures_total",
+                                         "submissions a precheck worker failed to answer (checked in process)",
+                                         registry=self.registry)
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
@@ -164,23 +175,63 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validator")
     threads = validator.cfg.node.admission_threads if admission_threads is None else admission_threads
-    admitters = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="admit")
     buckets = TokenBuckets(cfg.limits.requests_per_s, cfg.limits.burst)
     metrics = Metrics()
     state = {"waiting": 0}
-    app = FastAPI(title="prooftrain validator", version="1",
+    running: dict[str, Any] = {}  # the admission queue and precheck pool, while serving
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        running["intake"] = AdmissionQueue(
+            lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
+            threads=max(1, threads), max_batch=cfg.audit.queue)
+        if cfg.node.admission_processes:
+            running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
+                executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits, validator.codec))
+        try:
+            yield
+        finally:
+            running.pop("intake").close()
+            if "prechecks" in running:
+                running.pop("prechecks").close()
+
+    app = FastAPI(title="prooftrain validator", version="1", lifespan=lifespan,
                   description="Assigns work, admits signed rollout groups, serves accepted samples.")
     max_body = cfg.limits.max_body_bytes
     default_openapi = app.openapi
     app.openapi = lambda: app.openapi_schema or _finish_spec(default_openapi())  # type: ignore[method-assign]
 
-    async def call(fn: Callable[[], T], *, queued: bool = False) -> T:
-        if queued and state["waiting"] >= cfg.audit.queue:
+    async def call(fn: Callable[[], T]) -> T:
+        state["waiting"] += 1
+        metrics.queue.set(state["waiting"])
+        try:
+            return await asyncio.get_running_loop().run_in_executor(executor, fn)
+        finally:
+            state["waiting"] -= 1
+            metrics.queue.set(state["waiting"])
+
+    async def prechecked(body: bytes) -> Prechecked | None:
+        """The submission verified and scored by a worker process, when the node has them."""
+        pool: PrecheckPool | None = running.get("prechecks")
+        job = validator.precheck_job(body) if pool is not None else None
+        if pool is None or job is None:
+            return None
+        try:
+            pre = await asyncio.wrap_future(pool.submit(body, *job))
+        except Exception:  # noqa: BLE001 - a lost worker: the admission thread does the work itself
+            metrics.precheck_failures.inc()
+            return None
+        metrics.prechecked.inc()
+        return pre
+
+    async def admitted(body: bytes) -> SubmitResult:
+        if state["waiting"] >= cfg.audit.queue:
             raise ApiError(Reason.BACKPRESSURE, "audit queue is full")
         state["waiting"] += 1
         metrics.queue.set(state["waiting"])
         try:
-            return await asyncio.get_running_loop().run_in_executor(admitters if queued else executor, fn)
+            pre = await prechecked(body)
+            return await asyncio.wrap_future(running["intake"].submit((body, pre)))  # type: ignore[no-any-return]
         finally:
             state["waiting"] -= 1
             metrics.queue.set(state["waiting"])
@@ -279,7 +330,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         body = await body_of(request)
         limit_rate(f"ip:{request.client.host if request.client else '?'}")
         start = time.perf_counter()
-        result = await call(lambda: validator.admit(body), queued=True)
+        result = await admitted(body)
         metrics.latency.observe(time.perf_counter() - start)
         if result.fresh:
             for reason in result.reasons:

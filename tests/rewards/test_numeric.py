@@ -98,3 +98,24 @@ def test_integers_match_iff_equal(a, b):
 @given(st.text(max_size=300))
 def test_total_and_bounded(text):
     assert reward("arithmetic", text, prob("579")) in (0.0, 1.0)
+
+
+_NUMBERISH = st.text(st.sampled_from(list("0123456789-,./ x_\n")), max_size=600)
+
+
+@given(_NUMBERISH, st.integers(1, 64))
+def test_last_number_reads_the_tail_as_a_full_scan_would(text, window):
+    from collections import deque
+
+    from rewards.numeric import _NUMBER, _last_number
+
+    full = deque(_NUMBER.finditer(text), maxlen=1)
+    assert _last_number(text, window) == (full[0].group(0) if full else None)
+
+
+def test_last_number_of_a_long_completion():
+    from rewards.numeric import _last_number
+
+    assert _last_number("1,234,567" + "x" * 500 + " 12,345,678") == "12,345,678"
+    assert _last_number("7" + "," * 3_000) == "7"
+    assert _last_number("x" * 5_000) is None

@@ -1,0 +1,179 @@
+"""Envelope checks and rewards done before admission, in worker processes or here."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+
+import httpx
+import pytest
+
+from node.client import ValidatorClient
+from node.validator.core import SubmitResult, Validator
+from node.validator.intake import AdmissionQueue
+from node.validator.precheck import Prechecked, PrecheckPool, precheck
+from node.validator.server import BackgroundServer
+from node.validator.service import create_app
+from rollout.worker import answer
+from verify.errors import DecodeError, Reason, SignatureError
+from verify.keys import SigningKey
+from verify.signed import open_sealed
+from verify.types import GroupSubmission, RolloutEnvelope, Verdict, canonical_bytes
+
+from .test_admit_many import KEYS, _group
+
+ALICE = SigningKey.from_seed(b"\x62" * 32)
+
+
+def _forged(group: GroupSubmission, member: int = 2) -> GroupSubmission:
+    """The group with one member's signature broken."""
+    envs = list(group.envelopes)
+    e = envs[member]
+    envs[member] = RolloutEnvelope(e.header, bytes([e.signature[0] ^ 1]) + e.signature[1:], e.body)
+    return GroupSubmission(group.assignment_id, envs)
+
+
+def _outcome(v: Validator, result: object) -> object:
+    if isinstance(result, SubmitResult):
+        return [(x.accepted, x.reason, x.reward) for x in
+                (open_sealed(Verdict, s, v.key.public) for s in result.verdicts)]
+    assert isinstance(result, Exception)
+    return type(result).__name__, getattr(result, "reason", None)
+
+
+def _opened(v: Validator, result: SubmitResult) -> list[Verdict]:
+    return [open_sealed(Verdict, s, v.key.public) for s in result.verdicts]
+
+
+def _prechecked(v: Validator, raw: bytes) -> Prechecked | None:
+    job = v.precheck_job(raw)
+    return None if job is None else precheck(raw, *job, v.limits, v.codec)
+
+
+def _batch(v: Validator, backend, codec) -> list[bytes]:
+    """Honest groups, one with a shifted logprob, one with a broken signature, and garbage."""
+    groups = [_group(v, backend, codec, k, shift=0.5 if i == 1 else 0.0) for i, k in enumerate(KEYS)]
+    groups[3] = _forged(groups[3])
+    return [canonical_bytes(g) for g in groups] + [b"\x93garbage"]
+
+
+def test_prechecked_admission_gives_the_outcomes_of_plain_admission(make_validator, backend, codec) -> None:
+    plain, pre = make_validator(name="plain"), make_validator(name="pre")
+    outcomes = []
+    for v, use in ((plain, False), (pre, True)):
+        raws = _batch(v, backend, codec)
+        pres = [_prechecked(v, r) for r in raws] if use else None
+        outcomes.append([_outcome(v, r) for r in v.admit_in_turn(raws, pres)])
+        if use:
+            assert pres is not None and pres[4] is None  # garbage names no open assignment
+            assert isinstance(pres[3].error, SignatureError)  # type: ignore[union-attr]
+            assert pres[0].rewards is not None and len(pres[0].completions or []) == 4  # type: ignore[union-attr]
+    assert outcomes[0] == outcomes[1]
+    honest, shifted, _, forged, garbage = outcomes[1]
+    assert all(acc for acc, _, _ in honest)  # type: ignore[union-attr]
+    assert [r for _, r, _ in shifted] == ["group_rejected", "logprob_mismatch", "group_rejected", "group_rejected"]  # type: ignore[union-attr]
+    assert forged == ("SignatureError", Reason.BAD_SIGNATURE)
+    assert garbage[0] == "DecodeError"  # type: ignore[index]
+
+
+def test_a_precheck_is_used_where_admission_would_compute_it(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
+    pre = _prechecked(v, raw)
+    assert pre is not None and pre.rewards is not None
+    # the worker's rewards are the ones recorded (admission does not score again) ...
+    graded = Prechecked(pre.digest, pre.key, pre.rollouts, None, [0.25] * 4, pre.completions)
+    assert [x.reward for x in _opened(v, v.admit(raw, graded))] == [0.25] * 4
+    # ... and rewards the worker could not compute are computed by admission
+    raw = canonical_bytes(_group(v, backend, codec, KEYS[1]))
+    pre = _prechecked(v, raw)
+    assert pre is not None
+    first = v.admit(raw, Prechecked(pre.digest, pre.key, pre.rollouts, None, None, pre.completions))
+    assert [x.reward for x in _opened(v, first)] == pre.rewards
+    # an answered assignment is answered from the stored verdicts, whatever the precheck says
+    failed = Prechecked(pre.digest, pre.key, None, DecodeError("stale precheck"), None)
+    again = v.admit(raw, failed)
+    assert not again.fresh and again.verdicts == first.verdicts
+    # a precheck under another key is ignored: the envelopes are verified here
+    other = make_validator(name="other")
+    raw2 = canonical_bytes(_forged(_group(other, backend, codec, KEYS[2])))
+    good = _prechecked(other, raw2)
+    assert good is not None
+    lying = Prechecked(good.digest, b"\x00" * 32, None, None, None)
+    with pytest.raises(SignatureError):
+        other.admit(raw2, lying)
+
+
+def test_worker_processes_precheck_as_this_process_does(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raws = _batch(v, backend, codec)[:4]
+    jobs = [(raw, *v.precheck_job(raw)) for raw in raws]  # type: ignore[misc]
+    pool = PrecheckPool(1, v.limits, v.codec)
+    try:
+        remote = pool.map(jobs)
+    finally:
+        pool.close()
+    local = [precheck(raw, key, problem, v.limits, v.codec) for raw, key, problem in jobs]
+    for r, here in zip(remote, local, strict=True):
+        assert (r.digest, r.key, r.rewards, r.completions) == (here.digest, here.key, here.rewards,
+                                                                here.completions)
+        assert [x.digest for x in r.rollouts or []] == [x.digest for x in here.rollouts or []]
+        assert (type(r.error), str(r.error)) == (type(here.error), str(here.error))
+    assert isinstance(remote[3].error, SignatureError) and remote[3].error.reason is Reason.BAD_SIGNATURE
+
+
+def test_verification_errors_pickle_as_they_were() -> None:
+    err = SignatureError("envelope is signed by another contributor", reason=Reason.WRONG_SIGNER,
+                         expected=b"\x01" * 32, computed=b"\x02" * 32)
+    back = pickle.loads(pickle.dumps(err))
+    assert type(back) is SignatureError and back.reason is Reason.WRONG_SIGNER
+    assert str(back) == str(err) and back.expected == err.expected and back.computed == err.computed
+
+
+def test_admission_queue_batches_what_waits_and_hands_out_each_outcome() -> None:
+    release = threading.Event()
+    batches: list[list[int]] = []
+
+    def admit(items: list[int]) -> list[object]:
+        batches.append(items)
+        release.wait(10)
+        if 99 in items:
+            raise RuntimeError("store lost")
+        return [ValueError(f"bad {i}") if i < 0 else i * 10 for i in items]
+
+    q: AdmissionQueue[int] = AdmissionQueue(admit, threads=1, max_batch=3)
+    first = q.submit(1)
+    while not batches:  # the thread is busy with the first batch: the rest wait together
+        threading.Event().wait(0.01)
+    rest = [q.submit(i) for i in (2, -3, 4, 5)]
+    release.set()
+    assert first.result(10) == 10 and rest[0].result(10) == 20 and rest[2].result(10) == 40
+    with pytest.raises(ValueError, match="bad -3"):
+        rest[1].result(10)
+    assert rest[3].result(10) == 50
+    assert batches == [[1], [2, -3, 4], [5]]
+    failing = [q.submit(i) for i in (99, 7)]
+    for f in failing:
+        with pytest.raises(RuntimeError, match="store lost"):
+            f.result(10)
+    q.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        q.submit(8)
+
+
+def test_a_node_with_precheck_processes_over_http(make_validator, backend, codec) -> None:
+    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
+                        "node.admission_processes": 1})
+    with BackgroundServer(create_app(v)) as url:
+        alice = ValidatorClient(url, ALICE)
+        alice.register("alice")
+        group = answer(ALICE, alice.assign(), v.key.public, backend, codec)
+        signed = alice.submit(group)
+        assert all(open_sealed(Verdict, s, v.key.public).accepted for s in signed)
+        assert alice.submit(group) == signed
+        forged = _forged(answer(ALICE, alice.assign(), v.key.public, backend, codec))
+        r = httpx.post(f"{url}/v1/submit", content=canonical_bytes(forged))
+        assert r.status_code == 400 and r.json()["reason"] == "bad_signature"
+        metrics = httpx.get(f"{url}/metrics").text
+        assert "prooftrain_verify_precheck_failures_total 0.0" in metrics
+        assert "prooftrain_verify_prechecked_total 2.0" in metrics  # the resubmission needed none
