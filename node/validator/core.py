@@ -258,8 +258,8 @@ class Validator:
     def admit(self, raw: bytes, pre: Prechecked | None = None) -> SubmitResult:
         """:meth:`submit`, also saying whether the verdicts are new. Thread-safe.
 
-        ``pre``: this submission's envelopes already verified and scored elsewhere
-        (``node.validator.precheck``); used where admission would compute them."""
+        ``pre``: the precheck of exactly these bytes, its envelopes verified and scored
+        elsewhere (``node.validator.precheck``); used where admission would compute them."""
         return drive(self._admission(raw, pre), self.serve)
 
     def precheck_job(self, raw: bytes) -> tuple[bytes, Problem] | None:

@@ -10,21 +10,28 @@ cores while its admission thread keeps the order of every check: it takes
 a :class:`Prechecked` result exactly where it would have computed it, raises
 its verification error at that point, and uses its rewards only where it
 would have scored the group. Every outcome is the one the in-process path
-gives; a result that does not match the submission's bytes is ignored.
+gives. A result computed under another key than the assignment's is ignored;
+the caller pairs each result with the very bytes it was computed from.
 
 Workers are started with ``spawn`` (no forked locks or threads), each with
 its own copy of the codec, which must pickle (``HFTextCodec`` pickles as its
 model directory). A task with no reward registered in a fresh interpreter
 (one registered at run time) gets no rewards from the workers, and the
-admission thread scores it.
+admission thread scores it. The node's event loop talks to the workers over
+their sockets itself: a pool with helper threads would take the interpreter
+lock from the admission thread several times per submission.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import multiprocessing
-from collections.abc import Sequence
-from concurrent.futures import Future, ProcessPoolExecutor
+import pickle
+import socket
+from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from rewards.base import Problem
 from rewards.registry import reward
@@ -78,39 +85,161 @@ def precheck(raw: bytes, key: bytes, problem: Problem, limits: Limits, codec: ob
     return Prechecked(digest, key, rollouts, None, rewards, [completion_digest(r) for r in rollouts])
 
 
-_worker: dict[str, object] = {}
-
-
-def _start_worker(limits: Limits, codec: object) -> None:
-    _worker["limits"], _worker["codec"] = limits, codec
-
-
-def _ready() -> bool:
-    return True
-
-
-def _run(raw: bytes, key: bytes, problem: Problem) -> Prechecked:
-    return precheck(raw, key, problem, _worker["limits"], _worker["codec"])  # type: ignore[arg-type]
-
-
 class PrecheckPool:
-    """``processes`` worker processes running :func:`precheck`."""
+    """``processes`` worker processes running :func:`precheck`, driven from one event loop.
+
+    Each worker holds one socket; a check goes to an idle worker as one framed
+    message and its answer comes back as another, sent and read by the event
+    loop itself (``loop.sock_sendall`` and ``sock_recv_into``), so no thread of
+    the node's process is involved. A worker that dies fails the check it held
+    (the caller admits that submission itself) and is not replaced; with none
+    left every check fails the same way. Use it from one event loop, and
+    :meth:`close` it when done.
+    """
 
     def __init__(self, processes: int, limits: Limits, codec: object) -> None:
         if processes < 1:
             raise ValueError("a precheck pool needs at least one process")
-        self.processes = processes
-        self._pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("spawn"),
-                                         initializer=_start_worker, initargs=(limits, codec))
-        # Start every worker now (each takes a second or two), not on the first submissions.
-        for started in [self._pool.submit(_ready) for _ in range(processes)]:
-            started.result()
+        context = multiprocessing.get_context("spawn")
+        workers = []
+        for _ in range(processes):  # each takes a second or two: start them all, then wait
+            ours, theirs = socket.socketpair()
+            proc = context.Process(target=_serve, args=(theirs, limits, codec), name="prooftrain-precheck",
+                                   daemon=True)
+            proc.start()
+            theirs.close()
+            workers.append(_Worker(proc, ours))
+        try:
+            for w in workers:
+                w.ready()
+        except BaseException:
+            for w in workers:
+                w.stop()
+            raise
+        self.live = len(workers)
+        self._idle = workers
+        self._waiters: deque[asyncio.Future[_Worker]] = deque()
 
-    def submit(self, raw: bytes, key: bytes, problem: Problem) -> Future[Prechecked]:
-        return self._pool.submit(_run, raw, key, problem)
+    async def check(self, raw: bytes, key: bytes, problem: Problem) -> Prechecked:
+        """:func:`precheck` of one submission in a worker process."""
+        worker = await self._take()
+        exchange = asyncio.ensure_future(worker.exchange(pickle.dumps((raw, key, problem), _PICKLE)))
 
-    def map(self, jobs: Sequence[tuple[bytes, bytes, Problem]]) -> list[Prechecked]:
-        return [f.result() for f in [self.submit(*job) for job in jobs]]
+        def finished(done: asyncio.Future[bytes]) -> None:  # also when the caller went away
+            if done.cancelled() or done.exception() is not None:
+                self._lose(worker)
+            else:
+                self._give_back(worker)
+
+        exchange.add_done_callback(finished)
+        result = pickle.loads(await asyncio.shield(exchange))
+        if not isinstance(result, Prechecked):
+            raise TypeError(f"a precheck worker answered {type(result).__name__}")
+        return result
+
+    async def _take(self) -> _Worker:
+        if not self.live:
+            raise RuntimeError("no precheck worker is running")
+        if self._idle:
+            return self._idle.pop()
+        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        return await waiter
+
+    def _give_back(self, worker: _Worker) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(worker)
+                return
+        self._idle.append(worker)
+
+    def _lose(self, worker: _Worker) -> None:
+        worker.stop()
+        self.live -= 1
+        if not self.live:
+            while self._waiters:
+                waiter = self._waiters.popleft()
+                if not waiter.done():
+                    waiter.set_exception(RuntimeError("no precheck worker is running"))
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Stop the idle workers (a worker still answering a check stops when it is lost)."""
+        for worker in self._idle:
+            worker.stop()
+        self.live -= len(self._idle)
+        self._idle.clear()
+
+
+_PICKLE = pickle.HIGHEST_PROTOCOL
+_FRAME = 8  # a message is its length (u64 LE), then its bytes
+
+
+class _Worker:
+    def __init__(self, proc: Any, sock: socket.socket) -> None:
+        self.proc, self.sock = proc, sock
+
+    def ready(self) -> None:
+        self.sock.settimeout(120)
+        try:
+            if _receive(self.sock) != b"ready":
+                raise RuntimeError("a precheck worker did not start")
+        except (OSError, EOFError) as exc:
+            raise RuntimeError("a precheck worker did not start") from exc
+        self.sock.setblocking(False)
+
+    async def exchange(self, message: bytes) -> bytes:
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(self.sock, len(message).to_bytes(_FRAME, "little") + message)
+        size = int.from_bytes(await self._read(loop, _FRAME), "little")
+        return await self._read(loop, size)
+
+    async def _read(self, loop: asyncio.AbstractEventLoop, size: int) -> bytes:
+        buf = bytearray(size)
+        view, got = memoryview(buf), 0
+        while got < size:
+            n = await loop.sock_recv_into(self.sock, view[got:])
+            if not n:
+                raise EOFError("the precheck worker closed its socket")
+            got += n
+        return bytes(buf)
+
+    def stop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+
+
+def _receive(sock: socket.socket) -> bytes:
+    """One framed message from a blocking socket."""
+    head = _exactly(sock, _FRAME)
+    return _exactly(sock, int.from_bytes(head, "little"))
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    buf = bytearray(size)
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = sock.recv_into(view[got:])
+        if not n:
+            raise EOFError("the socket closed mid-message")
+        got += n
+    return bytes(buf)
+
+
+def _send(sock: socket.socket, message: bytes) -> None:
+    sock.sendall(len(message).to_bytes(_FRAME, "little") + message)
+
+
+def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
+    """A worker process: answer checks until its socket closes."""
+    _send(sock, b"ready")
+    while True:
+        try:
+            raw, key, problem = pickle.loads(_receive(sock))
+        except (EOFError, OSError):
+            return
+        _send(sock, pickle.dumps(precheck(raw, key, problem, limits, codec), _PICKLE))

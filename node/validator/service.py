@@ -217,7 +217,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         if pool is None or job is None:
             return None
         try:
-            pre = await asyncio.wrap_future(pool.submit(body, *job))
+            pre = await pool.check(body, *job)
         except Exception:  # noqa: BLE001 - a lost worker: the admission thread does the work itself
             metrics.precheck_failures.inc()
             return None

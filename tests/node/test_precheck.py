@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 import threading
 
@@ -108,11 +109,12 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
     v = make_validator()
     raws = _batch(v, backend, codec)[:4]
     jobs = [(raw, *v.precheck_job(raw)) for raw in raws]  # type: ignore[misc]
-    pool = PrecheckPool(1, v.limits, v.codec)
+    pool = PrecheckPool(2, v.limits, v.codec)
     try:
-        remote = pool.map(jobs)
+        remote = asyncio.run(_gather(pool, jobs))
     finally:
         pool.close()
+    assert pool.live == 0
     local = [precheck(raw, key, problem, v.limits, v.codec) for raw, key, problem in jobs]
     for r, here in zip(remote, local, strict=True):
         assert (r.digest, r.key, r.rewards, r.completions) == (here.digest, here.key, here.rewards,
@@ -120,6 +122,41 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
         assert [x.digest for x in r.rollouts or []] == [x.digest for x in here.rollouts or []]
         assert (type(r.error), str(r.error)) == (type(here.error), str(here.error))
     assert isinstance(remote[3].error, SignatureError) and remote[3].error.reason is Reason.BAD_SIGNATURE
+
+
+async def _gather(pool: PrecheckPool, jobs: list) -> list[Prechecked]:
+    return list(await asyncio.gather(*(pool.check(*job) for job in jobs)))
+
+
+def test_a_lost_worker_fails_its_check_and_the_pool_goes_on(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
+    job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
+    pool = PrecheckPool(2, v.limits, v.codec)
+
+    async def scenario() -> None:
+        # a caller that goes away leaves its worker to finish: the worker comes back
+        task = asyncio.ensure_future(pool.check(*job))
+        await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.sleep(2)
+        assert len(pool._idle) == 2 and pool.live == 2
+        # a worker killed mid-check fails that check; the other one answers the next
+        pool._idle[-1].proc.kill()
+        with pytest.raises((EOFError, OSError)):
+            await pool.check(*job)
+        assert pool.live == 1
+        assert (await pool.check(*job)).rewards is not None
+        pool._idle[-1].proc.kill()
+        with pytest.raises((EOFError, OSError)):
+            await pool.check(*job)
+        with pytest.raises(RuntimeError, match="no precheck worker"):
+            await pool.check(*job)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
 
 
 def test_verification_errors_pickle_as_they_were() -> None:
