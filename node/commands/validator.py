@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"validator key {validator.key.public.hex()}")
     print(f"ledger        {cfg.node.ledger} ({validator.ledger.size()} entries)")
     print(f"policy        {cfg.policy.model_dir} (version {validator.versions.current})")
+    print(f"admission     {cfg.node.admission_threads} thread(s), "
+          f"{cfg.node.admission_processes or 'no'} precheck process(es)")
     if args.check:
         return 0
     logging.basicConfig(level=logging.INFO)

@@ -53,7 +53,7 @@ from node.validator.auth import verify_request
 from node.validator.core import SubmitResult, Validator
 from node.validator.intake import AdmissionQueue
 from node.validator.precheck import Prechecked, PrecheckPool
-from verify.errors import ProofTrainError, Reason
+from verify.errors import ConfigError, ProofTrainError, Reason
 from verify.keys import PublicKey
 from verify.types import (
     SignedEvalStatement,
@@ -186,8 +186,12 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
             lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
             threads=max(1, threads), max_batch=cfg.audit.queue)
         if cfg.node.admission_processes:
-            running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
-                executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits, validator.codec))
+            try:
+                running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
+                    executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits, validator.codec))
+            except Exception as exc:
+                running.pop("intake").close()
+                raise ConfigError(f"node.admission_processes: the precheck workers did not start: {exc}") from exc
         try:
             yield
         finally:
