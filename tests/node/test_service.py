@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +25,14 @@ ALICE = SigningKey.from_seed(b"\x61" * 32)
 
 @pytest.fixture
 def live(make_validator):
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000})
+    with _serving(make_validator) as served:
+        yield served
+
+
+@contextlib.contextmanager
+def _serving(make_validator, processes: int = 0):  # type: ignore[no-untyped-def]
+    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
+                        "node.admission_processes": processes})
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         yield v, url
 
@@ -101,9 +110,18 @@ ENDPOINTS = [("POST", "/v1/submit"), ("POST", "/v1/register"), ("POST", "/v1/ass
              ("GET", "/v1/policy/1"), ("GET", "/v1/blobs/00")]
 
 
-@pytest.mark.parametrize("method,path", ENDPOINTS)
-def test_fuzzed_bodies_never_cause_a_500(live, backend, codec, method, path) -> None:
-    v, url = live
+@pytest.mark.parametrize("method,path,processes",
+                         [(m, p, 0) for m, p in ENDPOINTS] + [("POST", "/v1/submit", 1)])
+def test_fuzzed_bodies_never_cause_a_500(make_validator, backend, codec, method, path, processes) -> None:
+    with _serving(make_validator, processes) as (v, url):
+        _fuzz(v, url, backend, codec, method, path)
+        if processes:  # the hostile bodies went through the worker process, which survived them
+            metrics = httpx.get(f"{url}/metrics").text
+            assert "prooftrain_verify_precheck_failures_total 0.0" in metrics
+            assert "prooftrain_verify_prechecked_total 0.0" not in metrics
+
+
+def _fuzz(v, url: str, backend, codec, method: str, path: str) -> None:  # type: ignore[no-untyped-def]
     v.register(ALICE.public.raw, "alice")
     good = canonical_bytes(answer(ALICE, v.assign(ALICE.public.raw), v.key.public, backend, codec))
     client = httpx.Client(base_url=url)
