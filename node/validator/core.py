@@ -280,7 +280,9 @@ class Validator:
         one transaction; each group's verdicts are recorded in order. Every group
         is checked before the others are recorded, as if they had arrived at
         once: a second group with a completion or an assignment of an earlier
-        one in the batch is refused with BACKPRESSURE (retry it alone).
+        one in the batch is refused with BACKPRESSURE (retry it alone), as is a
+        group of a batch of several while the audit epoch is changing (its
+        groups cannot wait for the change they hold up).
         """
         return drive_many(self._jobs(raws, prechecked), self.serve, rank=_rank,  # type: ignore[return-value]
                           catch=(VerificationError,))
@@ -306,9 +308,10 @@ class Validator:
     def _jobs(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None,
               ) -> list[Steps[SubmitResult]]:
         pres = prechecked or [None] * len(raws)
-        return [self._admission(raw, pre) for raw, pre in zip(raws, pres, strict=True)]
+        alone = len(raws) == 1
+        return [self._admission(raw, pre, alone) for raw, pre in zip(raws, pres, strict=True)]
 
-    def _admission(self, raw: bytes, pre: Prechecked | None = None) -> Steps[SubmitResult]:
+    def _admission(self, raw: bytes, pre: Prechecked | None = None, alone: bool = True) -> Steps[SubmitResult]:
         group = decode_group(raw, self.limits)
         digest = pre.digest if pre is not None else group_digest(raw)
         aid = group.assignment_id
@@ -330,7 +333,9 @@ class Validator:
             key = issued.wire.contributor_key
             members = _members(group.envelopes, key, self.limits,
                                pre if pre is not None and pre.key == key else None)
-            secret = self._epochs.draw()
+            secret = self._epochs.draw(wait=alone)
+            if secret is None:  # a batch holding the secret cannot wait for the epoch change
+                raise AdmissionError("the audit epoch is changing", reason=Reason.BACKPRESSURE)
             recorded = False
             try:
                 verdicts = yield from self._judge(issued, members, secret, digest)

@@ -10,7 +10,9 @@ every draw afterwards. Hence the lifecycle of one epoch:
 2. Use: each admission draws the secret (:meth:`EpochSecrets.draw`) and holds
    it until its verdicts are in the ledger (:meth:`EpochSecrets.release`).
 3. End: once ``epoch_groups`` recorded submissions have been counted, no new
-   admission may draw the secret (they wait); when the last holder releases,
+   admission may draw the secret (they wait, or, admitted in a batch with
+   others, are refused with BACKPRESSURE and retried alone); when the last
+   holder releases,
    ``EpochRevealed(epoch, secret)`` is appended, the state store marks the
    epoch revealed, and the next epoch starts.
 
@@ -70,10 +72,14 @@ class EpochSecrets:
                                               self.clock()))
             self._submissions = 0
 
-    def draw(self) -> bytes:
-        """The current epoch secret, held until :meth:`release`."""
+    def draw(self, wait: bool = True) -> bytes | None:
+        """The current epoch secret, held until :meth:`release`. While the epoch is changing
+        this waits for the change, or with ``wait=False`` returns None at once: a caller that
+        already holds the secret for another admission must not wait for itself."""
         with self._cv:
             while self._rolling:
+                if not wait:
+                    return None
                 self._cv.wait()
             self._users += 1
             return self._secret

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -195,3 +197,28 @@ def test_admit_in_turn_retries_a_refused_copy_alone(make_validator, backend, cod
     # the copy was refused while its original was judged, then answered from the stored verdicts
     assert isinstance(copy, SubmitResult) and not copy.fresh and copy.verdicts == first.verdicts
     assert v.metrics["audit/batches"] == 1
+
+
+def test_a_batch_never_waits_for_an_epoch_change_it_holds_up(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raws = [canonical_bytes(g) for g in _groups(v, backend, codec, 3)]
+    # another admission holds the secret and the epoch is due to change: it waits for that holder
+    assert v._epochs.draw() is not None
+    v._epochs._rolling = True
+    epoch = v._epochs.epoch
+    out: list[object] = []
+    worker = threading.Thread(target=lambda: out.extend(v.admit_many(raws[:2])), daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "a batch waited for an epoch change that waits for the batch"
+    assert all(isinstance(r, AdmissionError) and r.reason is Reason.BACKPRESSURE for r in out)
+    assert v._inflight == set() and v._epochs._users == 1  # nothing held but the other holder's
+    # alone, a group waits for the change; the holder's release completes it
+    alone = threading.Thread(target=lambda: out.append(v.admit(raws[2])), daemon=True)
+    alone.start()
+    alone.join(0.5)
+    assert alone.is_alive()
+    v._epochs.release(recorded=False)
+    alone.join(10)
+    assert isinstance(out[-1], SubmitResult) and v._epochs.epoch == epoch + 1
+    assert all(isinstance(r, SubmitResult) for r in v.admit_in_turn(raws[:2]))
