@@ -24,6 +24,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              clients with every rollout audited (audited_groups_per_s)
   admission_cpu_busy         share of the machine's CPU busy during the admission run (clients,
                              node and its precheck processes together)
+  node_process_cpu_ms_per_group
+                             CPU time of the node's own process per admitted group (HTTP,
+                             admission; precheck worker processes not included)
 
 The node runs with --processes precheck worker processes and --threads admission threads
 (``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.
@@ -35,6 +38,7 @@ The node runs with --processes precheck worker processes and --threads admission
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
@@ -155,9 +159,11 @@ def audited_admission(work: Path, model: Path, group_size: int, groups: int, cli
             "audit_batch_mean_groups": round(audited / batches, 2), "audit_clients": clients}
 
 
-def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list[float], float | None]:  # type: ignore[no-untyped-def]
-    """Groups admitted per second over HTTP, every request's latency, and the share of the
-    machine's CPU that was busy meanwhile (clients and node together).
+def admission(v, per_client: list[list[bytes]], work: Path,  # type: ignore[no-untyped-def]
+              ) -> tuple[float, list[float], tuple[float | None, float]]:
+    """Groups admitted per second over HTTP, every request's latency, and (the share of the
+    machine's CPU busy meanwhile, clients and node together; the CPU seconds per group of the
+    node's own process, its precheck workers excluded).
 
     Each client is its own process (as contributors are) holding one
     keep-alive connection, so the load generator does not share the
@@ -181,7 +187,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        start, ticks = time.perf_counter(), cpu_ticks()
+        start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -189,12 +195,14 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> tuple[float, list
         outs = [proc.communicate()[0] for proc in procs]
         elapsed = time.perf_counter() - start
         busy = busy_fraction(ticks, cpu_ticks())
+        spent = os.times()
+        node_cpu = (spent.user + spent.system - own.user - own.system) / sum(len(b) for b in per_client)
     latencies: list[float] = []
     for proc, out in zip(procs, outs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"a client failed: {out.strip()[-2_000:]}")
         latencies.extend(msgspec.json.decode(out.strip().splitlines()[-1]))
-    return sum(len(b) for b in per_client) / elapsed, latencies, busy
+    return sum(len(b) for b in per_client) / elapsed, latencies, (busy, node_cpu)
 
 
 def client(url: str, bodies_path: str) -> None:
@@ -376,7 +384,7 @@ def main() -> None:
         env_rate = verify_rate(envelopes, verify_envelope)
         env_best = best_rate(lambda: verify_envelope(envelopes[0]), 300)
         log("admitting over loopback HTTP")
-        groups_per_s, latencies, busy = admission(v, per_client, work)
+        groups_per_s, latencies, (busy, node_cpu) = admission(v, per_client, work)
         check_admitted(v, args.groups, args.group_size)
         v.ledger.close()
         v.state.close()
@@ -401,6 +409,7 @@ def main() -> None:
         "admission_p50_ms": round(1000 * float(np.percentile(latencies, 50)), 2),
         "admission_p99_ms": round(1000 * float(np.percentile(latencies, 99)), 2),
         "admission_cpu_busy": busy,
+        "node_process_cpu_ms_per_group": round(1000 * node_cpu, 3),
         **cost, **audited,
         "spotcheck_cost_target": 0.35,
         "model": str(model),
