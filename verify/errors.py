@@ -121,7 +121,6 @@ class VerificationError(ProofTrainError):
     ) -> None:
         if reason is not None:
             self.reason = reason
-        self.message = message
         self.expected = expected
         self.computed = computed
         detail = ""

@@ -42,7 +42,7 @@ from ledger.log import Ledger
 from node.config import ValidatorConfig
 from node.validator.commit import Batcher, Steps
 from node.validator.policy import PolicyVersions, TextCodec
-from node.validator.precheck import completion_digest
+from node.validator.precheck import completion_digest, score
 from node.validator.spot import (
     SpotCheckFailed,
     SpotCheckResult,
@@ -53,7 +53,6 @@ from node.validator.spot import (
 )
 from node.validator.state import StateStore
 from rewards.base import Problem
-from rewards.registry import reward
 from verify.challenge import should_audit
 from verify.envelope import VerifiedRollout
 from verify.errors import AdmissionError, Reason, VerificationError
@@ -204,9 +203,9 @@ class GroupChecks:
             for m in members:
                 m.reward = m.prescored  # type: ignore[assignment]
         else:
-            texts = self.codec.decode_batch([m.rollout.token_ids for m in members])
-            for m, text in zip(members, texts, strict=True):
-                m.reward = reward(issued.problem.task, text, issued.problem)
+            rewards = score(self.codec, issued.problem, [m.rollout.token_ids for m in members])
+            for m, r in zip(members, rewards, strict=True):
+                m.reward = r
         if audited:
             results = yield SpotJob([m.rollout for m in audited], issued.prompt_ids, secret)
             for m, result in zip(audited, results, strict=True):

@@ -30,8 +30,11 @@ import multiprocessing
 import pickle
 import socket
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
 
 from rewards.base import Problem
 from rewards.registry import reward
@@ -39,7 +42,7 @@ from verify.envelope import Limits, VerifiedRollout, decode_group, verify_envelo
 from verify.errors import VerificationError
 from verify.hashing import COMPLETION, blake3_digest
 
-__all__ = ["PrecheckPool", "Prechecked", "completion_digest", "group_digest", "precheck"]
+__all__ = ["PrecheckPool", "Prechecked", "completion_digest", "group_digest", "precheck", "score"]
 
 
 def group_digest(raw: bytes) -> bytes:
@@ -52,6 +55,11 @@ def completion_digest(rollout: VerifiedRollout) -> bytes:
     h = rollout.header
     return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.tobytes(),
                          rollout.logprobs.tobytes())
+
+
+def score(codec: Any, problem: Problem, token_ids: Sequence[np.ndarray]) -> list[float]:
+    """The validator's reward of each completion of a group on ``problem``."""
+    return [reward(problem.task, text, problem) for text in codec.decode_batch(token_ids)]
 
 
 @dataclass(frozen=True)
@@ -78,8 +86,7 @@ def precheck(raw: bytes, key: bytes, problem: Problem, limits: Limits, codec: ob
     except VerificationError as exc:
         return Prechecked(digest, key, None, exc, None)
     try:
-        texts = codec.decode_batch([r.token_ids for r in rollouts])  # type: ignore[attr-defined]
-        rewards: list[float] | None = [reward(problem.task, text, problem) for text in texts]
+        rewards: list[float] | None = score(codec, problem, [r.token_ids for r in rollouts])
     except Exception:  # noqa: BLE001 - the admission thread scores it again and reports its own error
         rewards = None
     return Prechecked(digest, key, rollouts, None, rewards, [completion_digest(r) for r in rollouts])

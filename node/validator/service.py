@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -205,14 +205,20 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     default_openapi = app.openapi
     app.openapi = lambda: app.openapi_schema or _finish_spec(default_openapi())  # type: ignore[method-assign]
 
-    async def call(fn: Callable[[], T]) -> T:
+    @contextlib.contextmanager
+    def waiting() -> Iterator[None]:
+        """Count a validator call as waiting (the queue-depth gauge) while it runs."""
         state["waiting"] += 1
         metrics.queue.set(state["waiting"])
         try:
-            return await asyncio.get_running_loop().run_in_executor(executor, fn)
+            yield
         finally:
             state["waiting"] -= 1
             metrics.queue.set(state["waiting"])
+
+    async def call(fn: Callable[[], T]) -> T:
+        with waiting():
+            return await asyncio.get_running_loop().run_in_executor(executor, fn)
 
     async def prechecked(body: bytes) -> Prechecked | None:
         """The submission verified and scored by a worker process, when the node has them."""
@@ -231,14 +237,9 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     async def admitted(body: bytes) -> SubmitResult:
         if state["waiting"] >= cfg.audit.queue:
             raise ApiError(Reason.BACKPRESSURE, "audit queue is full")
-        state["waiting"] += 1
-        metrics.queue.set(state["waiting"])
-        try:
+        with waiting():
             pre = await prechecked(body)
             return await asyncio.wrap_future(running["intake"].submit((body, pre)))  # type: ignore[no-any-return]
-        finally:
-            state["waiting"] -= 1
-            metrics.queue.set(state["waiting"])
 
     async def body_of(request: Request) -> bytes:
         limit = cfg.limits.max_body_bytes
