@@ -30,7 +30,7 @@ import multiprocessing
 import pickle
 import socket
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,18 +95,23 @@ def precheck(raw: bytes, key: bytes, problem: Problem, limits: Limits, codec: ob
 class PrecheckPool:
     """``processes`` worker processes running :func:`precheck`, driven from one event loop.
 
-    Each worker holds one socket; a check goes to an idle worker as one framed
-    message and its answer comes back as another, sent and read by the event
-    loop itself (``loop.sock_sendall`` and ``sock_recv_into``), so no thread of
-    the node's process is involved. A worker that dies fails the check it held
-    (the caller admits that submission itself) and is not replaced; with none
-    left every check fails the same way. Use it from one event loop, and
-    :meth:`close` it when done.
+    Each worker holds one socket; a check goes to it as one framed message and
+    its answer comes back as another, in order, sent and read by the event loop
+    itself (``loop.sock_sendall`` and ``sock_recv_into``), so no thread of the
+    node's process is involved. A worker holds up to ``depth`` checks at once:
+    the next one already waits in its socket when it finishes one, so it never
+    idles until the event loop gets round to handing it work. A check goes to
+    the live worker holding the fewest. A worker that dies fails the checks it
+    held (their callers admit those submissions themselves) and is not
+    replaced; with none left every check fails the same way. Use it from one
+    event loop, and :meth:`close` it when done.
     """
 
-    def __init__(self, processes: int, limits: Limits, codec: object) -> None:
-        if processes < 1:
-            raise ValueError("a precheck pool needs at least one process")
+    def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2) -> None:
+        if processes < 1 or depth < 1:
+            raise ValueError("a precheck pool needs at least one process holding at least one check")
+        self.depth = depth
+        self._waiters: deque[asyncio.Future[None]] = deque()
         context = multiprocessing.get_context("spawn")
         workers = []
         for _ in range(processes):  # each takes a second or two: start them all, then wait
@@ -115,7 +120,7 @@ class PrecheckPool:
                                    daemon=True)
             proc.start()
             theirs.close()
-            workers.append(_Worker(proc, ours))
+            workers.append(_Worker(proc, ours, self._wake))
         try:
             for w in workers:
                 w.ready()
@@ -123,59 +128,47 @@ class PrecheckPool:
             for w in workers:
                 w.stop()
             raise
-        self.live = len(workers)
-        self._idle = workers
-        self._waiters: deque[asyncio.Future[_Worker]] = deque()
+        self.workers = workers
+
+    @property
+    def live(self) -> int:
+        """Workers still running."""
+        return sum(w.alive for w in self.workers)
 
     async def check(self, raw: bytes, key: bytes, problem: Problem) -> Prechecked:
         """:func:`precheck` of one submission in a worker process."""
         worker = await self._take()
-        exchange = asyncio.ensure_future(worker.exchange(pickle.dumps((raw, key, problem), _PICKLE)))
-
-        def finished(done: asyncio.Future[bytes]) -> None:  # also when the caller went away
-            if done.cancelled() or done.exception() is not None:
-                self._lose(worker)
-            else:
-                self._give_back(worker)
-
-        exchange.add_done_callback(finished)
-        result = pickle.loads(await asyncio.shield(exchange))
+        result = pickle.loads(await worker.exchange(pickle.dumps((raw, key, problem), _PICKLE)))
         if not isinstance(result, Prechecked):
             raise TypeError(f"a precheck worker answered {type(result).__name__}")
         return result
 
     async def _take(self) -> _Worker:
-        if not self.live:
-            raise RuntimeError("no precheck worker is running")
-        if self._idle:
-            return self._idle.pop()
-        waiter: asyncio.Future[_Worker] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        return await waiter
+        while True:
+            live = [w for w in self.workers if w.alive]
+            if not live:
+                raise RuntimeError("no precheck worker is running")
+            worker = min(live, key=lambda w: len(w.pending))
+            if len(worker.pending) < self.depth:
+                return worker
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            await waiter
 
-    def _give_back(self, worker: _Worker) -> None:
+    def _wake(self, worker: _Worker) -> None:
+        """A check is answered (or its worker lost): let one waiting caller try again, or
+        all of them when the worker is gone."""
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_result(worker)
-                return
-        self._idle.append(worker)
-
-    def _lose(self, worker: _Worker) -> None:
-        worker.stop()
-        self.live -= 1
-        if not self.live:
-            while self._waiters:
-                waiter = self._waiters.popleft()
-                if not waiter.done():
-                    waiter.set_exception(RuntimeError("no precheck worker is running"))
+                waiter.set_result(None)
+                if worker.alive:
+                    return
 
     def close(self) -> None:
-        """Stop the idle workers (a worker still answering a check stops when it is lost)."""
-        for worker in self._idle:
+        """Stop the workers; checks still held fail."""
+        for worker in self.workers:
             worker.stop()
-        self.live -= len(self._idle)
-        self._idle.clear()
 
 
 _PICKLE = pickle.HIGHEST_PROTOCOL
@@ -183,8 +176,16 @@ _FRAME = 8  # a message is its length (u64 LE), then its bytes
 
 
 class _Worker:
-    def __init__(self, proc: Any, sock: socket.socket) -> None:
-        self.proc, self.sock = proc, sock
+    """One worker process and its socket: checks are written in turn and answered in order."""
+
+    def __init__(self, proc: Any, sock: socket.socket, freed: Callable[[_Worker], None]) -> None:
+        self.proc, self.sock, self._freed = proc, sock, freed
+        self.alive = True
+        self.pending: deque[asyncio.Future[bytes]] = deque()
+        """Answers owed, oldest first (a caller that went away leaves its future here)."""
+        self._outbox: deque[bytes] = deque()
+        self._wake_writer: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
 
     def ready(self) -> None:
         self.sock.settimeout(120)
@@ -195,11 +196,46 @@ class _Worker:
             raise RuntimeError("a precheck worker did not start") from exc
         self.sock.setblocking(False)
 
-    async def exchange(self, message: bytes) -> bytes:
+    def exchange(self, message: bytes) -> asyncio.Future[bytes]:
+        """Queue ``message`` (sent whole, even if its caller goes away); the future of its answer."""
         loop = asyncio.get_running_loop()
-        await loop.sock_sendall(self.sock, len(message).to_bytes(_FRAME, "little") + message)
-        size = int.from_bytes(await self._read(loop, _FRAME), "little")
-        return await self._read(loop, size)
+        answer: asyncio.Future[bytes] = loop.create_future()
+        if not self.alive:
+            answer.set_exception(EOFError("the precheck worker is gone"))
+            return answer
+        if self._wake_writer is None:
+            self._wake_writer = asyncio.Event()
+            self._tasks = [loop.create_task(self._write_checks()), loop.create_task(self._read_answers())]
+        self.pending.append(answer)
+        self._outbox.append(len(message).to_bytes(_FRAME, "little") + message)
+        self._wake_writer.set()
+        return answer
+
+    async def _write_checks(self) -> None:
+        """Send queued checks in the order their answers are owed."""
+        assert self._wake_writer is not None
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                await self._wake_writer.wait()
+                self._wake_writer.clear()
+                while self._outbox:
+                    await loop.sock_sendall(self.sock, self._outbox.popleft())
+        except OSError as exc:
+            self._lost(exc)
+
+    async def _read_answers(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                size = int.from_bytes(await self._read(loop, _FRAME), "little")
+                data = await self._read(loop, size)
+                answer = self.pending.popleft()
+                if not answer.done():  # its caller may have gone away
+                    answer.set_result(data)
+                self._freed(self)
+        except (OSError, EOFError, IndexError) as exc:
+            self._lost(exc if not isinstance(exc, IndexError) else EOFError("an unasked answer"))
 
     async def _read(self, loop: asyncio.AbstractEventLoop, size: int) -> bytes:
         buf = bytearray(size)
@@ -211,9 +247,27 @@ class _Worker:
             got += n
         return bytes(buf)
 
+    def _lost(self, exc: BaseException) -> None:
+        """The worker is gone: every answer it owed fails with ``exc``."""
+        self.stop()
+        while self.pending:
+            answer = self.pending.popleft()
+            if not answer.done():
+                answer.set_exception(exc)
+        self._freed(self)
+
     def stop(self) -> None:
+        self.alive = False
         with contextlib.suppress(OSError):
             self.sock.close()
+        self._outbox.clear()
+        try:
+            current = asyncio.current_task()
+        except RuntimeError:  # closed from outside the event loop
+            current = None
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
@@ -249,4 +303,7 @@ def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
             raw, key, problem = pickle.loads(_receive(sock))
         except (EOFError, OSError):
             return
-        _send(sock, pickle.dumps(precheck(raw, key, problem, limits, codec), _PICKLE))
+        try:
+            _send(sock, pickle.dumps(precheck(raw, key, problem, limits, codec), _PICKLE))
+        except OSError:  # the node went away
+            return

@@ -29,6 +29,7 @@ the reason; malformed input never produces a 500.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -338,8 +339,8 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         result = await admitted(body)
         metrics.latency.observe(time.perf_counter() - start)
         if result.fresh:
-            for reason in result.reasons:
-                metrics.verdicts.labels(str(not reason).lower(), reason or "accepted").inc()
+            for reason, count in collections.Counter(result.reasons).items():
+                metrics.verdicts.labels(str(not reason).lower(), reason or "accepted").inc(count)
         return Response(msgspec.msgpack.encode(result.verdicts), media_type=MSGPACK)
 
     @app.get("/v1/policy/{version}", response_class=Response,

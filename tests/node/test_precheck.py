@@ -12,7 +12,7 @@ import pytest
 from node.client import ValidatorClient
 from node.validator.core import SubmitResult, Validator
 from node.validator.intake import AdmissionQueue
-from node.validator.precheck import Prechecked, PrecheckPool, precheck
+from node.validator.precheck import Prechecked, PrecheckPool, group_digest, precheck
 from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from rollout.worker import answer
@@ -128,26 +128,28 @@ async def _gather(pool: PrecheckPool, jobs: list) -> list[Prechecked]:
     return list(await asyncio.gather(*(pool.check(*job) for job in jobs)))
 
 
-def test_a_lost_worker_fails_its_check_and_the_pool_goes_on(make_validator, backend, codec) -> None:
+def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_validator, backend, codec) -> None:
     v = make_validator()
     raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
     job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
     pool = PrecheckPool(2, v.limits, v.codec)
+    first, second = pool.workers
 
     async def scenario() -> None:
-        # a caller that goes away leaves its worker to finish: the worker comes back
+        # a caller that goes away leaves its check to be answered: the worker stays in use
         task = asyncio.ensure_future(pool.check(*job))
         await asyncio.sleep(0)
         task.cancel()
         await asyncio.sleep(2)
-        assert len(pool._idle) == 2 and pool.live == 2
-        # a worker killed mid-check fails that check; the other one answers the next
-        pool._idle[-1].proc.kill()
-        with pytest.raises((EOFError, OSError)):
-            await pool.check(*job)
-        assert pool.live == 1
+        assert pool.live == 2 and not first.pending and not second.pending
+        # a worker killed holding two checks fails both; the other one answers the next
+        first.proc.kill()
+        held = await asyncio.gather(pool.check(*job), pool.check(*job), pool.check(*job),
+                                    return_exceptions=True)
+        assert [isinstance(r, (EOFError, OSError)) for r in held] == [True, False, True]
+        assert pool.live == 1 and not first.alive
         assert (await pool.check(*job)).rewards is not None
-        pool._idle[-1].proc.kill()
+        second.proc.kill()
         with pytest.raises((EOFError, OSError)):
             await pool.check(*job)
         with pytest.raises(RuntimeError, match="no precheck worker"):
@@ -157,6 +159,30 @@ def test_a_lost_worker_fails_its_check_and_the_pool_goes_on(make_validator, back
         asyncio.run(scenario())
     finally:
         pool.close()
+
+
+def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raws = _batch(v, backend, codec)[:4]
+    jobs = [(raw, *v.precheck_job(raw)) for raw in raws]  # type: ignore[misc]
+    pool = PrecheckPool(1, v.limits, v.codec, depth=3)
+    (worker,) = pool.workers
+    held: list[int] = []
+
+    async def scenario() -> list[Prechecked]:
+        checks = [asyncio.ensure_future(pool.check(*job)) for job in jobs * 2]
+        while not all(c.done() for c in checks):
+            held.append(len(worker.pending))
+            await asyncio.sleep(0.0005)
+        return [c.result() for c in checks]
+
+    try:
+        answers = asyncio.run(scenario())
+    finally:
+        pool.close()
+    assert max(held) == 3  # never more than depth, and the next check waits in the socket
+    assert [a.digest for a in answers] == [group_digest(raw) for raw in raws] * 2
+    assert isinstance(answers[3].error, SignatureError) and answers[7].error is not None
 
 
 def test_verification_errors_pickle_as_they_were() -> None:
