@@ -6,7 +6,7 @@ import numpy as np
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import WordLevel
 
-from node.validator.policy import HFTextCodec, _piece_table
+from node.validator.policy import HFTextCodec, PieceTable, _piece_table
 
 
 def test_piece_table_decodes_as_the_tokenizer_does(codec: HFTextCodec) -> None:
@@ -32,6 +32,16 @@ def test_only_concatenating_decoders_get_a_table() -> None:
     assert _piece_table(tok, 3) is None  # no decoder: tokens are joined with spaces
     tok.decoder = decoders.Fuse()
     table = _piece_table(tok, 3)
-    assert table is not None and list(table) == ["a", "b", "<unk>"]
+    assert table is not None and table.pieces == ["a", "b", "<unk>"]
     tok.decoder = decoders.Sequence([decoders.Fuse(), decoders.Strip(" ", 1, 0)])
     assert _piece_table(tok, 3) is None
+
+
+def test_pieces_of_any_utf8_width_join_as_their_texts() -> None:
+    pieces = ["", "a", "é", "日本", "🙂", "xyz"]
+    table = PieceTable(pieces)
+    rng = np.random.default_rng(1)
+    for n in (0, 1, 5, 200):
+        ids = rng.integers(0, len(pieces), n)
+        assert table.decode(ids) == "".join(pieces[i] for i in ids)
+    assert PieceTable([""]).decode(np.zeros(3, dtype=np.int64)) == ""
