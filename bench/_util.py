@@ -53,3 +53,13 @@ def busy_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) ->
     if start is None or end is None or end[1] <= start[1]:
         return None
     return round((end[0] - start[0]) / (end[1] - start[1]), 3)
+
+
+def process_cpu(pid: int) -> float | None:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``), else None."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None

@@ -24,9 +24,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              clients with every rollout audited (audited_groups_per_s)
   admission_cpu_busy         share of the machine's CPU busy during the admission run (clients,
                              node and its precheck processes together)
-  node_process_cpu_ms_per_group
-                             CPU time of the node's own process per admitted group (HTTP,
-                             admission; precheck worker processes not included)
+  admission_cpu_ms_per_group CPU time per admitted group during the admission run: the node's
+                             own process (HTTP, admission), its precheck worker processes, and
+                             the load-generating clients (their request loops)
 
 The node runs with --processes precheck worker processes and --threads admission threads
 (``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.
@@ -42,13 +42,14 @@ import os
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._util import best_rate, busy_fraction, cpu_ticks, emit  # noqa: E402
+from bench._util import best_rate, busy_fraction, cpu_ticks, emit, process_cpu  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -149,7 +150,7 @@ def audited_admission(work: Path, model: Path, group_size: int, groups: int, cli
     """
     v, codec = make_validator(work, model, group_size, 32, audit_rate=1.0, node=node)
     per_client = honest_groups(v, model, codec, groups, clients)
-    groups_per_s, _, _ = admission(v, per_client, work)
+    groups_per_s = admission(v, per_client, work).groups_per_s
     check_admitted(v, groups, group_size)
     audited = v.metrics.get("audit/groups", 0.0)
     batches = max(v.metrics.get("audit/batches", 0.0), 1.0)
@@ -159,17 +160,29 @@ def audited_admission(work: Path, model: Path, group_size: int, groups: int, cli
             "audit_batch_mean_groups": round(audited / batches, 2), "audit_clients": clients}
 
 
-def admission(v, per_client: list[list[bytes]], work: Path,  # type: ignore[no-untyped-def]
-              ) -> tuple[float, list[float], tuple[float | None, float]]:
-    """Groups admitted per second over HTTP, every request's latency, and (the share of the
-    machine's CPU busy meanwhile, clients and node together; the CPU seconds per group of the
-    node's own process, its precheck workers excluded).
+@dataclass
+class Admitted:
+    """One admission run over HTTP."""
+
+    groups_per_s: float
+    latencies: list[float]
+    """Every request's latency seen by its client, seconds."""
+    busy: float | None
+    """Share of the machine's CPU busy during the run (clients, node and its workers)."""
+    cpu_ms_per_group: dict[str, float | None]
+    """CPU per admitted group: the node's own process (HTTP and admission), its precheck
+    worker processes, and the load-generating clients."""
+
+
+def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]
+    """Admit every client's bodies over HTTP, the clients running at once.
 
     Each client is its own process (as contributors are) holding one
     keep-alive connection, so the load generator does not share the
     validator's interpreter; the clock runs from the start signal until the
     last client has its last answer.
     """
+    import multiprocessing
     import subprocess
 
     import msgspec
@@ -178,6 +191,7 @@ def admission(v, per_client: list[list[bytes]], work: Path,  # type: ignore[no-u
     from node.validator.service import create_app
 
     procs: list[subprocess.Popen] = []
+    groups = sum(len(b) for b in per_client)
     with BackgroundServer(create_app(v)) as url:
         for i, bodies in enumerate(per_client):
             path = work / f"client{i}.msgpack"
@@ -187,50 +201,97 @@ def admission(v, per_client: list[list[bytes]], work: Path,  # type: ignore[no-u
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
         for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
         start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
+        before = [process_cpu(pid) for pid in workers]
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
         outs = [proc.communicate()[0] for proc in procs]
         elapsed = time.perf_counter() - start
+        after = [process_cpu(pid) for pid in workers]
         busy = busy_fraction(ticks, cpu_ticks())
         spent = os.times()
-        node_cpu = (spent.user + spent.system - own.user - own.system) / sum(len(b) for b in per_client)
     latencies: list[float] = []
+    client_cpu = 0.0
     for proc, out in zip(procs, outs, strict=True):
         if proc.returncode != 0:
             raise RuntimeError(f"a client failed: {out.strip()[-2_000:]}")
-        latencies.extend(msgspec.json.decode(out.strip().splitlines()[-1]))
-    return sum(len(b) for b in per_client) / elapsed, latencies, (busy, node_cpu)
+        report = msgspec.json.decode(out.strip().splitlines()[-1])
+        latencies.extend(report["latencies"])
+        client_cpu += report["cpu_s"]
+    worker_cpu = (None if any(t is None for t in before + after)
+                  else sum(b - a for a, b in zip(before, after, strict=True)))  # type: ignore[operator]
+    per_group = {"node": spent.user + spent.system - own.user - own.system,
+                 "precheck_workers": worker_cpu, "clients": client_cpu}
+    return Admitted(groups / elapsed, latencies, busy,
+                    {k: None if t is None else round(1000 * t / groups, 3) for k, t in per_group.items()})
 
 
 def client(url: str, bodies_path: str) -> None:
-    """One load-generating client: POST every body in order on one keep-alive connection."""
-    import http.client
+    """One load-generating client: POST every body in order on one keep-alive connection.
+
+    Every request's bytes are built before the start signal and the answers are
+    read with a minimal HTTP/1.1 parser, so the client spends as little as it
+    can of the CPU it shares with the node: like ``wrk``, it measures the
+    server, not itself.
+    """
     import json
+    import socket
     from urllib.parse import urlsplit
 
     import msgspec
 
     bodies = msgspec.msgpack.decode(Path(bodies_path).read_bytes(), type=list[bytes])
     where = urlsplit(url)
-    conn = http.client.HTTPConnection(where.hostname, where.port, timeout=120)
-    conn.connect()
+    host = f"{where.hostname}:{where.port}"
+    requests = [f"POST /v1/submit HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in bodies]
+    sock = socket.create_connection((where.hostname, where.port), timeout=120)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    reader = _Replies(sock)
     print("ready", flush=True)
     sys.stdin.readline()
     latencies = []
-    for body in bodies:
+    start_cpu = time.process_time()
+    for request in requests:
         start = time.perf_counter()
-        conn.request("POST", "/v1/submit", body, {"Content-Type": "application/msgpack"})
-        reply = conn.getresponse()
-        data = reply.read()
+        sock.sendall(request)
+        status, data = reader.next()
         latencies.append(time.perf_counter() - start)
-        if reply.status != 200:
-            print(f"HTTP {reply.status}: {data[:500]!r}", flush=True)
+        if status != 200:
+            print(f"HTTP {status}: {data[:500]!r}", flush=True)
             sys.exit(1)
-    conn.close()
-    print(json.dumps(latencies), flush=True)
+    cpu = time.process_time() - start_cpu
+    sock.close()
+    print(json.dumps({"latencies": latencies, "cpu_s": cpu}), flush=True)
+
+
+class _Replies:
+    """HTTP/1.1 responses with a Content-Length, read one after another from a socket."""
+
+    def __init__(self, sock) -> None:  # type: ignore[no-untyped-def]
+        self.sock, self.buf = sock, b""
+
+    def next(self) -> tuple[int, bytes]:
+        while (end := self.buf.find(b"\r\n\r\n")) < 0:
+            self._more()
+        head, self.buf = self.buf[:end].decode("latin-1").split("\r\n"), self.buf[end + 4:]
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+        if "content-length" not in fields:
+            raise RuntimeError(f"a response without Content-Length: {head}")
+        size = int(fields["content-length"])
+        while len(self.buf) < size:
+            self._more()
+        body, self.buf = self.buf[:size], self.buf[size:]
+        return int(head[0].split()[1]), body
+
+    def _more(self) -> None:
+        chunk = self.sock.recv(1 << 16)
+        if not chunk:
+            raise RuntimeError("the node closed the connection")
+        self.buf += chunk
 
 
 def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-untyped-def]
@@ -384,7 +445,7 @@ def main() -> None:
         env_rate = verify_rate(envelopes, verify_envelope)
         env_best = best_rate(lambda: verify_envelope(envelopes[0]), 300)
         log("admitting over loopback HTTP")
-        groups_per_s, latencies, (busy, node_cpu) = admission(v, per_client, work)
+        run = admission(v, per_client, work)
         check_admitted(v, args.groups, args.group_size)
         v.ledger.close()
         v.state.close()
@@ -394,22 +455,22 @@ def main() -> None:
         log("measuring spot-check cost against generation")
         batch = max(1, round(audited["audit_batch_mean_groups"]))
         cost = spotcheck_cost(model, codec, args.group_size, batch)
-    envelopes_per_s = groups_per_s * args.group_size
+    envelopes_per_s = run.groups_per_s * args.group_size
     emit({
         "bench": "validator",
         "groups": args.groups, "group_size": args.group_size, "tokens_per_rollout": args.tokens,
         "clients": args.clients, "admission_processes": args.processes, "admission_threads": args.threads,
-        "admitted_groups_per_s": round(groups_per_s, 1),
+        "admitted_groups_per_s": round(run.groups_per_s, 1),
         "admitted_envelopes_per_s": round(envelopes_per_s, 1),
         "envelope_verifies_per_s": round(env_rate, 1),
         "admission_ratio": round(envelopes_per_s / env_rate, 3),
         "envelope_verifies_best_per_s": round(env_best, 1),
         "admission_ratio_vs_best": round(envelopes_per_s / env_best, 3),
         "admission_ratio_target": 0.5,
-        "admission_p50_ms": round(1000 * float(np.percentile(latencies, 50)), 2),
-        "admission_p99_ms": round(1000 * float(np.percentile(latencies, 99)), 2),
-        "admission_cpu_busy": busy,
-        "node_process_cpu_ms_per_group": round(1000 * node_cpu, 3),
+        "admission_p50_ms": round(1000 * float(np.percentile(run.latencies, 50)), 2),
+        "admission_p99_ms": round(1000 * float(np.percentile(run.latencies, 99)), 2),
+        "admission_cpu_busy": run.busy,
+        "admission_cpu_ms_per_group": run.cpu_ms_per_group,
         **cost, **audited,
         "spotcheck_cost_target": 0.35,
         "model": str(model),

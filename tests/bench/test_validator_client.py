@@ -1,0 +1,41 @@
+"""bench/validator.py's load-generating client: reading HTTP/1.1 answers off a socket."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+
+from bench.validator import _Replies
+
+
+def _pair_sending(chunks: list[bytes]) -> socket.socket:
+    ours, theirs = socket.socketpair()
+
+    def send() -> None:
+        for chunk in chunks:
+            theirs.sendall(chunk)
+        theirs.close()
+
+    threading.Thread(target=send, daemon=True).start()
+    return ours
+
+
+def test_answers_are_split_however_they_arrive() -> None:
+    first = b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: 5\r\n\r\nhello"
+    second = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 12\r\nretry-after: 1\r\n\r\n{\"reason\":1}"
+    stream = first + second
+    # byte by byte, then in odd pieces: each answer is its own status and body
+    for pieces in ([stream[i:i + 1] for i in range(len(stream))], [stream[:7], stream[7:90], stream[90:]]):
+        replies = _Replies(_pair_sending(pieces))
+        assert replies.next() == (200, b"hello")
+        assert replies.next() == (429, b'{"reason":1}')
+
+
+def test_an_answer_without_a_length_or_a_closed_connection_is_an_error() -> None:
+    chunked = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+    with pytest.raises(RuntimeError, match="without Content-Length"):
+        _Replies(_pair_sending([chunked])).next()
+    with pytest.raises(RuntimeError, match="closed the connection"):
+        _Replies(_pair_sending([b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nhal"])).next()
