@@ -10,7 +10,6 @@ reconstructs the delta chain.
 
 from __future__ import annotations
 
-import json
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Any, Protocol, cast
 
 import numpy as np
 
+from node.validator.decoding import TokenizerDecoder
 from rollout.sync import base_model_digest
 from verify.errors import Reason, VerificationError
 from verify.keys import PublicKey
@@ -48,89 +48,35 @@ class HFTextCodec:
 
         self.model_dir = Path(model_dir)
         self._tok = AutoTokenizer.from_pretrained(str(model_dir))
-        # The Rust tokenizer behind a fast tokenizer decodes without per-id Python checks.
-        self._backend = getattr(self._tok, "backend_tokenizer", None)
         # The model's output width (may exceed len(tokenizer) by padding rows).
         self.vocab_size = int(AutoConfig.from_pretrained(str(model_dir)).vocab_size)
         self.eos_token_id = self._tok.eos_token_id
-        self._pieces = _piece_table(self._backend, self.vocab_size)
+        # The Rust tokenizer behind a fast tokenizer decodes without per-id Python checks.
+        backend = getattr(self._tok, "backend_tokenizer", None)
+        self._decoder = None if backend is None else TokenizerDecoder(backend, self.vocab_size)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        # Pickles as its model directory: a precheck worker process loads its own copy.
+        # Pickles as its model directory: another process loads its own copy.
         return HFTextCodec, (self.model_dir,)
+
+    def decoder(self) -> TokenizerDecoder | HFTextCodec:
+        """What decodes as this codec does, to hand to a process that only decodes: the
+        tokenizer's Rust backend alone when there is one (no ``transformers`` to load)."""
+        return self if self._decoder is None else self._decoder
 
     def encode(self, text: str) -> list[int]:
         return list(self._tok(text)["input_ids"])
 
     def decode(self, ids: Sequence[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(list(ids), skip_special_tokens=True)
+        if self._decoder is not None:
+            return self._decoder.decode(ids)
         # A single sequence decodes to one str (the library types it str | list[str]).
         return cast(str, self._tok.decode(list(ids), skip_special_tokens=True))
 
     def decode_batch(self, seqs: Sequence[Sequence[int] | np.ndarray]) -> list[str]:
-        arrays = [np.asarray(ids) for ids in seqs]
-        pieces = self._pieces
-        if pieces is not None and all(_within(a, len(pieces)) for a in arrays):
-            return [pieces.decode(a) for a in arrays]
-        # The Rust tokenizer decodes a batch without holding the GIL, so
-        # concurrent admissions overlap here.
-        if self._backend is not None:
-            return self._backend.decode_batch([a.tolist() for a in arrays], skip_special_tokens=True)
-        return [self.decode(a.tolist()) for a in arrays]
-
-
-def _within(ids: np.ndarray, n: int) -> bool:
-    """Whether ``ids`` index a table of ``n`` entries (empty counts)."""
-    return not ids.size or (ids.ndim == 1 and ids.dtype.kind in "iu" and 0 <= ids.min() and ids.max() < n)
-
-
-class PieceTable:
-    """Each id's text as UTF-8 bytes, padded to one width: a sequence decodes as the
-    concatenation of its ids' bytes, gathered in one indexing step."""
-
-    def __init__(self, pieces: Sequence[str]) -> None:
-        encoded = [p.encode("utf-8") for p in pieces]
-        self.pieces = list(pieces)
-        self._lengths = np.array([len(b) for b in encoded], dtype=np.int64)
-        self._bytes = np.zeros((len(encoded), max(1, int(self._lengths.max(initial=0)))), dtype=np.uint8)
-        for i, b in enumerate(encoded):
-            self._bytes[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
-        self._columns = np.arange(self._bytes.shape[1])
-
-    def __len__(self) -> int:
-        return len(self.pieces)
-
-    def decode(self, ids: np.ndarray) -> str:
-        """The text of ``ids`` (each in ``range(len(self))``)."""
-        if not ids.size:  # also an empty list, which numpy makes a float array
-            return ""
-        rows = self._bytes[ids]
-        return rows[self._columns < self._lengths[ids][:, None]].tobytes().decode("utf-8")
-
-
-def _piece_table(backend: Any, vocab_size: int) -> PieceTable | None:
-    """Each id's text, when the tokenizer decodes any sequence as the concatenation of
-    its tokens' texts (a ``Fuse`` decoder over a ``WordLevel`` vocabulary, as the demo
-    models' character tokenizers have); else None.
-
-    Decoding is then a table lookup, about nine times faster than the tokenizer's
-    own decode on admission's long completions. The property is checked on every
-    id before the table is used.
-    """
-    if backend is None:
-        return None
-    try:
-        spec = json.loads(backend.to_str())
-    except (AttributeError, ValueError):
-        return None
-    if spec.get("decoder") != {"type": "Fuse"} or (spec.get("model") or {}).get("type") != "WordLevel":
-        return None
-    table = PieceTable([backend.decode([i], skip_special_tokens=True) for i in range(vocab_size)])
-    ids = list(range(vocab_size))
-    if backend.decode(ids + ids[::-1], skip_special_tokens=True) != table.decode(np.array(ids + ids[::-1])):
-        return None
-    return table
+        if self._decoder is not None:
+            return self._decoder.decode_batch(seqs)
+        return [self.decode(np.asarray(ids).tolist()) for ids in seqs]
 
 
 # The manifests' base digest; one definition, shared with contributors.

@@ -14,8 +14,10 @@ gives. A result computed under another key than the assignment's is ignored;
 the caller pairs each result with the very bytes it was computed from.
 
 Workers are started with ``spawn`` (no forked locks or threads), each with
-its own copy of the codec, which must pickle (``HFTextCodec`` pickles as its
-model directory). A task with no reward registered in a fresh interpreter
+its own copy of the codec, which must pickle. Workers only decode, so the
+pool takes a codec's ``decoder()`` when it has one: ``HFTextCodec`` gives its
+tokenizer's Rust backend alone (``node.validator.decoding``), and a worker
+then starts without importing ``transformers`` or ``torch``. A task with no reward registered in a fresh interpreter
 (one registered at run time) gets no rewards from the workers, and the
 admission thread scores it. The node's event loop talks to the workers over
 their sockets itself: a pool with helper threads would take the interpreter
@@ -113,10 +115,11 @@ class PrecheckPool:
         self.depth = depth
         self._waiters: deque[asyncio.Future[None]] = deque()
         context = multiprocessing.get_context("spawn")
+        decoder = codec.decoder() if hasattr(codec, "decoder") else codec
         workers = []
         for _ in range(processes):  # each takes a second or two: start them all, then wait
             ours, theirs = socket.socketpair()
-            proc = context.Process(target=_serve, args=(theirs, limits, codec), name="prooftrain-precheck",
+            proc = context.Process(target=_serve, args=(theirs, limits, decoder), name="prooftrain-precheck",
                                    daemon=True)
             proc.start()
             theirs.close()

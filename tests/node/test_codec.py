@@ -1,17 +1,23 @@
-"""The validator's text codec: the piece-table decode equals the tokenizer's own."""
+"""The validator's text codec: the piece-table decode equals the tokenizer's own, and the
+decode-only codec handed to precheck workers decodes as the full one does."""
 
 from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
 
 import numpy as np
 from tokenizers import Tokenizer, decoders
 from tokenizers.models import WordLevel
 
-from node.validator.policy import HFTextCodec, PieceTable, _piece_table
+from node.validator.decoding import PieceTable, TokenizerDecoder, _piece_table
+from node.validator.policy import HFTextCodec
 
 
 def test_piece_table_decodes_as_the_tokenizer_does(codec: HFTextCodec) -> None:
-    backend = codec._backend
-    assert codec._pieces is not None  # the tiny model's character tokenizer qualifies
+    backend = codec._tok.backend_tokenizer
+    assert codec._decoder is not None and codec._decoder._pieces is not None  # a character tokenizer
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, codec.vocab_size, n).astype(np.uint32) for n in (0, 1, 7, 300, 1024)]
     seqs.append(np.arange(codec.vocab_size, dtype=np.uint32))  # every special token too
@@ -23,7 +29,8 @@ def test_piece_table_decodes_as_the_tokenizer_does(codec: HFTextCodec) -> None:
 
 def test_ids_outside_the_table_go_to_the_tokenizer(codec: HFTextCodec) -> None:
     outside = [5, 6, codec.vocab_size + 3]
-    assert codec.decode_batch([outside]) == [codec._backend.decode(outside, skip_special_tokens=True)]
+    backend = codec._tok.backend_tokenizer
+    assert codec.decode_batch([outside]) == [backend.decode(outside, skip_special_tokens=True)]
 
 
 def test_only_concatenating_decoders_get_a_table() -> None:
@@ -45,3 +52,21 @@ def test_pieces_of_any_utf8_width_join_as_their_texts() -> None:
         ids = rng.integers(0, len(pieces), n)
         assert table.decode(ids) == "".join(pieces[i] for i in ids)
     assert PieceTable([""]).decode(np.zeros(3, dtype=np.int64)) == ""
+
+
+def test_the_decoder_for_workers_decodes_as_the_codec_and_needs_no_transformers(codec: HFTextCodec) -> None:
+    decoder = codec.decoder()
+    assert isinstance(decoder, TokenizerDecoder)
+    rng = np.random.default_rng(2)
+    seqs = [rng.integers(0, codec.vocab_size, n).astype(np.uint32) for n in (0, 3, 500)]
+    seqs += [np.arange(codec.vocab_size, dtype=np.uint32), np.array([1, 2, codec.vocab_size + 5])]
+    expected = codec.decode_batch(seqs)
+    again = pickle.loads(pickle.dumps(decoder))
+    assert again.decode_batch(seqs) == expected
+    assert [again.decode(s.tolist()) for s in seqs] == [codec.decode(s.tolist()) for s in seqs]
+    # a fresh interpreter decodes it with the tokenizers library alone
+    probe = ("import pickle, sys; d = pickle.loads(sys.stdin.buffer.read()); "
+             "print(repr(d.decode([5, 6, 7])), 'transformers' in sys.modules, 'torch' in sys.modules, sep='|')")
+    out = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps(decoder), capture_output=True,
+                         check=True).stdout.decode().strip().split("|")
+    assert out == [repr(codec.decode([5, 6, 7])), "False", "False"]
