@@ -37,22 +37,27 @@ def emit(result: dict) -> None:
     print(json.dumps(result, sort_keys=True))
 
 
-def cpu_ticks() -> tuple[int, int] | None:
-    """(busy, total) clock ticks of the whole machine so far (Linux ``/proc/stat``), else None."""
+def cpu_ticks() -> tuple[int, int, int] | None:
+    """(busy, stolen, total) clock ticks of the whole machine so far (Linux ``/proc/stat``),
+    else None. Stolen ticks are those a virtual machine's host gave to someone else."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            fields = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return sum(fields) - idle, sum(fields)
+    fields += [0] * (8 - len(fields))
+    user, nice, system, idle, iowait, irq, softirq, steal = fields
+    return user + nice + system + irq + softirq, steal, sum(fields)
 
 
-def busy_fraction(start: tuple[int, int] | None, end: tuple[int, int] | None) -> float | None:
-    """Share of the machine's CPU time that was busy between two :func:`cpu_ticks` readings."""
-    if start is None or end is None or end[1] <= start[1]:
+def busy_fraction(start: tuple[int, int, int] | None, end: tuple[int, int, int] | None,
+                  stolen: bool = False) -> float | None:
+    """Share of the machine's CPU time that was busy (``stolen``: stolen by the host) between
+    two :func:`cpu_ticks` readings."""
+    if start is None or end is None or end[2] <= start[2]:
         return None
-    return round((end[0] - start[0]) / (end[1] - start[1]), 3)
+    part = 1 if stolen else 0
+    return round((end[part] - start[part]) / (end[2] - start[2]), 3)
 
 
 def process_cpu(pid: int) -> float | None:

@@ -24,9 +24,12 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              clients with every rollout audited (audited_groups_per_s)
   admission_cpu_busy         share of the machine's CPU busy during the admission run (clients,
                              node and its precheck processes together)
+  admission_cpu_stolen       share of the machine's CPU time its host gave to other guests during
+                             the admission run (a virtual machine's noise; 0 on bare metal)
   admission_cpu_ms_per_group CPU time per admitted group during the admission run: the node's
-                             own process (HTTP, admission), its precheck worker processes, and
-                             the load-generating clients (their request loops)
+                             own process (HTTP, admission), its precheck worker processes, the
+                             load-generating clients (their request loops), and the rest of the
+                             machine's busy time (kernel threads, other processes)
 
 Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
@@ -175,9 +178,12 @@ class Admitted:
     """Every request's latency seen by its client, seconds."""
     busy: float | None
     """Share of the machine's CPU busy during the run (clients, node and its workers)."""
+    stolen: float | None
+    """Share of the machine's CPU its virtual machine's host gave elsewhere during the run."""
     cpu_ms_per_group: dict[str, float | None]
     """CPU per admitted group: the node's own process (HTTP and admission), its precheck
-    worker processes, and the load-generating clients."""
+    worker processes, the load-generating clients, and the rest of the machine's busy time
+    (kernel threads such as the filesystem's journal, other processes)."""
 
 
 def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]
@@ -217,7 +223,8 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
         outs = [proc.communicate()[0] for proc in procs]
         elapsed = time.perf_counter() - start
         after = [process_cpu(pid) for pid in workers]
-        busy = busy_fraction(ticks, cpu_ticks())
+        ticks_after = cpu_ticks()
+        busy, stolen = busy_fraction(ticks, ticks_after), busy_fraction(ticks, ticks_after, stolen=True)
         spent = os.times()
     latencies: list[float] = []
     client_cpu = 0.0
@@ -227,11 +234,15 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
         report = msgspec.json.decode(out.strip().splitlines()[-1])
         latencies.extend(report["latencies"])
         client_cpu += report["cpu_s"]
-    worker_cpu = (None if any(t is None for t in before + after)
-                  else sum(b - a for a, b in zip(before, after, strict=True)))  # type: ignore[operator]
-    per_group = {"node": spent.user + spent.system - own.user - own.system,
-                 "precheck_workers": worker_cpu, "clients": client_cpu}
-    return Admitted(groups / elapsed, latencies, busy,
+    worker_cpu: float | None = 0.0
+    for a, b in zip(before, after, strict=True):
+        worker_cpu = None if a is None or b is None or worker_cpu is None else worker_cpu + b - a
+    per_group: dict[str, float | None] = {"node": spent.user + spent.system - own.user - own.system,
+                                          "precheck_workers": worker_cpu, "clients": client_cpu}
+    if busy is not None and worker_cpu is not None:  # the kernel's own threads, other processes
+        machine = busy * (os.cpu_count() or 1) * elapsed
+        per_group["rest_of_machine"] = machine - sum(t for t in per_group.values() if t is not None)
+    return Admitted(groups / elapsed, latencies, busy, stolen,
                     {k: None if t is None else round(1000 * t / groups, 3) for k, t in per_group.items()})
 
 
@@ -478,6 +489,7 @@ def main() -> None:
         "admission_p50_ms": round(1000 * float(np.percentile(run.latencies, 50)), 2),
         "admission_p99_ms": round(1000 * float(np.percentile(run.latencies, 99)), 2),
         "admission_cpu_busy": run.busy,
+        "admission_cpu_stolen": run.stolen,
         "admission_cpu_ms_per_group": run.cpu_ms_per_group,
         **cost, **audited,
         "spotcheck_cost_target": 0.35,

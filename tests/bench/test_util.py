@@ -1,0 +1,31 @@
+"""bench/_util.py: machine and process CPU accounting."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from bench._util import busy_fraction, cpu_ticks, process_cpu
+
+
+def test_busy_and_stolen_shares_between_two_readings() -> None:
+    start, end = (100, 10, 1_000), (160, 30, 1_200)
+    assert busy_fraction(start, end) == 0.3
+    assert busy_fraction(start, end, stolen=True) == 0.1
+    assert busy_fraction(start, None) is None and busy_fraction(end, end) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_readings_of_this_machine_and_process_grow_with_work() -> None:
+    ticks, cpu = cpu_ticks(), process_cpu(os.getpid())
+    assert ticks is not None and cpu is not None
+    busy, stolen, total = ticks
+    assert 0 <= busy <= total and 0 <= stolen <= total
+    x = 0
+    for i in range(3_000_000):
+        x += i
+    later = process_cpu(os.getpid())
+    assert later is not None and later > cpu
+    assert process_cpu(2**22 + 12_345) is None  # no such process
