@@ -252,14 +252,12 @@ class _Worker:
 
     def _lost(self, exc: BaseException) -> None:
         """The worker is gone: every answer it owed fails with ``exc``."""
+        self._fail_pending(exc)
         self.stop()
-        while self.pending:
-            answer = self.pending.popleft()
-            if not answer.done():
-                answer.set_exception(exc)
         self._freed(self)
 
     def stop(self) -> None:
+        """Stop the process; answers still owed fail."""
         self.alive = False
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -271,10 +269,18 @@ class _Worker:
         for task in self._tasks:
             if task is not current:
                 task.cancel()
+        self._fail_pending(EOFError("the precheck worker was stopped"))
         self.proc.join(5)
         if self.proc.is_alive():
             self.proc.kill()
             self.proc.join(5)
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        while self.pending:
+            answer = self.pending.popleft()
+            if not answer.done():
+                with contextlib.suppress(RuntimeError):  # its event loop is already closed
+                    answer.set_exception(exc)
 
 
 def _receive(sock: socket.socket) -> bytes:

@@ -185,6 +185,22 @@ def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator
     assert isinstance(answers[3].error, SignatureError) and answers[7].error is not None
 
 
+def test_closing_the_pool_fails_the_checks_it_still_holds(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
+    job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
+    pool = PrecheckPool(1, v.limits, v.codec, depth=4)
+
+    async def scenario() -> list:
+        checks = [asyncio.ensure_future(pool.check(*job)) for _ in range(4)]
+        await asyncio.sleep(0)  # all four are queued on the one worker
+        pool.close()
+        return await asyncio.wait_for(asyncio.gather(*checks, return_exceptions=True), 10)
+
+    held = asyncio.run(scenario())
+    assert all(isinstance(r, EOFError) for r in held) and pool.live == 0
+
+
 def test_verification_errors_pickle_as_they_were() -> None:
     err = SignatureError("envelope is signed by another contributor", reason=Reason.WRONG_SIGNER,
                          expected=b"\x01" * 32, computed=b"\x02" * 32)
