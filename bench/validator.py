@@ -183,7 +183,7 @@ class Admitted:
     cpu_ms_per_group: dict[str, float | None]
     """CPU per admitted group: the node's own process (HTTP and admission), its precheck
     worker processes, the load-generating clients, and the rest of the machine's busy time
-    (kernel threads such as the filesystem's journal, other processes)."""
+    (kernel threads, other processes)."""
 
 
 def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]

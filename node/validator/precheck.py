@@ -210,7 +210,7 @@ class _Worker:
             self._wake_writer = asyncio.Event()
             self._tasks = [loop.create_task(self._write_checks()), loop.create_task(self._read_answers())]
         self.pending.append(answer)
-        self._outbox.append(len(message).to_bytes(_FRAME, "little") + message)
+        self._outbox.append(_framed(message))
         self._wake_writer.set()
         return answer
 
@@ -300,8 +300,12 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
+def _framed(message: bytes) -> bytes:
+    return len(message).to_bytes(_FRAME, "little") + message
+
+
 def _send(sock: socket.socket, message: bytes) -> None:
-    sock.sendall(len(message).to_bytes(_FRAME, "little") + message)
+    sock.sendall(_framed(message))
 
 
 def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
