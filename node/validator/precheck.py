@@ -13,6 +13,12 @@ would have scored the group. Every outcome is the one the in-process path
 gives. A result computed under another key than the assignment's is ignored;
 the caller pairs each result with the very bytes it was computed from.
 
+A worker answers with what it found (failure, rewards, digests) and not the
+parsed envelopes: the pool parses its own copy of the bytes again
+(``verify.envelope.already_verified``), which costs less than moving the
+arrays between processes. Each check carries a ticket that its answer must
+echo, so an answer can never be paired with other bytes.
+
 Workers are started with ``spawn`` (no forked locks or threads), each with
 its own copy of the codec, which must pickle. Workers only decode, so the
 pool takes a codec's ``decoder()`` when it has one: ``HFTextCodec`` gives its
@@ -28,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import pickle
 import socket
@@ -40,7 +47,7 @@ import numpy as np
 
 from rewards.base import Problem
 from rewards.registry import reward
-from verify.envelope import Limits, VerifiedRollout, decode_group, verify_envelope
+from verify.envelope import Limits, VerifiedRollout, already_verified, decode_group, verify_envelope
 from verify.errors import VerificationError
 from verify.hashing import COMPLETION, blake3_digest
 
@@ -112,7 +119,8 @@ class PrecheckPool:
     def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2) -> None:
         if processes < 1 or depth < 1:
             raise ValueError("a precheck pool needs at least one process holding at least one check")
-        self.depth = depth
+        self.depth, self.limits = depth, limits
+        self._tickets = itertools.count()
         self._waiters: deque[asyncio.Future[None]] = deque()
         context = multiprocessing.get_context("spawn")
         decoder = codec.decoder() if hasattr(codec, "decoder") else codec
@@ -141,10 +149,14 @@ class PrecheckPool:
     async def check(self, raw: bytes, key: bytes, problem: Problem) -> Prechecked:
         """:func:`precheck` of one submission in a worker process."""
         worker = await self._take()
-        result = pickle.loads(await worker.exchange(pickle.dumps((raw, key, problem), _PICKLE)))
-        if not isinstance(result, Prechecked):
-            raise TypeError(f"a precheck worker answered {type(result).__name__}")
-        return result
+        ticket = next(self._tickets)
+        answer = pickle.loads(await worker.exchange(pickle.dumps((ticket, raw, key, problem), _PICKLE)))
+        if not (isinstance(answer, tuple) and len(answer) == 6 and answer[0] == ticket):
+            raise TypeError("a precheck worker answered another check")
+        _, digest, verified_key, error, rewards, completions = answer
+        rollouts = None if error is not None else [
+            already_verified(env) for env in decode_group(raw, self.limits).envelopes]
+        return Prechecked(digest, verified_key, rollouts, error, rewards, completions)
 
     async def _take(self) -> _Worker:
         while True:
@@ -313,10 +325,11 @@ def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
     _send(sock, b"ready")
     while True:
         try:
-            raw, key, problem = pickle.loads(_receive(sock))
+            ticket, raw, key, problem = pickle.loads(_receive(sock))
         except (EOFError, OSError):
             return
+        r = precheck(raw, key, problem, limits, codec)
         try:
-            _send(sock, pickle.dumps(precheck(raw, key, problem, limits, codec), _PICKLE))
+            _send(sock, pickle.dumps((ticket, r.digest, r.key, r.error, r.rewards, r.completions), _PICKLE))
         except OSError:  # the node went away
             return

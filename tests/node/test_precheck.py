@@ -119,9 +119,35 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
     for r, here in zip(remote, local, strict=True):
         assert (r.digest, r.key, r.rewards, r.completions) == (here.digest, here.key, here.rewards,
                                                                 here.completions)
-        assert [x.digest for x in r.rollouts or []] == [x.digest for x in here.rollouts or []]
+        # the pool parses its own bytes again: the same rollouts as verification gave here
+        assert [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes()) for x in r.rollouts or []] \
+            == [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes()) for x in here.rollouts or []]
         assert (type(r.error), str(r.error)) == (type(here.error), str(here.error))
     assert isinstance(remote[3].error, SignatureError) and remote[3].error.reason is Reason.BAD_SIGNATURE
+
+
+def test_an_answer_to_another_check_is_refused(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
+    job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
+    pool = PrecheckPool(1, v.limits, v.codec)
+    (worker,) = pool.workers
+    real = worker.exchange
+
+    def answers_another(message: bytes) -> asyncio.Future[bytes]:
+        ticket, *rest = pickle.loads(message)
+        return real(pickle.dumps((ticket + 1, *rest)))  # the worker answers out of turn
+
+    async def scenario() -> None:
+        assert (await pool.check(*job)).rollouts is not None
+        worker.exchange = answers_another  # type: ignore[method-assign]
+        with pytest.raises(TypeError, match="another check"):
+            await pool.check(*job)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pool.close()
 
 
 async def _gather(pool: PrecheckPool, jobs: list) -> list[Prechecked]:

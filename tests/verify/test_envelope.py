@@ -7,7 +7,14 @@ import os
 import numpy as np
 import pytest
 
-from verify.envelope import Limits, build_envelope, decode_group, envelope_digest, verify_envelope
+from verify.envelope import (
+    Limits,
+    already_verified,
+    build_envelope,
+    decode_group,
+    envelope_digest,
+    verify_envelope,
+)
 from verify.errors import Reason, SignatureError, VerificationError
 from verify.keys import SigningKey
 from verify.types import (
@@ -16,6 +23,7 @@ from verify.types import (
     RolloutEnvelope,
     SamplingParams,
     canonical_bytes,
+    decode,
 )
 
 KEY = SigningKey.from_seed(b"\x07" * 32)
@@ -61,6 +69,16 @@ def test_honest_envelope_verifies_from_bytes_and_struct() -> None:
         assert got.digest == envelope_digest(env.header)
         assert got.token_ids.dtype == np.uint32 and got.logprobs.dtype == np.float32
         assert got.contributor == KEY.public
+
+
+def test_an_envelope_verified_elsewhere_parses_to_what_verification_gave() -> None:
+    env = make(seed=3)
+    again, checked = already_verified(decode(RolloutEnvelope, canonical_bytes(env), max_bytes=1 << 20)), verify_envelope(env)
+    assert (again.header, again.header_bytes, again.signature, again.digest) == (
+        checked.header, checked.header_bytes, checked.signature, checked.digest)
+    assert again.token_ids.dtype == np.uint32 and again.logprobs.dtype == np.float32
+    assert again.token_ids.tolist() == checked.token_ids.tolist()
+    assert again.logprobs.tobytes() == checked.logprobs.tobytes()
 
 
 def test_every_header_bit_flip_is_rejected() -> None:
