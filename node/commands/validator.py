@@ -28,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     from node.config import ValidatorConfig, load
     from node.validator.build import build_validator, trainer_key
+    from node.validator.server import settle_heap
     from node.validator.service import create_app
 
     overrides = {k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None}
@@ -42,6 +43,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     logging.basicConfig(level=logging.INFO)
     app = create_app(validator, trainer_key(cfg))
+    settle_heap()  # the model and libraries stay loaded: keep full collections off them
     print(f"listening on http://{cfg.node.host}:{cfg.node.port}")
     uvicorn.run(app, host=cfg.node.host, port=cfg.node.port, log_level="warning")
     return 0

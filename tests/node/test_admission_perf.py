@@ -1,10 +1,13 @@
-"""Concurrent admission: group commit, thread-safe admit, epoch order, isolated ledger reads."""
+"""Concurrent admission: group commit, thread-safe admit, epoch order, isolated ledger reads;
+the collector kept off what a node loads."""
 
 from __future__ import annotations
 
+import gc
 import sqlite3
 import threading
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -15,6 +18,7 @@ from ledger.log import Ledger
 from ledger.records import EpochCommitted, EpochRevealed, Note, VerdictRecorded
 from node.validator.commit import GroupCommitter
 from node.validator.core import Validator
+from node.validator.server import settle_heap
 from rollout.worker import header_fields, open_assignment
 from verify.envelope import build_envelope
 from verify.errors import AdmissionError, Reason
@@ -206,3 +210,24 @@ def test_reads_see_committed_data_only_and_do_not_wait_for_a_writer(tmp_path) ->
     ledger.close()
     with pytest.raises(sqlite3.ProgrammingError):  # a closed store stays closed in every thread
         ledger.size()
+
+
+class _Held:
+    """An object the collector tracks (a reference can point back at itself)."""
+
+
+def test_settle_heap_keeps_what_is_loaded_out_of_later_collections() -> None:
+    kept = [_Held() for _ in range(10_000)]
+    try:
+        assert settle_heap() >= len(kept)
+        walked = gc.get_objects()  # every generation a collection walks
+        assert not any(o is kept[0] or o is kept for o in walked)
+        # what is made afterwards is still collected, reference cycles included
+        later = _Held()
+        later.me = later  # type: ignore[attr-defined]
+        gone = weakref.ref(later)
+        del later, walked
+        gc.collect()
+        assert gone() is None
+    finally:
+        gc.unfreeze()
