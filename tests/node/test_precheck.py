@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -24,6 +26,7 @@ from verify.types import GroupSubmission, RolloutEnvelope, Verdict, canonical_by
 from .test_admit_many import KEYS, _group
 
 ALICE = SigningKey.from_seed(b"\x62" * 32)
+T = TypeVar("T")
 
 
 def _forged(group: GroupSubmission, member: int = 2) -> GroupSubmission:
@@ -110,10 +113,7 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
     raws = _batch(v, backend, codec)[:4]
     jobs = [(raw, *v.precheck_job(raw)) for raw in raws]  # type: ignore[misc]
     pool = PrecheckPool(2, v.limits, v.codec)
-    try:
-        remote = asyncio.run(_gather(pool, jobs))
-    finally:
-        pool.close()
+    remote = _run_then_close(pool, lambda: _gather(pool, jobs))
     assert pool.live == 0
     local = [precheck(raw, key, problem, v.limits, v.codec) for raw, key, problem in jobs]
     for r, here in zip(remote, local, strict=True):
@@ -144,8 +144,12 @@ def test_an_answer_to_another_check_is_refused(make_validator, backend, codec) -
         with pytest.raises(TypeError, match="another check"):
             await pool.check(*job)
 
+    _run_then_close(pool, scenario)
+
+
+def _run_then_close(pool: PrecheckPool, scenario: Callable[[], Coroutine[Any, Any, T]]) -> T:
     try:
-        asyncio.run(scenario())
+        return asyncio.run(scenario())
     finally:
         pool.close()
 
@@ -181,10 +185,7 @@ def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_valida
         with pytest.raises(RuntimeError, match="no precheck worker"):
             await pool.check(*job)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        pool.close()
+    _run_then_close(pool, scenario)
 
 
 def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator, backend, codec) -> None:
@@ -202,10 +203,7 @@ def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator
             await asyncio.sleep(0.0005)
         return [c.result() for c in checks]
 
-    try:
-        answers = asyncio.run(scenario())
-    finally:
-        pool.close()
+    answers = _run_then_close(pool, scenario)
     assert max(held) == 3  # never more than depth, and the next check waits in the socket
     assert [a.digest for a in answers] == [group_digest(raw) for raw in raws] * 2
     assert isinstance(answers[3].error, SignatureError) and answers[7].error is not None
