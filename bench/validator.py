@@ -223,7 +223,12 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
             assert proc.stdin is not None
             proc.stdin.write("go\n")
             proc.stdin.flush()
-        reports = [_report(proc) for proc in procs]  # each client's last answer is in
+        try:
+            reports = [_report(proc) for proc in procs]  # each client's last answer is in
+        except BaseException:
+            for proc in procs:
+                proc.kill()
+            raise
         elapsed = time.perf_counter() - start
         after = [process_cpu(pid) for pid in workers]
         ticks_after = cpu_ticks()

@@ -1,13 +1,16 @@
-"""bench/validator.py's load-generating client: reading HTTP/1.1 answers off a socket."""
+"""bench/validator.py's load-generating client: reading HTTP/1.1 answers off a socket, and its
+report to the bench."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 
-from bench.validator import _Replies
+from bench.validator import _Replies, _report
 
 
 def _pair_sending(chunks: list[bytes]) -> socket.socket:
@@ -39,3 +42,20 @@ def test_an_answer_without_a_length_or_a_closed_connection_is_an_error() -> None
         _Replies(_pair_sending([chunked])).next()
     with pytest.raises(RuntimeError, match="closed the connection"):
         _Replies(_pair_sending([b"HTTP/1.1 200 OK\r\ncontent-length: 9\r\n\r\nhal"])).next()
+
+
+def _client_printing(code: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+
+def test_a_clients_report_is_read_while_it_waits_and_a_failure_says_why() -> None:
+    # a client reports, then stays up until the bench lets it go
+    waiting = _client_printing('import sys; print(\'{"latencies": [0.5], "cpu_s": 0.25}\', flush=True); '
+                               'sys.stdin.read(); print("gone")')
+    assert _report(waiting) == {"latencies": [0.5], "cpu_s": 0.25}
+    assert waiting.poll() is None
+    assert waiting.communicate()[0] == "gone\n"
+    failed = _client_printing("import sys; print(\"HTTP 400: b'bad_signature'\"); sys.exit(1)")
+    with pytest.raises(RuntimeError, match="a client failed: HTTP 400: b'bad_signature'"):
+        _report(failed)
+    assert failed.returncode == 1
