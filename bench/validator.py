@@ -35,7 +35,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
 
 Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
-two-core machine about 87% busy, 4 about 77%. The clients send prebuilt
+two-core machine about 80% busy, 4 about 76%, and more than 8 only add latency
+(the node's own process, where HTTP and admission share one interpreter lock,
+is the narrowest stage). The clients send prebuilt
 requests and parse answers minimally, so they take little of the CPU they
 share with the node (``admission_cpu_ms_per_group``).
 
@@ -454,7 +456,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--clients", type=int, default=8,
                         help="clients of the admission run, each with one request in flight: enough "
-                             "to keep a small node busy (4 leave it idle about a quarter of the time)")
+                             "to keep a small node busy (4 admit about a fifth less)")
     parser.add_argument("--audited-groups", type=int, default=96,
                         help="honest groups of the audited admission run")
     parser.add_argument("--audited-clients", type=int, default=16,
