@@ -37,9 +37,9 @@ Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
 two-core machine about 80% busy, 4 about 76%, and more than 8 only add latency
 (the node's own process, where HTTP and admission share one interpreter lock,
-is the narrowest stage). The clients send prebuilt
-requests and parse answers minimally, so they take little of the CPU they
-share with the node (``admission_cpu_ms_per_group``).
+is the narrowest stage). The clients send prebuilt requests and parse answers
+minimally, so they take little of the CPU they share with the node
+(``admission_cpu_ms_per_group``).
 
 The node runs with --processes precheck worker processes and --threads admission threads
 (``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.

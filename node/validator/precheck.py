@@ -25,9 +25,10 @@ pool takes a codec's ``decoder()`` when it has one: ``HFTextCodec`` gives its
 tokenizer's Rust backend alone (``node.validator.decoding``), and a worker
 then starts without importing ``transformers`` or ``torch``. A task with no
 reward registered in a fresh interpreter (one registered at run time) gets
-no rewards from the workers, and the admission thread scores it. The node's event loop talks to the workers over
-their sockets itself: a pool with helper threads would take the interpreter
-lock from the admission thread several times per submission.
+no rewards from the workers, and the admission thread scores it. The node's
+event loop talks to the workers over their sockets itself: a pool with helper
+threads would take the interpreter lock from the admission thread several
+times per submission.
 """
 
 from __future__ import annotations
