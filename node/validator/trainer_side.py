@@ -50,11 +50,19 @@ def read_samples(ledger: Ledger, state: StateStore, cursor: int, limit: int) -> 
     for index, rec in ledger.entries(cursor):
         next_cursor = index + 1
         if isinstance(rec, VerdictRecorded) and rec.accepted:
-            body = state.sample(rec.envelope_digest)
+            try:
+                body = state.sample(rec.envelope_digest)
+            except OSError as exc:
+                raise VerificationError(f"accepted sample body is unreadable: {exc}",
+                                        reason=Reason.LEDGER_CORRUPT, computed=index) from exc
             if body is None:
                 raise VerificationError("accepted sample body is missing",
                                         reason=Reason.LEDGER_CORRUPT, computed=index)
             sample = decode(AcceptedSample, body, max_bytes=len(body))
+            if sample.envelope_digest != rec.envelope_digest:
+                raise VerificationError("a stored sample body belongs to another envelope",
+                                        reason=Reason.LEDGER_CORRUPT, expected=rec.envelope_digest,
+                                        computed=sample.envelope_digest)
             out.append(msgspec.structs.replace(sample, ledger_index=index))
             if len(out) >= limit:
                 break

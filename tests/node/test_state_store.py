@@ -39,7 +39,7 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     assert _level(store) == 1  # NORMAL by default
     seen = _traced(store)
     store.put_samples([(b"d" * 32, b"body")], [b"c" * 32])
-    assert _committed_at_full(seen, "samples")
+    assert _committed_at_full(seen, "bodies")
     assert _level(store) == 1  # back to NORMAL afterwards
     seen.clear()
     store.put_epoch(3, b"s" * 32)
@@ -54,9 +54,53 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
 
 def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state.sqlite")
-    with pytest.raises(sqlite3.Error):
+    with pytest.raises(TypeError, match="must be bytes"):
         store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, object())], [])  # type: ignore[list-item]
-    assert store.sample(b"d" * 32) is None  # rolled back as one transaction
+    assert store.sample(b"d" * 32) is None
+    assert (tmp_path / "state.sqlite.bodies").stat().st_size == 0
+    with pytest.raises(sqlite3.Error):  # the index fails: no body is indexed, the level is restored
+        store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"other")], [object()])  # type: ignore[list-item]
+    assert store.sample(b"d" * 32) is None and store.sample(b"e" * 32) is None
     assert _level(store) == 1
     store.put_samples([(b"d" * 32, b"body")], [])
     assert store.sample(b"d" * 32) == b"body"
+
+
+def test_bodies_live_in_their_own_file_and_survive_a_torn_tail(tmp_path: Path) -> None:
+    path = tmp_path / "state.sqlite"
+    store = StateStore(path)
+    first = [(bytes([i]) * 32, bytes([i]) * (100 + i)) for i in range(5)]
+    store.put_samples(first, [])
+    bodies = tmp_path / "state.sqlite.bodies"
+    assert bodies.stat().st_mode & 0o777 == 0o600
+    assert bodies.stat().st_size == sum(len(b) for _, b in first)
+    assert store._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0] == 0  # no body in SQLite
+    store.close()
+    with bodies.open("ab") as f:  # a crash in the middle of an append: bytes nothing indexes
+        f.write(b"torn")
+    store = StateStore(path)
+    store.put_samples([(b"n" * 32, b"after the tear")], [])
+    assert [store.sample(d) for d, _ in first] == [b for _, b in first]
+    assert store.sample(b"n" * 32) == b"after the tear"
+    assert store.sample(b"x" * 32) is None
+    store.close()
+    with bodies.open("r+b") as f:  # a bodies file cut short
+        f.truncate(bodies.stat().st_size - 3)
+    store = StateStore(path)
+    with pytest.raises(OSError, match="ends inside the body"):
+        store.sample(b"n" * 32)
+    assert store.sample(first[0][0]) == first[0][1]
+
+
+def test_bodies_stored_as_rows_are_still_served(tmp_path: Path) -> None:
+    store = StateStore(tmp_path / "state.sqlite")
+    store._db.execute("INSERT INTO samples VALUES (?, ?)", (b"r" * 32, b"a row"))
+    assert store.sample(b"r" * 32) == b"a row"
+
+
+def test_an_in_memory_store_keeps_bodies_too() -> None:
+    store = StateStore(":memory:")
+    store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"more")], [b"c" * 32])
+    assert (store.sample(b"d" * 32), store.sample(b"e" * 32)) == (b"body", b"more")
+    assert store.seen_completions([b"c" * 32, b"z" * 32]) == {b"c" * 32}
+    store.close()

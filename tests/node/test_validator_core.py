@@ -77,6 +77,25 @@ def test_honest_groups_are_accepted_scored_and_streamed(make_validator, backend,
     assert not v.ledger.is_banned(HONEST.public.raw)
 
 
+def test_a_damaged_bodies_file_is_reported_not_served(make_validator, backend, codec, tmp_path) -> None:
+    v = make_validator()
+    v.submit(canonical_bytes(honest_group(v, backend, codec)))
+    first, second = v.samples(0).samples[:2]
+    db = v.state._db
+    where = db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
+                       (second.envelope_digest,)).fetchone()
+    db.execute("UPDATE bodies SET offset = ?, length = ? WHERE envelope_digest = ?",
+               (*where, first.envelope_digest))  # the first's index now finds the second's body
+    with pytest.raises(VerificationError, match="belongs to another envelope") as swapped:
+        v.samples(0)
+    assert swapped.value.reason is Reason.LEDGER_CORRUPT
+    bodies = tmp_path / "v.state.sqlite.bodies"
+    bodies.write_bytes(bodies.read_bytes()[:-5])  # cut short: the last body ends past the file
+    with pytest.raises(VerificationError, match="unreadable") as cut:
+        v.samples(second.ledger_index)
+    assert cut.value.reason is Reason.LEDGER_CORRUPT
+
+
 def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator, backend, codec) -> None:
     v = make_validator()
     group = honest_group(v, backend, codec)
