@@ -65,7 +65,7 @@ from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
-from verify.envelope import Limits, decode_group, verify_envelope
+from verify.envelope import Limits, already_verified, decode_group, verify_envelope
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
@@ -411,13 +411,14 @@ _GROUP_HEAD = msgspec.msgpack.Decoder(_GroupHead)
 def _members(envelopes: Sequence[RolloutEnvelope], key: bytes, limits: Limits,
              pre: Prechecked | None) -> list[Member]:
     """Every envelope verified under ``key`` (the first failure raised), with ``pre``'s
-    results and rewards when given."""
+    results and rewards when given (its rollouts rebuilt from ``envelopes`` when it verified
+    them in another process)."""
     if pre is None:
         return [Member(verify_envelope(env, limits, key), env) for env in envelopes]
     if pre.error is not None:
         raise pre.error
-    assert pre.rollouts is not None
+    rollouts = pre.rollouts if pre.rollouts is not None else [already_verified(env) for env in envelopes]
     rewards: Sequence[float | None] = pre.rewards or [None] * len(envelopes)
     completions = pre.completions or [b""] * len(envelopes)
     return [Member(r, env, prescored=score, completion=completion)
-            for r, env, score, completion in zip(pre.rollouts, envelopes, rewards, completions, strict=True)]
+            for r, env, score, completion in zip(rollouts, envelopes, rewards, completions, strict=True)]

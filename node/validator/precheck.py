@@ -14,10 +14,11 @@ gives. A result computed under another key than the assignment's is ignored;
 the caller pairs each result with the very bytes it was computed from.
 
 A worker answers with what it found (failure, rewards, digests) and not the
-parsed envelopes: the pool parses its own copy of the bytes again
-(``verify.envelope.already_verified``), which costs less than moving the
-arrays between processes. Each check carries a ticket that its answer must
-echo, so an answer can never be paired with other bytes.
+parsed envelopes, which would cost more to move between processes than to
+parse again: admission, which parses the bytes anyway, rebuilds the rollouts
+from its own parse (``verify.envelope.already_verified``). Each check carries
+a ticket that its answer must echo, so an answer can never be paired with
+other bytes.
 
 Workers are started with ``spawn`` (no forked locks or threads), each with
 its own copy of the codec, which must pickle. Workers only decode, so the
@@ -48,7 +49,7 @@ import numpy as np
 
 from rewards.base import Problem
 from rewards.registry import reward
-from verify.envelope import Limits, VerifiedRollout, already_verified, decode_group, verify_envelope
+from verify.envelope import Limits, VerifiedRollout, decode_group, verify_envelope
 from verify.errors import VerificationError
 from verify.hashing import COMPLETION, blake3_digest
 
@@ -80,6 +81,8 @@ class Prechecked:
     """:func:`group_digest` of the bytes this was computed from."""
     key: bytes
     rollouts: list[VerifiedRollout] | None
+    """None when ``error`` is set, or when the envelopes verified in a worker process: the
+    holder of the bytes then rebuilds them (``verify.envelope.already_verified``)."""
     error: VerificationError | None
     rewards: list[float] | None
     """In envelope order; None when the worker could not score (the admission thread will)."""
@@ -155,9 +158,7 @@ class PrecheckPool:
         if not (isinstance(answer, tuple) and len(answer) == 6 and answer[0] == ticket):
             raise TypeError("a precheck worker answered another check")
         _, digest, verified_key, error, rewards, completions = answer
-        rollouts = None if error is not None else [
-            already_verified(env) for env in decode_group(raw, self.limits).envelopes]
-        return Prechecked(digest, verified_key, rollouts, error, rewards, completions)
+        return Prechecked(digest, verified_key, None, error, rewards, completions)
 
     async def _take(self) -> _Worker:
         while True:

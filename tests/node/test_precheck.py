@@ -12,12 +12,13 @@ import httpx
 import pytest
 
 from node.client import ValidatorClient
-from node.validator.core import SubmitResult, Validator
+from node.validator.core import SubmitResult, Validator, _members
 from node.validator.intake import AdmissionQueue
 from node.validator.precheck import Prechecked, PrecheckPool, group_digest, precheck
 from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from rollout.worker import answer
+from verify.envelope import decode_group
 from verify.errors import DecodeError, Reason, SignatureError
 from verify.keys import SigningKey
 from verify.signed import open_sealed
@@ -116,13 +117,18 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
     remote = _run_then_close(pool, lambda: _gather(pool, jobs))
     assert pool.live == 0
     local = [precheck(raw, key, problem, v.limits, v.codec) for raw, key, problem in jobs]
+    raw_of = {group_digest(raw): raw for raw in raws}
     for r, here in zip(remote, local, strict=True):
         assert (r.digest, r.key, r.rewards, r.completions) == (here.digest, here.key, here.rewards,
                                                                 here.completions)
-        # the pool parses its own bytes again: the same rollouts as verification gave here
-        assert [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes()) for x in r.rollouts or []] \
-            == [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes()) for x in here.rollouts or []]
+        assert r.rollouts is None  # admission rebuilds them from its own parse of the bytes
         assert (type(r.error), str(r.error)) == (type(here.error), str(here.error))
+        if here.error is None:  # what it rebuilds: the rollouts verification gave here
+            rebuilt = _members(decode_group(raw_of[r.digest], v.limits).envelopes, r.key, v.limits, r)
+            assert [(m.rollout.digest, m.rollout.signature, m.rollout.token_ids.tobytes(),
+                     m.rollout.logprobs.tobytes(), m.prescored) for m in rebuilt] \
+                == [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes(), score)
+                    for x, score in zip(here.rollouts or [], here.rewards or [], strict=True)]
     assert isinstance(remote[3].error, SignatureError) and remote[3].error.reason is Reason.BAD_SIGNATURE
 
 
@@ -139,7 +145,7 @@ def test_an_answer_to_another_check_is_refused(make_validator, backend, codec) -
         return real(pickle.dumps((ticket + 1, *rest)))  # the worker answers out of turn
 
     async def scenario() -> None:
-        assert (await pool.check(*job)).rollouts is not None
+        assert (await pool.check(*job)).error is None
         worker.exchange = answers_another  # type: ignore[method-assign]
         with pytest.raises(TypeError, match="another check"):
             await pool.check(*job)
