@@ -49,10 +49,19 @@ SIG_EVAL_STATEMENT = b"prooftrain/v1/sig/eval-statement"
 SIG_RELEASE_MANIFEST = b"prooftrain/v1/sig/release-manifest"
 
 _SEP = b"\x00"
+JOIN_MAX = 1 << 20
 
 
 def blake3_digest(domain: bytes, *parts: bytes) -> bytes:
-    """32-byte blake3 digest of ``domain || 0x00 || parts...``."""
+    """32-byte blake3 digest of ``domain || 0x00 || parts...``.
+
+    Up to :data:`JOIN_MAX` bytes of parts are joined and hashed in one call: each
+    ``update`` costs about a microsecond, and input fed in pieces misses blake3's
+    many-chunks-at-once path, so a completion (prompt digest and two 4 KiB arrays)
+    hashes three times faster joined. Larger inputs stream, part by part.
+    """
+    if sum(map(len, parts)) <= JOIN_MAX:
+        return blake3(b"".join((domain, _SEP, *parts))).digest()
     h = blake3(domain + _SEP)
     for part in parts:
         h.update(part)
