@@ -47,7 +47,11 @@ class TokenizerDecoder:
 
 def _within(ids: np.ndarray, n: int) -> bool:
     """Whether ``ids`` index a table of ``n`` entries (empty counts)."""
-    return not ids.size or (ids.ndim == 1 and ids.dtype.kind in "iu" and 0 <= ids.min() and ids.max() < n)
+    if not ids.size:
+        return True
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        return False
+    return bool(ids.max() < n and (ids.dtype.kind == "u" or ids.min() >= 0))
 
 
 class PieceTable:
@@ -62,6 +66,10 @@ class PieceTable:
         for i, b in enumerate(encoded):
             self._bytes[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         self._columns = np.arange(self._bytes.shape[1])
+        # Pieces of at most one byte, none of them NUL (character vocabularies): a sequence
+        # is its ids' bytes with the empty pieces' NULs dropped, three times faster.
+        single = self._bytes.shape[1] == 1 and b"\x00" not in encoded
+        self._single = self._bytes[:, 0].copy() if single else None
 
     def __len__(self) -> int:
         return len(self.pieces)
@@ -70,6 +78,8 @@ class PieceTable:
         """The text of ``ids`` (each in ``range(len(self))``)."""
         if not ids.size:  # also an empty list, which numpy makes a float array
             return ""
+        if self._single is not None:
+            return self._single[ids].tobytes().replace(b"\x00", b"").decode("utf-8")
         rows = self._bytes[ids]
         return rows[self._columns < self._lengths[ids][:, None]].tobytes().decode("utf-8")
 

@@ -54,6 +54,16 @@ def test_pieces_of_any_utf8_width_join_as_their_texts() -> None:
     assert PieceTable([""]).decode(np.zeros(3, dtype=np.int64)) == ""
 
 
+def test_one_byte_pieces_join_as_their_texts_too() -> None:
+    rng = np.random.default_rng(3)
+    for pieces in (["", "a", "b", "\n", ""], ["", "a", "\x00", "b"]):  # a NUL piece: the general path
+        table = PieceTable(pieces)
+        assert (table._single is not None) == ("\x00" not in pieces)
+        for dtype in (np.uint32, np.int64):
+            ids = rng.integers(0, len(pieces), 300).astype(dtype)
+            assert table.decode(ids) == "".join(pieces[i] for i in ids)
+
+
 def test_the_decoder_for_workers_decodes_as_the_codec_and_needs_no_transformers(codec: HFTextCodec) -> None:
     decoder = codec.decoder()
     assert isinstance(decoder, TokenizerDecoder)
