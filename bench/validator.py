@@ -204,12 +204,14 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
 
     import msgspec
 
-    from node.validator.server import BackgroundServer
+    from node.validator.server import BackgroundServer, settle_heap
     from node.validator.service import create_app
 
     procs: list[subprocess.Popen] = []
     groups = sum(len(b) for b in per_client)
-    with BackgroundServer(create_app(v)) as url:
+    app = create_app(v)
+    settle_heap()  # as ``prooftrain validator`` does once its app is built
+    with BackgroundServer(app) as url:
         for i, bodies in enumerate(per_client):
             path = work / f"client{i}.msgpack"
             path.write_bytes(msgspec.msgpack.encode(bodies))
@@ -470,7 +472,6 @@ def main() -> None:
     if args.client_of:
         client(args.client_of, args.bodies)
         return
-    from node.validator.server import settle_heap
     from verify.envelope import verify_envelope
     from verify.types import GroupSubmission, decode
 
@@ -486,7 +487,6 @@ def main() -> None:
         verify_s = verify_times(envelopes, verify_envelope)
         env_best = best_rate(lambda: verify_envelope(envelopes[0]), 300)
         log("admitting over loopback HTTP")
-        settle_heap()  # as ``prooftrain validator`` does once it has loaded everything
         run = admission(v, per_client, work)
         verify_s += verify_times(envelopes, verify_envelope)  # the machine drifts: bracket the run
         env_rate = len(envelopes) / statistics.median(verify_s)
