@@ -45,7 +45,12 @@ def write_atomically(target: Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    dir_fd = os.open(target.parent, os.O_RDONLY)
+    fsync_dir(target.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the names in directory ``path`` durable (a new or renamed file's entry)."""
+    dir_fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:

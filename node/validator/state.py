@@ -32,6 +32,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from ledger.blobs import fsync_dir
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
     envelope_digest BLOB PRIMARY KEY,
@@ -84,7 +86,11 @@ class StateStore:
             with tempfile.TemporaryFile() as scratch:  # already unlinked: gone with the store
                 self._bodies = os.dup(scratch.fileno())
         else:
-            self._bodies = os.open(f"{path}.bodies", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            bodies = Path(f"{path}.bodies")
+            fresh = not bodies.exists()
+            self._bodies = os.open(bodies, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+            if fresh:  # the new file's name is on disk before any body in it counts
+                fsync_dir(bodies.parent)
 
     def close(self) -> None:
         with self._lock:
@@ -136,7 +142,7 @@ class StateStore:
         with self._lock:
             row = self._db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
                                    (envelope_digest,)).fetchone()
-            if row is None:  # stored as a row by an earlier version of this store
+            if row is None:  # a body stored as a row, in a database from before the bodies file
                 row = self._db.execute("SELECT body FROM samples WHERE envelope_digest = ?",
                                        (envelope_digest,)).fetchone()
                 return None if row is None else row[0]
@@ -215,4 +221,4 @@ def _append(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-    os.fsync(fd)
+    os.fdatasync(fd)
