@@ -63,6 +63,32 @@ def test_contributor_round_trip_and_trainer_stream(live, backend, codec) -> None
     assert {"/v1/submit", "/v1/assign", "/v1/samples", "/healthz"} <= set(spec["paths"])
 
 
+def test_the_direct_submit_route_answers_as_the_framework_route(make_validator, backend, codec) -> None:
+    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000, "limits.max_body_bytes": 65_536})
+    app = create_app(v, TRAINER.public)
+    direct = dict(app.direct)
+    assert set(direct) == {("POST", "/v1/submit")}
+
+    def both(content: bytes, method: str = "POST") -> list[tuple]:
+        answers = []
+        for routes in (direct, {}):  # served directly, then through FastAPI's routing
+            app.direct = routes
+            r = httpx.request(method, f"{url}/v1/submit", content=content)
+            answers.append((r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"),
+                            r.content))
+        return answers
+
+    with BackgroundServer(app) as url:
+        alice = ValidatorClient(url, ALICE)
+        alice.register("alice")
+        group = canonical_bytes(answer(ALICE, alice.assign(), v.key.public, backend, codec))
+        for content in (b"", b"\x93garbage", b"x" * 65_537, group):  # the group: admitted, then its stored answer
+            first, second = both(content)
+            assert first == second, content[:20]
+        assert first[0] == 200 and len(v.samples(0).samples) == 4
+        assert [a[0] for a in both(b"", "GET")] == [405, 405]  # only POST is served directly
+
+
 def test_rejections_carry_reasons_and_statuses(live) -> None:
     v, url = live
     r = httpx.post(f"{url}/v1/submit", content=b"\x93garbage")
