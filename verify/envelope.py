@@ -192,9 +192,10 @@ def _check_shape(header: RolloutHeader, body: RolloutBody, limits: Limits) -> No
                               computed=(len(body.token_ids), len(body.logprobs)))
 
 
-def decode_group(data: bytes, limits: Limits = Limits()) -> GroupSubmission:
-    """Parse a group submission (size checked before parsing)."""
-    group = decode(GroupSubmission, data, max_bytes=limits.max_group_bytes)
+def decode_group(data: bytes, limits: Limits = Limits(), *, canonical: bool = True) -> GroupSubmission:
+    """Parse a group submission (size checked before parsing); ``canonical=False`` only for
+    bytes already parsed canonically (see :func:`verify.types.decode`)."""
+    group = decode(GroupSubmission, data, max_bytes=limits.max_group_bytes, canonical=canonical)
     if len(group.envelopes) > limits.max_group_size:
         raise DecodeError("group too large", reason=Reason.LIMIT_GROUP,
                           expected=f"<= {limits.max_group_size}", computed=len(group.envelopes))

@@ -312,16 +312,18 @@ class Validator:
         return [self._admission(raw, pre, alone) for raw, pre in zip(raws, pres, strict=True)]
 
     def _admission(self, raw: bytes, pre: Prechecked | None = None, alone: bool = True) -> Steps[SubmitResult]:
-        group = decode_group(raw, self.limits)
+        # A worker that verified these bytes parsed them canonically already.
+        group = decode_group(raw, self.limits, canonical=pre is None or pre.error is not None)
         digest = pre.digest if pre is not None else group_digest(raw)
         aid = group.assignment_id
         with self._lock:
-            prior = self.state.submission(aid)
+            issued = self._issued.get(aid)
+            # An open assignment has no stored answer (until its own admission pops it).
+            prior = self.state.submission(aid) if issued is None else None
             if prior is not None:
                 if prior[0] == digest:
                     return SubmitResult(_VERDICTS.decode(prior[1]), fresh=False)
                 raise AdmissionError("assignment was already answered", reason=Reason.REPLAY)
-            issued = self._issued.get(aid)
             if issued is None:
                 raise AdmissionError("unknown assignment", reason=Reason.UNKNOWN_ASSIGNMENT)
             if aid in self._inflight:

@@ -62,19 +62,28 @@ def _batch(v: Validator, backend, codec) -> list[bytes]:
     return [canonical_bytes(g) for g in groups] + [b"\x93garbage"]
 
 
+def _not_canonical(raw: bytes) -> bytes:
+    """The same group with its outer array's length in a wider encoding than msgpack's shortest."""
+    assert raw[0] == 0x92
+    return b"\xdc\x00\x02" + raw[1:]
+
+
 def test_prechecked_admission_gives_the_outcomes_of_plain_admission(make_validator, backend, codec) -> None:
     plain, pre = make_validator(name="plain"), make_validator(name="pre")
     outcomes = []
     for v, use in ((plain, False), (pre, True)):
         raws = _batch(v, backend, codec)
+        raws.append(_not_canonical(raws.pop(2)))
         pres = [_prechecked(v, r) for r in raws] if use else None
         outcomes.append([_outcome(v, r) for r in v.admit_in_turn(raws, pres)])
         if use:
-            assert pres is not None and pres[4] is None  # garbage names no open assignment
-            assert isinstance(pres[3].error, SignatureError)  # type: ignore[union-attr]
+            assert pres is not None and pres[3] is None  # garbage names no open assignment
+            assert isinstance(pres[2].error, SignatureError)  # type: ignore[union-attr]
+            assert isinstance(pres[4].error, DecodeError)  # type: ignore[union-attr]
             assert pres[0].rewards is not None and len(pres[0].completions or []) == 4  # type: ignore[union-attr]
     assert outcomes[0] == outcomes[1]
-    honest, shifted, _, forged, garbage = outcomes[1]
+    honest, shifted, forged, garbage, wide = outcomes[1]
+    assert wide == ("DecodeError", Reason.MALFORMED)  # refused as plain admission refuses it
     assert all(acc for acc, _, _ in honest)  # type: ignore[union-attr]
     assert [r for _, r, _ in shifted] == ["group_rejected", "logprob_mismatch", "group_rejected", "group_rejected"]  # type: ignore[union-attr]
     assert forged == ("SignatureError", Reason.BAD_SIGNATURE)
