@@ -162,7 +162,8 @@ def already_verified(envelope: RolloutEnvelope) -> VerifiedRollout:
 
     Only for bytes whose verification the caller holds: this trusts them.
     """
-    return _rollout(envelope, decode(RolloutHeader, envelope.header, max_bytes=len(envelope.header)))
+    header = decode(RolloutHeader, envelope.header, max_bytes=len(envelope.header), canonical=False)
+    return _rollout(envelope, header)
 
 
 def _rollout(envelope: RolloutEnvelope, header: RolloutHeader) -> VerifiedRollout:
