@@ -318,7 +318,8 @@ class Validator:
         aid = group.assignment_id
         with self._lock:
             issued = self._issued.get(aid)
-            # An open assignment has no stored answer (until its own admission pops it).
+            # An open assignment has no stored answer to look up: its answer is stored while its
+            # admission is in flight, and a resubmission then gets BACKPRESSURE as it would anyway.
             prior = self.state.submission(aid) if issued is None else None
             if prior is not None:
                 if prior[0] == digest:
