@@ -122,7 +122,7 @@ class Recorder:
         """
         samples = [row for w in batch for row in w.samples]
         if samples:
-            self.state.put_samples(samples, [c for w in batch for c in w.completions])
+            self.state.put_samples(samples, [(c, w.submission[0]) for w in batch for c in w.completions])
         self.ledger.append_many([r for w in batch for r in w.records],
                                 checkpoint=self._checkpoint_due(len(batch)))
         self.state.put_submissions([w.submission for w in batch])

@@ -50,7 +50,8 @@ CREATE TABLE IF NOT EXISTS submissions (
     verdicts BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS completions (
-    digest BLOB PRIMARY KEY
+    digest BLOB PRIMARY KEY,
+    assignment_id BLOB
 );
 CREATE TABLE IF NOT EXISTS assignments (
     assignment_id BLOB PRIMARY KEY,
@@ -81,6 +82,8 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
+        if "assignment_id" not in {row[1] for row in self._db.execute("PRAGMA table_info(completions)")}:
+            self._db.execute("ALTER TABLE completions ADD COLUMN assignment_id BLOB")  # rows before: NULL
         self._lock = threading.Lock()
         if str(path) == ":memory:":
             with tempfile.TemporaryFile() as scratch:  # already unlinked: gone with the store
@@ -118,10 +121,10 @@ class StateStore:
                 if durable:
                     self._db.execute("PRAGMA synchronous=NORMAL")
 
-    def put_samples(self, rows: list[tuple[bytes, bytes]], completion_digests: list[bytes]) -> None:
-        """(envelope digest, body) rows and the completions they hold, durably: the bodies
-        appended to the bodies file and fsync'd, then their index and the completions in one
-        transaction. A row that is not bytes stores nothing."""
+    def put_samples(self, rows: list[tuple[bytes, bytes]], completions: list[tuple[bytes, bytes]]) -> None:
+        """(envelope digest, body) rows and the (completion digest, assignment id) pairs they
+        hold, durably: the bodies appended to the bodies file and fsync'd, then their index
+        and the completions in one transaction. A row that is not bytes stores nothing."""
         if not all(isinstance(body, bytes) for _, body in rows):
             raise TypeError("a sample body must be bytes")
         index = []
@@ -133,7 +136,7 @@ class StateStore:
                     offset += len(body)
                 _append(self._bodies, b"".join(body for _, body in rows))
         self._many(("INSERT OR REPLACE INTO bodies VALUES (?, ?, ?)", index),
-                   ("INSERT OR IGNORE INTO completions VALUES (?)", [(d,) for d in completion_digests]),
+                   ("INSERT OR IGNORE INTO completions VALUES (?, ?)", completions),
                    durable=True)
 
     def sample(self, envelope_digest: bytes) -> bytes | None:
@@ -152,20 +155,21 @@ class StateStore:
             raise OSError(f"the bodies file ends inside the body at offset {offset}")
         return body
 
-    def seen_completion(self, digest: bytes) -> bool:
-        with self._lock:
-            return self._db.execute("SELECT 1 FROM completions WHERE digest = ?",
-                                    (digest,)).fetchone() is not None
+    def seen_completions(self, digests: list[bytes], assignment_id: bytes) -> set[bytes]:
+        """The subset of ``digests`` stored for another assignment than ``assignment_id``, or
+        for an unknown one (one query).
 
-    def seen_completions(self, digests: list[bytes]) -> set[bytes]:
-        """The subset of ``digests`` already stored (one query)."""
+        A group's own completions are stored before its verdicts reach the ledger; if the
+        node stops in between, the assignment stays open and the same group comes again.
+        It is then no copy of anything."""
         wanted = list(set(digests))
         if not wanted:
             return set()
         marks = ",".join("?" * len(wanted))
         with self._lock:
-            rows = self._db.execute(f"SELECT digest FROM completions WHERE digest IN ({marks})",
-                                    wanted).fetchall()
+            rows = self._db.execute(
+                f"SELECT digest FROM completions WHERE digest IN ({marks})"
+                " AND (assignment_id IS NULL OR assignment_id != ?)", [*wanted, assignment_id]).fetchall()
         return {bytes(r[0]) for r in rows}
 
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:

@@ -38,7 +38,7 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     store = StateStore(tmp_path / "state.sqlite")
     assert _level(store) == 1  # NORMAL by default
     seen = _traced(store)
-    store.put_samples([(b"d" * 32, b"body")], [b"c" * 32])
+    store.put_samples([(b"d" * 32, b"body")], [(b"c" * 32, b"a" * 16)])
     assert _committed_at_full(seen, "bodies")
     assert _level(store) == 1  # back to NORMAL afterwards
     seen.clear()
@@ -59,7 +59,7 @@ def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: 
     assert store.sample(b"d" * 32) is None
     assert (tmp_path / "state.sqlite.bodies").stat().st_size == 0
     with pytest.raises(sqlite3.Error):  # the index fails: no body is indexed, the level is restored
-        store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"other")], [object()])  # type: ignore[list-item]
+        store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"other")], [(object(), b"a")])  # type: ignore[list-item]
     assert store.sample(b"d" * 32) is None and store.sample(b"e" * 32) is None
     assert _level(store) == 1
     store.put_samples([(b"d" * 32, b"body")], [])
@@ -100,7 +100,21 @@ def test_bodies_stored_as_rows_are_still_served(tmp_path: Path) -> None:
 
 def test_an_in_memory_store_keeps_bodies_too() -> None:
     store = StateStore(":memory:")
-    store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"more")], [b"c" * 32])
+    store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"more")], [(b"c" * 32, b"a" * 16)])
     assert (store.sample(b"d" * 32), store.sample(b"e" * 32)) == (b"body", b"more")
-    assert store.seen_completions([b"c" * 32, b"z" * 32]) == {b"c" * 32}
+    assert store.seen_completions([b"c" * 32, b"z" * 32], b"b" * 16) == {b"c" * 32}
     store.close()
+
+
+def test_a_completion_is_seen_only_under_another_assignment(tmp_path: Path) -> None:
+    path = tmp_path / "state.sqlite"
+    legacy = sqlite3.connect(path)  # a database whose completions table has no assignment column
+    legacy.execute("CREATE TABLE completions (digest BLOB PRIMARY KEY)")
+    legacy.execute("INSERT INTO completions VALUES (?)", (b"o" * 32,))
+    legacy.commit()
+    legacy.close()
+    store = StateStore(path)
+    store.put_samples([], [(b"c" * 32, b"a" * 16)])
+    wanted = [b"c" * 32, b"o" * 32, b"z" * 32]
+    assert store.seen_completions(wanted, b"a" * 16) == {b"o" * 32}  # its own is no copy
+    assert store.seen_completions(wanted, b"b" * 16) == {b"c" * 32, b"o" * 32}

@@ -109,6 +109,28 @@ def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator
     assert exc.value.reason is Reason.REPLAY
 
 
+def test_a_group_whose_write_failed_is_admitted_when_sent_again(make_validator, backend, codec,
+                                                                 monkeypatch) -> None:
+    """Its bodies and completions are stored before the ledger write that fails (a node that
+    stops there): the same group again is no copy of itself, and is neither refused nor slashed."""
+    v = make_validator()
+    raw = canonical_bytes(honest_group(v, backend, codec))
+    real = v.ledger.append_many
+
+    def fails_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(v.ledger, "append_many", real)
+        raise OSError("disk gone")
+
+    monkeypatch.setattr(v.ledger, "append_many", fails_once)
+    with pytest.raises(OSError, match="disk gone"):
+        v.submit(raw)
+    assert v.samples(0).samples == []  # nothing in the ledger refers to what was stored
+    got = verdicts(v, v.submit(raw))
+    assert [x.accepted for x in got] == [True] * 4
+    assert not any(isinstance(rec, Slashed) for _, rec in v.ledger.entries())
+    assert len(v.samples(0).samples) == 4
+
+
 def test_tampered_logprobs_are_caught_and_slashed(make_validator, backend, codec, tiny_model) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
