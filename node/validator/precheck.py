@@ -123,7 +123,7 @@ class PrecheckPool:
     def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2) -> None:
         if processes < 1 or depth < 1:
             raise ValueError("a precheck pool needs at least one process holding at least one check")
-        self.depth, self.limits = depth, limits
+        self.depth = depth
         self._tickets = itertools.count()
         self._waiters: deque[asyncio.Future[None]] = deque()
         context = multiprocessing.get_context("spawn")

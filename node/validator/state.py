@@ -221,7 +221,8 @@ class StateStore:
 
 
 def _append(fd: int, data: bytes) -> None:
-    """Write all of ``data`` at ``fd``'s end (the caller holds the store's lock) and fsync it."""
+    """Write all of ``data`` at ``fd``'s end (the caller holds the store's lock), then
+    ``fdatasync`` it (the data and the file's new size)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
