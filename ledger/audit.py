@@ -203,7 +203,7 @@ def _check_nodes(store: LedgerStore, report: AuditReport, leaves: list[bytes]) -
         expected = 0
         for idx, stored in store.level(level):
             where = f"node (level {level}, index {idx})"
-            if idx >= len(current):
+            if not 0 <= idx < len(current):  # a damaged B-tree can return keys out of range
                 report.add(Finding(where, "node beyond the tree", Reason.LEDGER_CORRUPT))
                 continue
             if idx != expected:

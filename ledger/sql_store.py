@@ -15,9 +15,13 @@ from ledger.merkle import NodeId
 from ledger.reputation import ReputationState
 from ledger.storage import LEVEL_SHIFT, key_node, node_key
 
+# No index on leaf hashes: leaves are uniformly random, so such an index cost every
+# append one B-tree page per entry (about a fifth of an append's CPU time), and only
+# offline lookups read it. ``find_leaf`` scans; a writer drops the index an older
+# ledger has (it changes no entry, node or checkpoint).
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (idx {pk} PRIMARY KEY, leaf {blob} NOT NULL, body {blob} NOT NULL);
-CREATE INDEX IF NOT EXISTS entries_leaf ON entries (leaf);
+DROP INDEX IF EXISTS entries_leaf;
 CREATE TABLE IF NOT EXISTS nodes (id {pk} PRIMARY KEY, hash {blob} NOT NULL);
 CREATE TABLE IF NOT EXISTS checkpoints (size {pk} PRIMARY KEY, note TEXT NOT NULL);
 CREATE TABLE IF NOT EXISTS reputation (
@@ -94,6 +98,7 @@ class SqlStore:
         return None if row is None else (bytes(row[0]), bytes(row[1]))
 
     def find_leaf(self, leaf: bytes) -> int | None:
+        """The first entry whose leaf hash is ``leaf`` (a scan of every entry)."""
         row = self._one("SELECT MIN(idx) FROM entries WHERE leaf = ?", (leaf,))
         return None if row is None or row[0] is None else int(row[0])
 

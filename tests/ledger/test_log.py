@@ -13,6 +13,7 @@ from ledger.lookup import contributor_report, prove_entry
 from ledger.merkle import leaf_hash, verify_consistency, verify_inclusion
 from ledger.note import Signer
 from ledger.records import (
+    ContributorRegistered,
     EpochCommitted,
     EpochRevealed,
     LogCreated,
@@ -50,6 +51,25 @@ def test_append_checkpoint_prove(open_ledger) -> None:
         assert signed.checkpoint.size == n
     assert [r for _, r in ledger.entries(1, n)] == recs
     assert ledger.find(leaf_hash(canonical_bytes(recs[5]))) == 6
+
+
+def test_no_leaf_index_is_kept_and_one_from_before_is_dropped(open_ledger, ledger_url) -> None:
+    """Leaf hashes are looked up by a scan; a writer drops the index an older ledger kept,
+    and lookups, proofs and the audit still agree."""
+    ledger = open_ledger()
+    recs = sample_records(12)
+    ledger.append_many(recs, checkpoint=True)
+    ledger.store._conn.execute("CREATE INDEX entries_leaf ON entries (leaf)")  # as ledgers were made before
+    ledger.close()
+    again = open_ledger()
+    if "://" in ledger_url:
+        rows = again.store._conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'entries'")
+    else:
+        rows = again.store._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
+    assert "entries_leaf" not in {row[0] for row in rows.fetchall()}
+    assert again.find(leaf_hash(canonical_bytes(recs[7]))) == 8
+    assert again.find(b"\x00" * 32) is None
+    assert verify_ledger(again.store, log_key=again.verifier).ok
 
 
 def test_prove_wrong_entry_fails(open_ledger) -> None:
@@ -110,6 +130,27 @@ def test_slash_evidence_inline_and_blob(open_ledger) -> None:
     assert report["banned"] and report["slashed"] == 2
     assert [s["evidence_source"] for s in report["slashes"]] == ["inline", "blob"]
     assert all(s["evidence_verified"] for s in report["slashes"])
+
+
+def test_reputation_reads_follow_this_ledger_and_catch_up_with_other_writers(open_ledger) -> None:
+    """A writing ledger answers reputation reads from what its appends saw; a ban another
+    writer appended is seen once this ledger appends again, never lost."""
+    mine, theirs = open_ledger(), open_ledger()
+    c, d = contributor(0), contributor(1)
+    mine.append(ContributorRegistered(c, "c", 1))
+    assert not mine.is_banned(c) and not mine.is_banned(d)
+    assert mine.reputation(c).slashed == 0
+    mine.slash(c, Reason.LOGPROB_MISMATCH, b"evidence")  # its own append: seen at once
+    assert mine.is_banned(c) and mine.reputation(c).slashed == 1
+    theirs.slash(d, Reason.LOGPROB_MISMATCH, b"evidence")  # another writer's ban
+    assert theirs.is_banned(d)
+    mine.append(ContributorRegistered(contributor(2), "e", 2))  # this ledger appends again
+    assert mine.is_banned(d) and mine.reputation(d).banned
+    reader = Ledger.open(mine.store.url)  # a ledger that never appends asks the store every time
+    try:
+        assert reader.is_banned(c) and reader.is_banned(d)
+    finally:
+        reader.close()
 
 
 def test_audit_rate_prefers_new_and_bad(open_ledger) -> None:
