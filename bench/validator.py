@@ -347,7 +347,7 @@ def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-
     if len(verdicts) != groups * group_size or not all(r.accepted for r in verdicts):
         raise RuntimeError(f"expected {groups * group_size} accepted verdicts in the ledger, "
                            f"found {sum(r.accepted for r in verdicts)} of {len(verdicts)}")
-    if any(v.state.sample(r.envelope_digest) is None for r in verdicts):
+    if any(v.state.sample(r.envelope_digest, r.assignment_id) is None for r in verdicts):
         raise RuntimeError("an accepted sample's body is missing")
     v.ledger.checkpoint()
     report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier, blobs=v.ledger.blobs)

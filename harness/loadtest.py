@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.oracle import TransformersOracle
     from rollout.worker import answer
     from trainer.base_model import ensure_base_model
+    from verify.envelope import group_digest
     from verify.keys import SigningKey
-    from verify.signed import open_sealed
+    from verify.signed import open_group_verdict
     from verify.spotcheck import FLOAT32_TOLERANCE
-    from verify.types import Verdict
+    from verify.types import canonical_bytes
 
     model = args.model or ensure_base_model("arithmetic", progress=False)
     told: dict[bytes, bool] = {}
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
                     try:
                         sealed = client.assign()
                         with gen_lock:
-                            group = answer(me, sealed, key.public, backend, codec)
+                            group = canonical_bytes(answer(me, sealed, key.public, backend, codec))
                         start = time.perf_counter()
                         signed = client.submit(group)
                         took = time.perf_counter() - start
@@ -95,8 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     with lock:
                         latencies.append(took)
-                        for s in signed:
-                            verdict = open_sealed(Verdict, s, key.public)
+                        for verdict in open_group_verdict(signed, key.public, group_digest(group)):
                             told[verdict.envelope_digest] = verdict.accepted
                 client.close()
 

@@ -56,14 +56,13 @@ from trainer.evals import EvalReport, eval_statement
 from trainer.publish import StagePublisher, build_manifest
 from verify.errors import AdmissionError, ConfigError, VerificationError
 from verify.keys import SigningKey
-from verify.signed import open_sealed
+from verify.signed import open_group_verdict
 from verify.spotcheck import FLOAT32_TOLERANCE
 from verify.types import (
     GroupSubmission,
     SampleBatch,
     SignedAssignment,
     SignedManifest,
-    Verdict,
     WorkAssignment,
     canonical_bytes,
     decode,
@@ -220,8 +219,7 @@ class LocalNetwork:
                 self._refused(result)
                 continue
             self.stats.submitted += 1
-            for sv in result.verdicts:
-                v = open_sealed(Verdict, sv, self.validator.key.public)
+            for v in open_group_verdict(result.answer, self.validator.key.public):
                 self.stats.verdicts["accepted" if v.accepted else v.reason] += 1
                 self.stats.audited += int(v.audited)
 

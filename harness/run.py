@@ -63,7 +63,7 @@ from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import SigningKey
-from verify.types import SignedAssignment, Verdict, decode
+from verify.types import SignedAssignment
 
 IDLE_RETRY_S = 5.0
 """Simulated seconds a contributor waits after a refused or lost request."""
@@ -221,8 +221,7 @@ class Simulation:
                                         strategy=m.spec.strategy, accepted=False,
                                         reason=result.reason.value, audited=False, reward=None))
             return
-        signed = result.verdicts
-        verdicts = [decode(Verdict, s.verdict, max_bytes=len(s.verdict)) for s in signed]
+        verdicts = result.verdicts
         accepted = all(x.accepted for x in verdicts)
         reasons = [x.reason for x in verdicts if x.reason and x.reason != Reason.GROUP_REJECTED.value]
         reason = "" if accepted else (reasons[0] if reasons else Reason.GROUP_REJECTED.value)

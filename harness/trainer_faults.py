@@ -142,7 +142,7 @@ def accepted_samples(network: Path) -> tuple[dict[int, int], set[int]]:
         for index, _, body in store.entries(0, None):
             rec = decode_record(body)
             if isinstance(rec, VerdictRecorded) and rec.accepted:
-                raw = state.sample(rec.envelope_digest)
+                raw = state.sample(rec.envelope_digest, rec.assignment_id)
                 accepted[index] = -1 if raw is None else decode(
                     AcceptedSample, raw, max_bytes=len(raw)).policy_version
             else:

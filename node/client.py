@@ -21,13 +21,11 @@ from verify.types import (
     SampleBatch,
     SignedAssignment,
     SignedEvalStatement,
+    SignedGroupVerdict,
     SignedManifest,
-    SignedVerdict,
     canonical_bytes,
     decode,
 )
-
-_VERDICTS = msgspec.msgpack.Decoder(list[SignedVerdict])
 
 
 class ServiceError(ProofTrainError):
@@ -87,9 +85,12 @@ class ValidatorClient:
         data = self._request("POST", "/v1/assign", b"", signed=True).content
         return decode(SignedAssignment, data, max_bytes=len(data))
 
-    def submit(self, group: GroupSubmission | bytes) -> list[SignedVerdict]:
+    def submit(self, group: GroupSubmission | bytes) -> SignedGroupVerdict:
+        """The validator's signed verdicts on ``group`` (``verify.signed.open_group_verdict``
+        checks and opens them)."""
         body = group if isinstance(group, bytes) else canonical_bytes(group)
-        return _VERDICTS.decode(self._request("POST", "/v1/submit", body).content)
+        data = self._request("POST", "/v1/submit", body).content
+        return decode(SignedGroupVerdict, data, max_bytes=len(data))
 
     def samples(self, cursor: int, limit: int = 256) -> SampleBatch:
         data = self._request("GET", "/v1/samples", signed=True,

@@ -55,9 +55,10 @@ from node.validator.policy import HFTextCodec
 from rollout.backends import loads_from_directory, make_backend
 from rollout.sync import PolicySync, write_model_dir
 from rollout.worker import answer, open_assignment
+from verify.envelope import group_digest
 from verify.errors import ConfigError, ProofTrainError, Reason
 from verify.keys import PublicKey, SigningKey
-from verify.signed import open_sealed
+from verify.signed import open_group_verdict
 from verify.types import PolicyManifest, SignedManifest, Verdict, canonical_bytes, decode
 
 # transformers' model loading is not thread-safe; contributors sharing a process load in turn.
@@ -198,7 +199,7 @@ class Contributor:
                     return self._refused(raw, exc)
                 self.log(f"validator busy: {exc}; sending the group again in {idle_s:g} s")
                 time.sleep(idle_s)
-        verdicts = [open_sealed(Verdict, s, self.validator) for s in signed]
+        verdicts = open_group_verdict(signed, self.validator, group_digest(raw))
         self._drop_pending(raw.hex())
         with self._stats_lock:
             self.stats.submitted += 1

@@ -51,6 +51,9 @@ def should_audit(secret: bytes, envelope_digest: bytes, rate: float) -> bool:
     """Whether an envelope is audited at rate ``rate`` in [0, 1]."""
     if not 0.0 <= rate <= 1.0:
         raise ValueError(f"audit rate must be in [0, 1], got {rate}")
+    if rate == 0.0 or rate == 1.0:  # a value in [0, 1) is never below 0 and always below 1
+        _check_secret(secret)
+        return rate == 1.0
     return audit_uniform(secret, envelope_digest) < rate
 
 

@@ -26,7 +26,13 @@ import numpy as np
 
 from verify.commitment import DEFAULT_CHUNK_SIZE, commitment_root, decode_arrays, encode_arrays
 from verify.errors import CommitmentError, DecodeError, Reason, SignatureError
-from verify.hashing import ROLLOUT_HEADER, SIG_ROLLOUT_HEADER, blake3_digest, signing_message
+from verify.hashing import (
+    COMPLETION,
+    ROLLOUT_HEADER,
+    SIG_ROLLOUT_HEADER,
+    blake3_digest,
+    signing_message,
+)
 from verify.keys import PublicKey, SigningKey, public_key
 from verify.types import (
     MAX_ENVELOPE_BYTES_HARD,
@@ -82,6 +88,13 @@ class VerifiedRollout:
 def envelope_digest(header_bytes: bytes) -> bytes:
     """The envelope's identity. The header commits to the body, so it suffices."""
     return blake3_digest(ROLLOUT_HEADER, header_bytes)
+
+
+def group_digest(raw: bytes) -> bytes:
+    """A group submission's identity: the digest of its exact bytes, ``blake3(COMPLETION ||
+    0x00 || "group" || bytes)`` (a completion digest's input starts with a 32-byte prompt
+    digest instead). The validator's answer names it, and a resubmission compares it."""
+    return blake3_digest(COMPLETION, b"group", raw)
 
 
 def sign_header(key: SigningKey, header: RolloutHeader) -> tuple[bytes, bytes]:

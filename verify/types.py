@@ -7,12 +7,12 @@ IEEE-754 float64. Token ids travel as little-endian uint32 bytes and logprobs
 as little-endian float32 bytes.
 
 Signed structs (``RolloutHeader``, ``PolicyManifest``, ``WorkAssignment``,
-``Verdict``, ``EvalStatement``, ``ReleaseManifest``) are carried as their canonical bytes next to the signature, so the
-signature covers exactly the bytes on the wire. ``canonical_bytes`` is the one
-function that makes those bytes; decoders re-encode what they parsed and
-reject any input that is not byte-for-byte canonical (a float32 where a float64
-belongs, a non-minimal integer, ...), so two encodings of one message cannot
-both verify.
+``GroupVerdict``, ``EvalStatement``, ``ReleaseManifest``) are carried as their
+canonical bytes next to the signature, so the signature covers exactly the
+bytes on the wire. ``canonical_bytes`` is the one function that makes those
+bytes; decoders re-encode what they parsed and reject any input that is not
+byte-for-byte canonical (a float32 where a float64 belongs, a non-minimal
+integer, ...), so two encodings of one message cannot both verify.
 
 Hard caps below bound every length a decoder will accept. They are checked
 by msgspec while it parses, and the total input size is checked before
@@ -53,6 +53,8 @@ TokenBytes = Annotated[bytes, Meta(max_length=4 * MAX_TOKENS_HARD)]
 PromptText = Annotated[str, Meta(max_length=MAX_PROMPT_CHARS)]
 HeaderBytes = Annotated[bytes, Meta(max_length=4_096)]
 ManifestBytes = Annotated[bytes, Meta(max_length=64 * MAX_SHARDS_HARD + 4_096)]
+VERDICT_MAX_BYTES = 1_280  # one canonical Verdict, with a reason of MAX_STR four-byte characters
+GroupVerdictBytes = Annotated[bytes, Meta(max_length=MAX_GROUP_HARD * VERDICT_MAX_BYTES + 64)]
 
 
 class _Wire(Struct, frozen=True, array_like=True, forbid_unknown_fields=True):
@@ -163,10 +165,25 @@ class Verdict(_Wire, frozen=True):
     decided_at_ms: U64
 
 
-class SignedVerdict(_Wire, frozen=True):
-    """validator -> contributor: canonical ``Verdict`` bytes + validator signature."""
+class GroupVerdict(_Wire, frozen=True):
+    """validator -> contributor: the verdicts on every rollout of one submitted group.
 
-    verdict: HeaderBytes
+    A group is judged as a unit (one failing member makes the others
+    GROUP_REJECTED), so the validator signs its verdicts once, together, in
+    the order it judged them. Every verdict names the same validator and
+    assignment, and ``group_digest`` names the exact submission bytes judged
+    (``verify.envelope.group_digest``), so a contributor can tell which of its
+    submissions an answer is for (``verify.signed.open_group_verdict``).
+    """
+
+    group_digest: Digest
+    verdicts: Annotated[list[Verdict], Meta(min_length=1, max_length=MAX_GROUP_HARD)]
+
+
+class SignedGroupVerdict(_Wire, frozen=True):
+    """validator -> contributor: canonical ``GroupVerdict`` bytes + validator signature."""
+
+    group_verdict: GroupVerdictBytes
     signature: Sig
 
 

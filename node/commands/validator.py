@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     from node.config import ValidatorConfig, load
     from node.validator.build import build_validator, trainer_key
-    from node.validator.server import settle_heap
+    from node.validator.server import server_config, settle_heap
     from node.validator.service import create_app
 
     overrides = {k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None}
@@ -45,5 +45,12 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(validator, trainer_key(cfg))
     settle_heap()  # the model and libraries stay loaded: keep full collections off them
     print(f"listening on http://{cfg.node.host}:{cfg.node.port}")
-    uvicorn.run(app, host=cfg.node.host, port=cfg.node.port, log_level="warning")
+    server = uvicorn.Server(server_config(app, cfg.node.host, cfg.node.port, log_level="warning"))
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:  # the port was taken, or the app failed to start (uvicorn said why)
+        print("the validator did not start")
+        return 1
     return 0

@@ -18,7 +18,8 @@ B. Attributed checks. The group is now provably the contributor's; any failure
    the pooled sampling-distribution test (``node.validator.checks``).
 C. Record. Accepted sample bodies go to the state store, then verdicts and
    slashes to the ledger in one transaction, then the signed verdicts are
-   kept for idempotent resubmission. Concurrent submissions share the
+   kept for idempotent resubmission. The group's verdicts are signed once,
+   together (``GroupVerdict``). Concurrent submissions share the
    ledger write (``node.validator.commit``): one transaction and one fsync
    per batch of groups; a submission is answered only after the batch
    holding its verdicts is durable (``node.validator.record``).
@@ -60,25 +61,27 @@ from node.validator.checks import GroupChecks, Issued, Member
 from node.validator.commit import Steps, drive, drive_many
 from node.validator.epochs import EpochSecrets
 from node.validator.policy import PolicyVersions, TextCodec
-from node.validator.precheck import Prechecked, group_digest
+from node.validator.precheck import Prechecked
 from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
-from verify.envelope import Limits, already_verified, decode_group, verify_envelope
-from verify.errors import AdmissionError, Reason, VerificationError
+from verify.envelope import Limits, already_verified, decode_group, group_digest, verify_envelope
+from verify.errors import AdmissionError, DecodeError, LedgerError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
 from verify.spotcheck import DistributionOracle, Tolerance
 from verify.types import (
     SCHEMA_VERSION,
+    GroupVerdict,
     RolloutEnvelope,
     SampleBatch,
     SamplingParams,
     SignedAssignment,
     SignedEvalStatement,
+    SignedGroupVerdict,
     SignedManifest,
-    SignedVerdict,
+    Verdict,
     WorkAssignment,
     canonical_bytes,
     decode,
@@ -86,16 +89,24 @@ from verify.types import (
 
 __all__ = ["SLASHED", "Issued", "SubmitResult", "Validator"]
 
-_VERDICTS = msgspec.msgpack.Decoder(list[SignedVerdict])
+_LEGACY_ANSWER = msgspec.msgpack.Decoder(list[tuple[bytes, bytes]])
 
 
 @dataclass(frozen=True)
 class SubmitResult:
-    verdicts: list[SignedVerdict]
+    answer: SignedGroupVerdict
+    """The group's verdicts, signed once by the validator."""
     fresh: bool
     """False when this was an identical resubmission answered from the stored verdicts."""
     reasons: tuple[str, ...] = ()
     """For fresh verdicts: each one's reason, "" when accepted (saves parsing them again)."""
+
+    @property
+    def verdicts(self) -> list[Verdict]:
+        """The verdicts of :attr:`answer`, parsed without checking the signature (this node
+        made it)."""
+        raw = self.answer.group_verdict
+        return decode(GroupVerdict, raw, max_bytes=len(raw)).verdicts
 
 
 class Validator:
@@ -251,9 +262,9 @@ class Validator:
         return Issued(sealed, wire, problem, tuple(self.codec.encode(problem.prompt)))
 
     # -- submission ----------------------------------------------------------
-    def submit(self, raw: bytes) -> list[SignedVerdict]:
-        """Admit one group submission; return one signed verdict per rollout."""
-        return self.admit(raw).verdicts
+    def submit(self, raw: bytes) -> SignedGroupVerdict:
+        """Admit one group submission; return its signed verdicts, one per rollout."""
+        return self.admit(raw).answer
 
     def admit(self, raw: bytes, pre: Prechecked | None = None) -> SubmitResult:
         """:meth:`submit`, also saying whether the verdicts are new. Thread-safe.
@@ -323,7 +334,7 @@ class Validator:
             prior = self.state.submission(aid) if issued is None else None
             if prior is not None:
                 if prior[0] == digest:
-                    return SubmitResult(_VERDICTS.decode(prior[1]), fresh=False)
+                    return SubmitResult(self._stored_answer(digest, prior[1]), fresh=False)
                 raise AdmissionError("assignment was already answered", reason=Reason.REPLAY)
             if issued is None:
                 raise AdmissionError("unknown assignment", reason=Reason.UNKNOWN_ASSIGNMENT)
@@ -341,7 +352,7 @@ class Validator:
                 raise AdmissionError("the audit epoch is changing", reason=Reason.BACKPRESSURE)
             recorded = False
             try:
-                verdicts = yield from self._judge(issued, members, secret, digest)
+                answer = yield from self._judge(issued, members, secret, digest)
                 recorded = True
             finally:
                 self._epochs.release(recorded)
@@ -350,10 +361,26 @@ class Validator:
         finally:
             with self._lock:
                 self._inflight.discard(aid)
-        return SubmitResult(verdicts, True, tuple(m.reason.value if m.reason else "" for m in members))
+        return SubmitResult(answer, True, tuple(m.reason.value if m.reason else "" for m in members))
+
+    def _stored_answer(self, group_digest: bytes, blob: bytes) -> SignedGroupVerdict:
+        """The answer stored for a group. One stored as a list of singly signed verdicts
+        (how this node stored answers before it signed them per group) is signed again,
+        with the same verdicts, as one ``GroupVerdict``."""
+        try:
+            return decode(SignedGroupVerdict, blob, max_bytes=len(blob))
+        except DecodeError:
+            try:
+                verdicts = [decode(Verdict, v, max_bytes=len(v)) for v, _ in _LEGACY_ANSWER.decode(blob)]
+            except (DecodeError, msgspec.DecodeError) as exc:
+                raise LedgerError(f"the answer stored for this group is unreadable: {exc}",
+                                  reason=Reason.LEDGER_CORRUPT) from None
+        sealed = seal(self.key, GroupVerdict(group_digest, verdicts))
+        assert isinstance(sealed, SignedGroupVerdict)
+        return sealed
 
     def _judge(self, issued: Issued, members: list[Member], secret: bytes,
-               group_digest: bytes) -> Steps[list[SignedVerdict]]:
+               group_digest: bytes) -> Steps[SignedGroupVerdict]:
         reserved: set[bytes] = set()
         try:
             yield from self._checks.judge(issued, members, secret, reserved)

@@ -49,16 +49,11 @@ import numpy as np
 
 from rewards.base import Problem
 from rewards.registry import reward
-from verify.envelope import Limits, VerifiedRollout, decode_group, verify_envelope
+from verify.envelope import Limits, VerifiedRollout, decode_group, group_digest, verify_envelope
 from verify.errors import VerificationError
 from verify.hashing import COMPLETION, blake3_digest
 
-__all__ = ["PrecheckPool", "Prechecked", "completion_digest", "group_digest", "precheck", "score"]
-
-
-def group_digest(raw: bytes) -> bytes:
-    """A submission's identity: the digest of its bytes (idempotent resubmission compares it)."""
-    return blake3_digest(COMPLETION, b"group", raw)
+__all__ = ["PrecheckPool", "Prechecked", "completion_digest", "precheck", "score"]
 
 
 def completion_digest(rollout: VerifiedRollout) -> bytes:
@@ -109,9 +104,9 @@ class PrecheckPool:
     """``processes`` worker processes running :func:`precheck`, driven from one event loop.
 
     Each worker holds one socket; a check goes to it as one framed message and
-    its answer comes back as another, in order, sent and read by the event loop
-    itself (``loop.sock_sendall`` and ``sock_recv_into``), so no thread of the
-    node's process is involved. A worker holds up to ``depth`` checks at once:
+    its answer comes back as another, in order, written and read by the event
+    loop itself (an asyncio transport on the socket), so no thread of the node's
+    process is involved. A worker holds up to ``depth`` checks at once:
     the next one already waits in its socket when it finishes one, so it never
     idles until the event loop gets round to handing it work. A check goes to
     the live worker holding the fewest. A worker that dies fails the checks it
@@ -167,7 +162,10 @@ class PrecheckPool:
                 raise RuntimeError("no precheck worker is running")
             worker = min(live, key=lambda w: len(w.pending))
             if len(worker.pending) < self.depth:
-                return worker
+                if worker.attached:
+                    return worker
+                await worker.attach()  # then look again: others may have come meanwhile
+                continue
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             await waiter
@@ -193,16 +191,21 @@ _FRAME = 8  # a message is its length (u64 LE), then its bytes
 
 
 class _Worker:
-    """One worker process and its socket: checks are written in turn and answered in order."""
+    """One worker process and its socket: checks are written in turn and answered in order.
+
+    Once the pool's event loop first hands it a check, the socket is an asyncio
+    transport: a check is one ``writelines`` (sent at once when the socket has
+    room, else as soon as it does) and answers are cut from whatever
+    ``data_received`` delivers, so no task or await stands between the event loop
+    and the socket."""
 
     def __init__(self, proc: Any, sock: socket.socket, freed: Callable[[_Worker], None]) -> None:
         self.proc, self.sock, self._freed = proc, sock, freed
         self.alive = True
         self.pending: deque[asyncio.Future[bytes]] = deque()
         """Answers owed, oldest first (a caller that went away leaves its future here)."""
-        self._outbox: deque[bytes] = deque()
-        self._wake_writer: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        self._transport: Any = None
+        self._attaching: asyncio.Future[Any] | None = None
 
     def ready(self) -> None:
         self.sock.settimeout(120)
@@ -213,59 +216,42 @@ class _Worker:
             raise RuntimeError("a precheck worker did not start") from exc
         self.sock.setblocking(False)
 
+    @property
+    def attached(self) -> bool:
+        return self._transport is not None
+
+    async def attach(self) -> None:
+        """Make the socket this event loop's transport (once, before the first check; callers
+        that come while it is being made wait for the same one)."""
+        if self._attaching is None:
+            self._attaching = asyncio.ensure_future(asyncio.get_running_loop().create_unix_connection(
+                lambda: _Answers(self), sock=self.sock))
+        transport, _ = await asyncio.shield(self._attaching)
+        self._transport = transport
+
     def exchange(self, message: bytes) -> asyncio.Future[bytes]:
-        """Queue ``message`` (sent whole, even if its caller goes away); the future of its answer."""
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[bytes] = loop.create_future()
-        if not self.alive:
+        """Send ``message`` (whole, even if its caller goes away); the future of its answer."""
+        answer: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        if not self.alive or self._transport is None or self._transport.is_closing():
             answer.set_exception(EOFError("the precheck worker is gone"))
             return answer
-        if self._wake_writer is None:
-            self._wake_writer = asyncio.Event()
-            self._tasks = [loop.create_task(self._write_checks()), loop.create_task(self._read_answers())]
         self.pending.append(answer)
-        self._outbox.append(_framed(message))
-        self._wake_writer.set()
+        self._transport.writelines((len(message).to_bytes(_FRAME, "little"), message))
         return answer
 
-    async def _write_checks(self) -> None:
-        """Send queued checks in the order their answers are owed."""
-        assert self._wake_writer is not None
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                await self._wake_writer.wait()
-                self._wake_writer.clear()
-                while self._outbox:
-                    await loop.sock_sendall(self.sock, self._outbox.popleft())
-        except OSError as exc:
-            self._lost(exc)
-
-    async def _read_answers(self) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            while True:
-                size = int.from_bytes(await self._read(loop, _FRAME), "little")
-                data = await self._read(loop, size)
-                answer = self.pending.popleft()
-                if not answer.done():  # its caller may have gone away
-                    answer.set_result(data)
-                self._freed(self)
-        except (OSError, EOFError, IndexError) as exc:
-            self._lost(exc if not isinstance(exc, IndexError) else EOFError("an unasked answer"))
-
-    async def _read(self, loop: asyncio.AbstractEventLoop, size: int) -> bytes:
-        buf = bytearray(size)
-        view, got = memoryview(buf), 0
-        while got < size:
-            n = await loop.sock_recv_into(self.sock, view[got:])
-            if not n:
-                raise EOFError("the precheck worker closed its socket")
-            got += n
-        return bytes(buf)
+    def answered(self, message: bytes) -> None:
+        if not self.pending:
+            self._lost(EOFError("an unasked answer"))
+            return
+        answer = self.pending.popleft()
+        if not answer.done():  # its caller may have gone away
+            answer.set_result(message)
+        self._freed(self)
 
     def _lost(self, exc: BaseException) -> None:
         """The worker is gone: every answer it owed fails with ``exc``."""
+        if not self.alive:
+            return
         self._fail_pending(exc)
         self.stop()
         self._freed(self)
@@ -273,16 +259,11 @@ class _Worker:
     def stop(self) -> None:
         """Stop the process; answers still owed fail."""
         self.alive = False
+        if self._transport is not None:
+            with contextlib.suppress(RuntimeError):  # closed from outside its (closed) event loop
+                self._transport.abort()
         with contextlib.suppress(OSError):
             self.sock.close()
-        self._outbox.clear()
-        try:
-            current = asyncio.current_task()
-        except RuntimeError:  # closed from outside the event loop
-            current = None
-        for task in self._tasks:
-            if task is not current:
-                task.cancel()
         self._fail_pending(EOFError("the precheck worker was stopped"))
         self.proc.join(5)
         if self.proc.is_alive():
@@ -295,6 +276,31 @@ class _Worker:
             if not answer.done():
                 with contextlib.suppress(RuntimeError):  # its event loop is already closed
                     answer.set_exception(exc)
+
+
+class _Answers(asyncio.Protocol):
+    """A worker's socket as seen by the event loop: framed answers, in order."""
+
+    def __init__(self, worker: _Worker) -> None:
+        self.worker = worker
+        self.buf = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while len(self.buf) >= _FRAME:
+            size = int.from_bytes(self.buf[:_FRAME], "little")
+            if len(self.buf) < _FRAME + size:
+                return
+            message = bytes(self.buf[_FRAME:_FRAME + size])
+            del self.buf[:_FRAME + size]
+            self.worker.answered(message)
+
+    def eof_received(self) -> bool:
+        self.worker._lost(EOFError("the precheck worker closed its socket"))
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.worker._lost(exc or EOFError("the precheck worker closed its socket"))
 
 
 def _receive(sock: socket.socket) -> bytes:

@@ -3,7 +3,8 @@
 For each member, in order (group-index order once the group is complete), the
 ledger gets ``VerdictRecorded`` and, when its reason is in :data:`SLASHED`,
 ``Slashed`` right after it (evidence inline, or in the blob store when over
-4 KiB). Each member also gets a signed ``Verdict``; accepted members get an
+4 KiB). Each member also gets a ``Verdict``, and the group's verdicts are
+signed once, together (``GroupVerdict``); accepted members get an
 ``AcceptedSample`` body.
 
 Concurrent groups share one write (``node.validator.commit.GroupCommitter``):
@@ -28,7 +29,6 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
 import numpy as np
 
 from ledger.log import Ledger
@@ -41,7 +41,14 @@ from node.validator.state import StateStore
 from verify.errors import Reason
 from verify.keys import SigningKey
 from verify.signed import seal
-from verify.types import SCHEMA_VERSION, AcceptedSample, SignedVerdict, Verdict, canonical_bytes
+from verify.types import (
+    SCHEMA_VERSION,
+    AcceptedSample,
+    GroupVerdict,
+    SignedGroupVerdict,
+    Verdict,
+    canonical_bytes,
+)
 
 SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.DUPLICATE_COMPLETION,
                      Reason.LOGPROB_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT,
@@ -56,7 +63,7 @@ class GroupWrite:
     records: list[Record]
     samples: list[tuple[bytes, bytes]]  # (envelope digest, AcceptedSample bytes)
     completions: list[bytes]
-    submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, sealed verdicts)
+    submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, SignedGroupVerdict bytes)
 
 
 class Recorder:
@@ -71,8 +78,9 @@ class Recorder:
         self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
 
     def record(self, issued: Issued, members: list[Member],
-               group_digest: bytes) -> Steps[list[SignedVerdict]]:
-        """Build and seal the verdicts, then store them durably before returning them.
+               group_digest: bytes) -> Steps[SignedGroupVerdict]:
+        """Build the verdicts and seal them together, then store them durably before
+        returning them.
 
         Steps: yields the group's ``GroupWrite`` and continues once it is durable
         (:meth:`write`)."""
@@ -81,7 +89,7 @@ class Recorder:
         records: list[Record] = []
         samples: list[tuple[bytes, bytes]] = []
         completions: list[bytes] = []
-        verdicts: list[SignedVerdict] = []
+        verdicts: list[Verdict] = []
         prompt_ids = np.asarray(issued.prompt_ids, _U32).tobytes()
         for m in members:
             h = m.rollout.header
@@ -97,17 +105,18 @@ class Recorder:
             if accepted:
                 samples.append((m.rollout.digest, canonical_bytes(accepted_sample(m, prompt_ids))))
                 completions.append(m.completion or completion_digest(m.rollout))
-            verdict = Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
-                              m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
-                              m.reward, m.audited, ev_digest, now)
-            verdicts.append(seal(self.key, verdict))  # type: ignore[arg-type]
+            verdicts.append(Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
+                                    m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                                    m.reward, m.audited, ev_digest, now))
         for rec in records:  # a bad record fails this group alone, not its whole batch
             check_record(rec)
-        submission = (a.assignment_id, group_digest, msgspec.msgpack.encode(verdicts))
+        signed = seal(self.key, GroupVerdict(group_digest, verdicts))
+        assert isinstance(signed, SignedGroupVerdict)
+        submission = (a.assignment_id, group_digest, canonical_bytes(signed))
         # Returns once durable in the ledger. Until then the group is in flight, so a
         # resubmission gets BACKPRESSURE, never a second judgement.
         yield GroupWrite(records, samples, completions, submission)
-        return verdicts
+        return signed
 
     def write(self, writes: list[GroupWrite]) -> list[None]:
         """Store several groups durably: one transaction, shared with concurrent callers."""
@@ -120,7 +129,7 @@ class Recorder:
         Bodies go first, so every accepted verdict in the ledger has its body; the
         answers go last, so a stored answer always has its verdicts in the ledger.
         """
-        samples = [row for w in batch for row in w.samples]
+        samples = [(w.submission[0], w.samples) for w in batch if w.samples]
         if samples:
             self.state.put_samples(samples, [(c, w.submission[0]) for w in batch for c in w.completions])
         self.ledger.append_many([r for w in batch for r in w.records],
@@ -155,7 +164,7 @@ def accepted_sample(m: Member, prompt_ids: bytes) -> AcceptedSample:
         assignment_id=h.assignment_id, group_index=h.group_index, group_size=h.group_size,
         policy_version=h.policy_version, task_id=h.task_id, prompt_id=h.prompt_id,
         prompt_ids=prompt_ids,
-        token_ids=m.rollout.token_ids.tobytes(), logprobs=m.rollout.logprobs.tobytes(),
+        token_ids=m.envelope.body.token_ids, logprobs=m.envelope.body.logprobs,  # the arrays' bytes
         temperature=h.sampling.temperature, top_k=h.sampling.top_k, top_p=h.sampling.top_p,
         reward=m.reward, audited=m.audited,
     )

@@ -7,7 +7,7 @@ Endpoints (OpenAPI at /openapi.json):
     GET  /v1/info                    validator key, origin, current version, latest checkpoint
     POST /v1/register        signed  register the calling key (JSON {"name": ...})
     POST /v1/assign          signed  one WorkAssignment for the calling key (msgpack SignedAssignment)
-    POST /v1/submit                  msgpack GroupSubmission -> msgpack list[SignedVerdict]
+    POST /v1/submit                  msgpack GroupSubmission -> msgpack SignedGroupVerdict
     GET  /v1/policy/{version}        msgpack SignedManifest
     POST /v1/policy          trainer msgpack SignedManifest -> {"version": v}
     POST /v1/trainer/eval    trainer msgpack SignedEvalStatement -> {"index": ledger index}
@@ -51,6 +51,7 @@ from prometheus_client import (
     generate_latest,
 )
 from pydantic import BaseModel
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from node.validator.auth import verify_request
@@ -67,6 +68,7 @@ from verify.types import (
 )
 
 MSGPACK = "application/msgpack"
+MSGPACK_BYTES = MSGPACK.encode()
 _STATUS = {
     Reason.UNAUTHORIZED: 401, Reason.UNKNOWN_KEY: 403, Reason.BANNED_KEY: 403,
     Reason.UNKNOWN_ASSIGNMENT: 404, Reason.NOT_FOUND: 404, Reason.REPLAY: 409, Reason.TOO_LARGE: 413,
@@ -246,17 +248,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
             return await asyncio.wrap_future(running["intake"].submit((body, pre)))  # type: ignore[no-any-return]
 
     async def body_of(request: Request) -> bytes:
-        limit = cfg.limits.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            raise ApiError(Reason.TOO_LARGE, f"request body exceeds {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(Reason.TOO_LARGE, f"request body exceeds {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
+        return await _asgi_body(request.scope, request.receive, cfg.limits.max_body_bytes)
 
     def limit_rate(who: str) -> None:
         wait = buckets.take(who)
@@ -333,18 +325,23 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
 
     @app.post("/v1/submit", response_class=Response,
               openapi_extra={"requestBody": {"required": True, "content": _binary(MSGPACK, max_body)}},
-              responses={**_ok_binary(MSGPACK, "msgpack list[SignedVerdict]"),
+              responses={**_ok_binary(MSGPACK, "msgpack SignedGroupVerdict"),
                          **_errors(400, 403, 404, 409, 413, 429)})
     async def submit(request: Request) -> Response:
         body = await body_of(request)
-        limit_rate(f"ip:{request.client.host if request.client else '?'}")
+        return Response(await answer_to(body, request.client.host if request.client else "?"),
+                        media_type=MSGPACK)
+
+    async def answer_to(body: bytes, host: str) -> bytes:
+        """The msgpack ``SignedGroupVerdict`` answering a submitted group (both routes)."""
+        limit_rate(f"ip:{host}")
         start = time.perf_counter()
         result = await admitted(body)
         metrics.latency.observe(time.perf_counter() - start)
         if result.fresh:
             for reason, count in collections.Counter(result.reasons).items():
                 metrics.verdicts.labels(str(not reason).lower(), reason or "accepted").inc(count)
-        return Response(msgspec.msgpack.encode(result.verdicts), media_type=MSGPACK)
+        return canonical_bytes(result.answer)
 
     @app.get("/v1/policy/{version}", response_class=Response,
              responses={**_ok_binary(MSGPACK, "msgpack SignedManifest"), **_errors(400, 404)})
@@ -404,15 +401,23 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         return Response(canonical_bytes(batch), media_type=MSGPACK)
 
     async def submit_direct(scope: Scope, receive: Receive, send: Send) -> None:
-        """``submit`` with its error handlers, without the framework's layers in between."""
-        request = Request(scope, receive)
+        """``submit`` with its error handlers, on the ASGI messages themselves: no request,
+        response or routing objects in between (the answer's headers are a ``Response``'s)."""
         try:
-            response = await submit(request)
+            body = await _asgi_body(scope, receive, cfg.limits.max_body_bytes)
+            client = scope.get("client")
+            data = await answer_to(body, client[0] if client else "?")
+        except ClientDisconnect:
+            return
         except ApiError as exc:
-            response = await _api_error(request, exc)
+            await (await _api_error(Request(scope, receive), exc))(scope, receive, send)
+            return
         except ProofTrainError as exc:
-            response = await _domain_error(request, exc)
-        await response(scope, receive, send)
+            await (await _domain_error(Request(scope, receive), exc))(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(data)).encode()), (b"content-type", MSGPACK_BYTES)]})
+        await send({"type": "http.response.body", "body": data})
 
     app.direct[("POST", "/v1/submit")] = submit_direct
     app.state.validator = validator
@@ -439,6 +444,26 @@ class _ValidatorApp(FastAPI):
             await route(scope, receive, send)
             return
         await super().__call__(scope, receive, send)
+
+
+async def _asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """A request's body from its ASGI messages: TOO_LARGE past ``limit`` bytes (declared or
+    sent), ``ClientDisconnect`` if the client goes away first."""
+    for name, value in scope["headers"]:
+        if name == b"content-length" and (not value.isdigit() or int(value) > limit):
+            raise ApiError(Reason.TOO_LARGE, f"request body exceeds {limit} bytes")
+    chunks, size = [], 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(Reason.TOO_LARGE, f"request body exceeds {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
 
 
 def _error(reason: Reason, message: str, request: Request, metrics: Metrics) -> JSONResponse:

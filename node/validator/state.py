@@ -7,10 +7,17 @@ each assignment (so a resubmission gets the same answer), assignments,
 manifests and epoch secrets.
 
 Sample bodies (about 8 KiB per 1,024-token rollout) go to an append-only file
-beside the database (``<path>.bodies``, 0600), and the ``bodies`` table holds
-each one's offset and length. Written once and read by ``pread``, bodies and
-index take about 40% less CPU time than rows of bodies did: SQLite wrote a WAL
-frame per 4 KiB page, then the same pages again at every checkpoint.
+beside the database (``<path>.bodies``, 0600). A group's bodies lie side by
+side there, and one ``group_bodies`` row per group, keyed by its assignment,
+holds where they start and each member's envelope digest and length. Written
+once and read by ``pread``, bodies take about 40% less CPU time than rows of
+bodies did (SQLite wrote a WAL frame per 4 KiB page, then the same pages again
+at every checkpoint), and one index row per group instead of one per rollout
+dirties one page of the index's B-tree per group, not one per member: its keys
+are random, so every insert lands on a page of its own (``WITHOUT ROWID``:
+one B-tree, not a table and an index). Bodies indexed one by one
+(``bodies``) or stored as rows (``samples``), in a database from before, are
+still served.
 
 Crash safety: bodies are written before the ledger records their verdict, so
 every accepted verdict in the ledger has its body here; a body whose verdict
@@ -32,7 +39,12 @@ import tempfile
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from ledger.blobs import fsync_dir
+
+_DIGEST = 32
+_U32 = np.dtype("<u4")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS samples (
@@ -44,6 +56,12 @@ CREATE TABLE IF NOT EXISTS bodies (
     offset INTEGER NOT NULL,
     length INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS group_bodies (
+    assignment_id BLOB PRIMARY KEY,
+    offset INTEGER NOT NULL,
+    digests BLOB NOT NULL,  -- the members' envelope digests, 32 bytes each, in file order
+    lengths BLOB NOT NULL   -- their bodies' lengths, u32 LE, in the same order
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS submissions (
     assignment_id BLOB PRIMARY KEY,
     group_digest BLOB NOT NULL,
@@ -121,35 +139,46 @@ class StateStore:
                 if durable:
                     self._db.execute("PRAGMA synchronous=NORMAL")
 
-    def put_samples(self, rows: list[tuple[bytes, bytes]], completions: list[tuple[bytes, bytes]]) -> None:
-        """(envelope digest, body) rows and the (completion digest, assignment id) pairs they
-        hold, durably: the bodies appended to the bodies file and fsync'd, then their index
-        and the completions in one transaction. A row that is not bytes stores nothing."""
-        if not all(isinstance(body, bytes) for _, body in rows):
-            raise TypeError("a sample body must be bytes")
+    def put_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
+                    completions: list[tuple[bytes, bytes]]) -> None:
+        """Each group's (assignment id, [(envelope digest, body), ...]) and the (completion
+        digest, assignment id) pairs they hold, durably: the bodies appended to the bodies
+        file and fsync'd, then one index row per group and the completions in one
+        transaction. A body that is not bytes, or a digest that is not 32 bytes, stores
+        nothing."""
+        for _, rows in groups:
+            if not all(isinstance(body, bytes) for _, body in rows):
+                raise TypeError("a sample body must be bytes")
+            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
+                raise TypeError("an envelope digest must be 32 bytes")
         index = []
-        if rows:
+        if any(rows for _, rows in groups):
             with self._lock:  # appends go to the file's end, wherever an earlier failure left it
                 offset = os.lseek(self._bodies, 0, os.SEEK_END)
-                for digest, body in rows:
-                    index.append((digest, offset, len(body)))
-                    offset += len(body)
-                _append(self._bodies, b"".join(body for _, body in rows))
-        self._many(("INSERT OR REPLACE INTO bodies VALUES (?, ?, ?)", index),
+                for assignment_id, rows in groups:
+                    lengths = np.array([len(body) for _, body in rows], _U32)
+                    index.append((assignment_id, offset, b"".join(d for d, _ in rows), lengths.tobytes()))
+                    offset += int(lengths.sum())
+                _append(self._bodies, b"".join(body for _, rows in groups for _, body in rows))
+        self._many(("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
                    ("INSERT OR IGNORE INTO completions VALUES (?, ?)", completions),
                    durable=True)
 
-    def sample(self, envelope_digest: bytes) -> bytes | None:
-        """The body stored under ``envelope_digest``, or None. Raises ``OSError`` when the
-        bodies file no longer holds all of it."""
+    def sample(self, envelope_digest: bytes, assignment_id: bytes) -> bytes | None:
+        """The body of ``envelope_digest``, a member of ``assignment_id``'s group, or None.
+        Raises ``OSError`` when the bodies file no longer holds all of it."""
         with self._lock:
-            row = self._db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
-                                   (envelope_digest,)).fetchone()
-            if row is None:  # a body stored as a row, in a database from before the bodies file
+            row = self._db.execute("SELECT offset, digests, lengths FROM group_bodies "
+                                   "WHERE assignment_id = ?", (assignment_id,)).fetchone()
+            where = _member(row, envelope_digest) if row is not None else None
+            if where is None:  # indexed one by one, or stored as a row (older databases)
+                where = self._db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
+                                         (envelope_digest,)).fetchone()
+            if where is None:
                 row = self._db.execute("SELECT body FROM samples WHERE envelope_digest = ?",
                                        (envelope_digest,)).fetchone()
                 return None if row is None else row[0]
-        offset, length = row
+        offset, length = where
         body = os.pread(self._bodies, length, offset)
         if len(body) != length:
             raise OSError(f"the bodies file ends inside the body at offset {offset}")
@@ -218,6 +247,16 @@ class StateStore:
                 "SELECT group_digest, verdicts FROM submissions WHERE assignment_id = ?",
                 (assignment_id,)).fetchone()
         return None if row is None else (row[0], row[1])
+
+
+def _member(row: tuple[int, bytes, bytes], envelope_digest: bytes) -> tuple[int, int] | None:
+    """(offset, length) of ``envelope_digest``'s body in a ``group_bodies`` row, or None."""
+    offset, digests, lengths = row
+    sizes = np.frombuffer(lengths, _U32)
+    for i in range(len(sizes)):
+        if digests[_DIGEST * i:_DIGEST * (i + 1)] == envelope_digest:
+            return offset + int(sizes[:i].sum()), int(sizes[i])
+    return None
 
 
 def _append(fd: int, data: bytes) -> None:

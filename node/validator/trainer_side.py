@@ -51,7 +51,7 @@ def read_samples(ledger: Ledger, state: StateStore, cursor: int, limit: int) -> 
         next_cursor = index + 1
         if isinstance(rec, VerdictRecorded) and rec.accepted:
             try:
-                body = state.sample(rec.envelope_digest)
+                body = state.sample(rec.envelope_digest, rec.assignment_id)
             except OSError as exc:
                 raise VerificationError(f"accepted sample body is unreadable: {exc}",
                                         reason=Reason.LEDGER_CORRUPT, computed=index) from exc

@@ -19,7 +19,7 @@ from node.validator.spot import recheck_evidence
 from rollout.oracle import TransformersOracle
 from verify.errors import Reason
 from verify.keys import SigningKey
-from verify.signed import open_sealed
+from verify.signed import open_group_verdict
 from verify.types import Verdict
 
 TRAINER = SigningKey.from_seed(b"\x77" * 32)
@@ -45,7 +45,7 @@ PLANTED = make_strategy("fabricated-tokens").expect
 
 
 def _verdicts(v, signed) -> list[Verdict]:  # type: ignore[no-untyped-def]
-    return [open_sealed(Verdict, s, v.key.public) for s in signed]
+    return open_group_verdict(signed, v.key.public)
 
 
 @pytest.fixture

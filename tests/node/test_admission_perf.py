@@ -23,8 +23,8 @@ from rollout.worker import header_fields, open_assignment
 from verify.envelope import build_envelope
 from verify.errors import AdmissionError, Reason
 from verify.keys import SigningKey
-from verify.signed import open_sealed
-from verify.types import GroupSubmission, Verdict, canonical_bytes
+from verify.signed import open_group_verdict
+from verify.types import GroupSubmission, canonical_bytes
 
 KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(4)]
 FAST = {"audit.rate_override": 0.0, "assignment.max_tokens": 64}
@@ -115,7 +115,7 @@ def test_concurrent_admissions_are_all_recorded_once_and_audit_clean(make_valida
     assert committer.batches <= committer.items == 24
     # idempotent afterwards: the stored verdicts come back, nothing new is recorded
     again = v.admit(bodies[0])
-    assert not again.fresh and again.verdicts == results[0].verdicts
+    assert not again.fresh and again.answer == results[0].answer
     v.ledger.checkpoint()
     report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier, blobs=v.ledger.blobs)
     assert report.ok, report.findings
@@ -139,7 +139,7 @@ def test_racing_copies_of_one_submission_yield_one_set_of_verdicts(make_validato
         t.join()
     fresh = [o for o in outcomes if not isinstance(o, Reason) and o.fresh]  # type: ignore[attr-defined]
     assert len(fresh) == 1
-    assert all(o is Reason.BACKPRESSURE or o.verdicts == fresh[0].verdicts  # type: ignore[attr-defined]
+    assert all(o is Reason.BACKPRESSURE or o.answer == fresh[0].answer  # type: ignore[attr-defined]
                for o in outcomes if o is not fresh[0])
     recorded = [r for _, r in v.ledger.entries() if isinstance(r, VerdictRecorded)]
     assert len(recorded) == 4
@@ -175,7 +175,7 @@ def test_verdicts_from_concurrent_admission_verify(make_validator) -> None:
     with ThreadPoolExecutor(4) as pool:
         results = list(pool.map(v.admit, bodies))
     for r in results:
-        opened = [open_sealed(Verdict, s, v.key.public) for s in r.verdicts]
+        opened = open_group_verdict(r.answer, v.key.public)
         assert [x.group_index for x in opened] == [0, 1, 2, 3] and all(x.accepted for x in opened)
 
 

@@ -15,8 +15,8 @@ from rollout.worker import generation_request, header_fields, open_assignment
 from verify.envelope import build_envelope
 from verify.errors import AdmissionError, DecodeError, Reason
 from verify.keys import SigningKey
-from verify.signed import open_sealed
-from verify.types import GroupSubmission, Verdict, canonical_bytes
+from verify.signed import open_group_verdict
+from verify.types import GroupSubmission, SignedGroupVerdict, Verdict, canonical_bytes
 
 KEYS = [SigningKey.from_seed(bytes([0x70 + i]) * 32) for i in range(4)]
 
@@ -134,7 +134,7 @@ def test_admit_many_shares_passes_and_records_in_order(make_validator, backend, 
     # a copy of a group still being judged waits for it: refused, and alone it gets the answer
     assert isinstance(out[4], AdmissionError) and out[4].reason is Reason.BACKPRESSURE
     again = v.admit(raws[0])
-    assert not again.fresh and again.verdicts == out[0].verdicts  # type: ignore[union-attr]
+    assert not again.fresh and again.answer == out[0].answer  # type: ignore[union-attr]
     assert isinstance(out[5], DecodeError)
     # one spot-check pass for the four groups, and their verdicts in submission order
     assert v.metrics["audit/batches"] == 1 and v.metrics["audit/groups"] == 4
@@ -152,13 +152,13 @@ def test_admit_many_gives_the_verdicts_of_one_at_a_time(make_validator, backend,
         got = v.admit_many(raws) if batched else [v.admit(r) for r in raws]
         assert all(isinstance(r, SubmitResult) for r in got)
         results.append([(x.accepted, x.reason, x.reward) for r in got
-                        for x in _open(v, r.verdicts)])  # type: ignore[union-attr]
+                        for x in _open(v, r.answer)])  # type: ignore[union-attr]
     assert results[0] == results[1] and all(acc for acc, _, _ in results[0])
     assert together.metrics["audit/batches"] == 1 and alone.metrics["audit/batches"] == 3
 
 
-def _open(v: Validator, signed: list) -> list[Verdict]:
-    return [open_sealed(Verdict, s, v.key.public) for s in signed]
+def _open(v: Validator, signed: SignedGroupVerdict) -> list[Verdict]:
+    return open_group_verdict(signed, v.key.public)
 
 
 def test_a_refusal_in_a_batch_leaves_nothing_held(make_validator, backend, codec) -> None:
@@ -195,7 +195,7 @@ def test_admit_in_turn_retries_a_refused_copy_alone(make_validator, backend, cod
     first, second, copy = out
     assert isinstance(first, SubmitResult) and first.fresh and isinstance(second, SubmitResult)
     # the copy was refused while its original was judged, then answered from the stored verdicts
-    assert isinstance(copy, SubmitResult) and not copy.fresh and copy.verdicts == first.verdicts
+    assert isinstance(copy, SubmitResult) and not copy.fresh and copy.answer == first.answer
     assert v.metrics["audit/batches"] == 1
 
 

@@ -27,7 +27,7 @@ from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from verify.errors import ConfigError, Reason
 from verify.keys import SigningKey
-from verify.types import SignedAssignment, SignedVerdict
+from verify.types import SignedAssignment, SignedGroupVerdict
 
 ALICE = SigningKey.from_seed(b"\x74" * 32)
 
@@ -71,7 +71,7 @@ class Probe(ValidatorClient):
         self.assigns = 0
         self.pending_at_submit: list[int] = []
         self.pending_at_assign: list[int] = []
-        self.answers: dict[bytes, list[SignedVerdict]] = {}
+        self.answers: dict[bytes, SignedGroupVerdict] = {}
         self.submits = 0
 
     def _pending(self) -> int:

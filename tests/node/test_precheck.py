@@ -21,7 +21,7 @@ from rollout.worker import answer
 from verify.envelope import decode_group
 from verify.errors import DecodeError, Reason, SignatureError
 from verify.keys import SigningKey
-from verify.signed import open_sealed
+from verify.signed import open_group_verdict
 from verify.types import GroupSubmission, RolloutEnvelope, Verdict, canonical_bytes
 
 from .test_admit_many import KEYS, _group
@@ -41,13 +41,13 @@ def _forged(group: GroupSubmission, member: int = 2) -> GroupSubmission:
 def _outcome(v: Validator, result: object) -> object:
     if isinstance(result, SubmitResult):
         return [(x.accepted, x.reason, x.reward) for x in
-                (open_sealed(Verdict, s, v.key.public) for s in result.verdicts)]
+                open_group_verdict(result.answer, v.key.public)]
     assert isinstance(result, Exception)
     return type(result).__name__, getattr(result, "reason", None)
 
 
 def _opened(v: Validator, result: SubmitResult) -> list[Verdict]:
-    return [open_sealed(Verdict, s, v.key.public) for s in result.verdicts]
+    return open_group_verdict(result.answer, v.key.public)
 
 
 def _prechecked(v: Validator, raw: bytes) -> Prechecked | None:
@@ -107,7 +107,7 @@ def test_a_precheck_is_used_where_admission_would_compute_it(make_validator, bac
     # an answered assignment is answered from the stored verdicts, whatever the precheck says
     failed = Prechecked(pre.digest, pre.key, None, DecodeError("stale precheck"), None)
     again = v.admit(raw, failed)
-    assert not again.fresh and again.verdicts == first.verdicts
+    assert not again.fresh and again.answer == first.answer
     # a precheck under another key is ignored: the envelopes are verified here
     other = make_validator(name="other")
     raw2 = canonical_bytes(_forged(_group(other, backend, codec, KEYS[2])))
@@ -229,10 +229,12 @@ def test_closing_the_pool_fails_the_checks_it_still_holds(make_validator, backen
     raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
     job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
     pool = PrecheckPool(1, v.limits, v.codec, depth=4)
+    (worker,) = pool.workers
 
     async def scenario() -> list:
         checks = [asyncio.ensure_future(pool.check(*job)) for _ in range(4)]
-        await asyncio.sleep(0)  # all four are queued on the one worker
+        while len(worker.pending) < 4 and not any(c.done() for c in checks):  # all four queued
+            await asyncio.sleep(0.001)
         pool.close()
         return await asyncio.wait_for(asyncio.gather(*checks, return_exceptions=True), 10)
 
@@ -287,7 +289,7 @@ def test_a_node_with_precheck_processes_over_http(make_validator, backend, codec
         alice.register("alice")
         group = answer(ALICE, alice.assign(), v.key.public, backend, codec)
         signed = alice.submit(group)
-        assert all(open_sealed(Verdict, s, v.key.public).accepted for s in signed)
+        assert all(x.accepted for x in open_group_verdict(signed, v.key.public))
         assert alice.submit(group) == signed
         forged = _forged(answer(ALICE, alice.assign(), v.key.public, backend, codec))
         r = httpx.post(f"{url}/v1/submit", content=canonical_bytes(forged))

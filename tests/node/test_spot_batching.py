@@ -17,9 +17,9 @@ from rollout.worker import answer, generation_request, header_fields, open_assig
 from verify.envelope import build_envelope, verify_envelope
 from verify.errors import Reason
 from verify.keys import SigningKey
-from verify.signed import open_sealed
+from verify.signed import open_group_verdict
 from verify.spotcheck import FLOAT32_TOLERANCE
-from verify.types import GroupSubmission, Verdict, canonical_bytes
+from verify.types import GroupSubmission, canonical_bytes
 
 KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(6)]
 SECRET = b"\x07" * 32
@@ -141,7 +141,7 @@ def test_concurrent_submissions_share_spot_check_passes(make_validator, backend,
     for t in threads:
         t.join()
     for i in range(len(groups)):
-        out = [open_sealed(Verdict, s, v.key.public) for s in results[i]]
+        out = open_group_verdict(results[i], v.key.public)
         assert all(x.accepted and x.audited for x in out)
     assert v.metrics["audit/groups"] == len(groups)
     assert v.metrics["audit/batches"] == v.oracle.calls < len(groups)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
 
 import pytest
 
 from node.validator.state import StateStore
+
+A = b"a" * 16  # an assignment id
+B = b"b" * 16
 
 
 def _traced(store: StateStore) -> list[str]:
@@ -38,8 +42,8 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     store = StateStore(tmp_path / "state.sqlite")
     assert _level(store) == 1  # NORMAL by default
     seen = _traced(store)
-    store.put_samples([(b"d" * 32, b"body")], [(b"c" * 32, b"a" * 16)])
-    assert _committed_at_full(seen, "bodies")
+    store.put_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
+    assert _committed_at_full(seen, "group_bodies")
     assert _level(store) == 1  # back to NORMAL afterwards
     seen.clear()
     store.put_epoch(3, b"s" * 32)
@@ -47,61 +51,96 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     seen.clear()
     store.put_submissions([(b"a" * 16, b"g" * 32, b"v")])
     assert not _committed_at_full(seen, "submissions")
-    assert store.sample(b"d" * 32) == b"body"
+    assert store.sample(b"d" * 32, A) == b"body"
     assert store.unrevealed_epochs() == [(3, b"s" * 32)]
     assert store.submission(b"a" * 16) == (b"g" * 32, b"v")
+
+
+def test_bodies_are_fsynced_before_they_are_indexed_and_a_failed_fsync_indexes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = StateStore(tmp_path / "state.sqlite")
+    synced: list[int] = []
+    real = os.fdatasync
+
+    def spy(fd: int) -> None:
+        real(fd)
+        synced.append(fd)
+
+    monkeypatch.setattr(os, "fdatasync", spy)
+    store.put_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
+    assert synced == [store._bodies]
+
+    def failing(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", failing)
+    with pytest.raises(OSError, match="Input/output"):
+        store.put_samples([(B, [(b"e" * 32, b"more")])], [])
+    assert store.sample(b"e" * 32, B) is None  # not indexed
+    monkeypatch.setattr(os, "fdatasync", real)
+    store.put_samples([(B, [(b"e" * 32, b"more")])], [])  # sent again: stored, and served
+    assert store.sample(b"e" * 32, B) == b"more" and store.sample(b"d" * 32, A) == b"body"
 
 
 def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state.sqlite")
     with pytest.raises(TypeError, match="must be bytes"):
-        store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, object())], [])  # type: ignore[list-item]
-    assert store.sample(b"d" * 32) is None
+        store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, object())])], [])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="32 bytes"):
+        store.put_samples([(A, [(b"d" * 31, b"body")])], [])
+    assert store.sample(b"d" * 32, A) is None
     assert (tmp_path / "state.sqlite.bodies").stat().st_size == 0
     with pytest.raises(sqlite3.Error):  # the index fails: no body is indexed, the level is restored
-        store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"other")], [(object(), b"a")])  # type: ignore[list-item]
-    assert store.sample(b"d" * 32) is None and store.sample(b"e" * 32) is None
+        store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"other")])], [(object(), b"a")])  # type: ignore[list-item]
+    assert store.sample(b"d" * 32, A) is None and store.sample(b"e" * 32, A) is None
     assert _level(store) == 1
-    store.put_samples([(b"d" * 32, b"body")], [])
-    assert store.sample(b"d" * 32) == b"body"
+    store.put_samples([(A, [(b"d" * 32, b"body")])], [])
+    assert store.sample(b"d" * 32, A) == b"body"
 
 
 def test_bodies_live_in_their_own_file_and_survive_a_torn_tail(tmp_path: Path) -> None:
     path = tmp_path / "state.sqlite"
     store = StateStore(path)
     first = [(bytes([i]) * 32, bytes([i]) * (100 + i)) for i in range(5)]
-    store.put_samples(first, [])
+    store.put_samples([(A, first[:3]), (B, first[3:])], [])  # two groups side by side
     bodies = tmp_path / "state.sqlite.bodies"
     assert bodies.stat().st_mode & 0o777 == 0o600
     assert bodies.stat().st_size == sum(len(b) for _, b in first)
     assert store._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0] == 0  # no body in SQLite
+    assert store._db.execute("SELECT COUNT(*) FROM group_bodies").fetchone()[0] == 2  # a row per group
+    assert store.sample(first[3][0], A) is None  # a member of another group
     store.close()
     with bodies.open("ab") as f:  # a crash in the middle of an append: bytes nothing indexes
         f.write(b"torn")
     store = StateStore(path)
-    store.put_samples([(b"n" * 32, b"after the tear")], [])
-    assert [store.sample(d) for d, _ in first] == [b for _, b in first]
-    assert store.sample(b"n" * 32) == b"after the tear"
-    assert store.sample(b"x" * 32) is None
+    store.put_samples([(b"n" * 16, [(b"n" * 32, b"after the tear")])], [])
+    assert [store.sample(d, A if i < 3 else B) for i, (d, _) in enumerate(first)] == [b for _, b in first]
+    assert store.sample(b"n" * 32, b"n" * 16) == b"after the tear"
+    assert store.sample(b"x" * 32, A) is None and store.sample(b"n" * 32, A) is None
     store.close()
     with bodies.open("r+b") as f:  # a bodies file cut short
         f.truncate(bodies.stat().st_size - 3)
     store = StateStore(path)
     with pytest.raises(OSError, match="ends inside the body"):
-        store.sample(b"n" * 32)
-    assert store.sample(first[0][0]) == first[0][1]
+        store.sample(b"n" * 32, b"n" * 16)
+    assert store.sample(first[0][0], A) == first[0][1]
 
 
-def test_bodies_stored_as_rows_are_still_served(tmp_path: Path) -> None:
+def test_bodies_stored_as_rows_or_indexed_one_by_one_are_still_served(tmp_path: Path) -> None:
     store = StateStore(tmp_path / "state.sqlite")
     store._db.execute("INSERT INTO samples VALUES (?, ?)", (b"r" * 32, b"a row"))
-    assert store.sample(b"r" * 32) == b"a row"
+    assert store.sample(b"r" * 32, A) == b"a row"
+    store.put_samples([(A, [(b"d" * 32, b"first")])], [])
+    os.write(store._bodies, b"indexed alone")  # as a node indexed each body before
+    store._db.execute("INSERT INTO bodies VALUES (?, ?, ?)", (b"o" * 32, len(b"first"), len(b"indexed alone")))
+    assert store.sample(b"o" * 32, B) == b"indexed alone"
+    assert store.sample(b"d" * 32, A) == b"first"
 
 
 def test_an_in_memory_store_keeps_bodies_too() -> None:
     store = StateStore(":memory:")
-    store.put_samples([(b"d" * 32, b"body"), (b"e" * 32, b"more")], [(b"c" * 32, b"a" * 16)])
-    assert (store.sample(b"d" * 32), store.sample(b"e" * 32)) == (b"body", b"more")
+    store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"more")])], [(b"c" * 32, A)])
+    assert (store.sample(b"d" * 32, A), store.sample(b"e" * 32, A)) == (b"body", b"more")
     assert store.seen_completions([b"c" * 32, b"z" * 32], b"b" * 16) == {b"c" * 32}
     store.close()
 

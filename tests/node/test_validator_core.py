@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -13,18 +14,18 @@ from node.validator.spot import recheck_evidence
 from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle
 from rollout.worker import answer, generation_request, header_fields, open_assignment
-from verify.envelope import build_envelope
+from verify.envelope import build_envelope, group_digest
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import SigningKey
-from verify.signed import open_sealed
-from verify.types import GroupSubmission, Verdict, canonical_bytes
+from verify.signed import open_group_verdict
+from verify.types import GroupSubmission, SignedGroupVerdict, Verdict, canonical_bytes, decode
 
 HONEST = SigningKey.from_seed(b"\x41" * 32)
 CHEAT = SigningKey.from_seed(b"\x42" * 32)
 
 
-def verdicts(v: Validator, signed: list) -> list[Verdict]:
-    return [open_sealed(Verdict, s, v.key.public) for s in signed]
+def verdicts(v: Validator, signed: SignedGroupVerdict) -> list[Verdict]:
+    return open_group_verdict(signed, v.key.public)
 
 
 def honest_group(v: Validator, backend, codec, key=HONEST) -> GroupSubmission:
@@ -82,13 +83,15 @@ def test_a_damaged_bodies_file_is_reported_not_served(make_validator, backend, c
     v.submit(canonical_bytes(honest_group(v, backend, codec)))
     first, second = v.samples(0).samples[:2]
     db = v.state._db
-    where = db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
-                       (second.envelope_digest,)).fetchone()
-    db.execute("UPDATE bodies SET offset = ?, length = ? WHERE envelope_digest = ?",
-               (*where, first.envelope_digest))  # the first's index now finds the second's body
+    (digests,) = db.execute("SELECT digests FROM group_bodies WHERE assignment_id = ?",
+                            (first.assignment_id,)).fetchone()
+    swapped_digests = digests[32:64] + digests[:32] + digests[64:]
+    db.execute("UPDATE group_bodies SET digests = ? WHERE assignment_id = ?",
+               (swapped_digests, first.assignment_id))  # the first's index now finds the second's body
     with pytest.raises(VerificationError, match="belongs to another envelope") as swapped:
         v.samples(0)
     assert swapped.value.reason is Reason.LEDGER_CORRUPT
+    db.execute("UPDATE group_bodies SET digests = ? WHERE assignment_id = ?", (digests, first.assignment_id))
     bodies = tmp_path / "v.state.sqlite.bodies"
     bodies.write_bytes(bodies.read_bytes()[:-5])  # cut short: the last body ends past the file
     with pytest.raises(VerificationError, match="unreadable") as cut:
@@ -107,6 +110,41 @@ def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator
     with pytest.raises(AdmissionError) as exc:
         v.submit(canonical_bytes(changed))
     assert exc.value.reason is Reason.REPLAY
+
+
+def test_one_signature_covers_the_group_and_names_its_submission(make_validator, backend, codec) -> None:
+    v = make_validator()
+    raw = canonical_bytes(honest_group(v, backend, codec))
+    answer_ = v.submit(raw)
+    got = open_group_verdict(answer_, v.key.public, group_digest(raw))
+    assert [x.group_index for x in got] == list(range(len(got))) and all(x.accepted for x in got)
+    assert {x.assignment_id for x in got} == {assignment_of(raw)}
+    with pytest.raises(VerificationError):  # it answers these bytes, not others
+        open_group_verdict(answer_, v.key.public, group_digest(raw + b"\x00"))
+
+
+def assignment_of(raw: bytes) -> bytes:
+    return decode(GroupSubmission, raw, max_bytes=len(raw)).assignment_id
+
+
+def test_an_answer_stored_verdict_by_verdict_is_served_as_one_group_verdict(make_validator, backend,
+                                                                              codec) -> None:
+    """A state store holding an answer as a list of singly signed verdicts (as this node
+    stored them before it signed them per group) answers a resubmission with the same
+    verdicts, signed once; an unreadable stored answer is reported, never served."""
+    v = make_validator()
+    raw = canonical_bytes(honest_group(v, backend, codec))
+    fresh = v.admit(raw)
+    aid = assignment_of(raw)
+    legacy = msgspec.msgpack.encode([(canonical_bytes(x), b"\x00" * 64) for x in fresh.verdicts])
+    v.state.put_submissions([(aid, group_digest(raw), legacy)])
+    again = v.admit(raw)
+    assert not again.fresh and again.verdicts == fresh.verdicts
+    assert open_group_verdict(again.answer, v.key.public, group_digest(raw)) == fresh.verdicts
+    v.state.put_submissions([(aid, group_digest(raw), b"\x93garbage")])
+    with pytest.raises(VerificationError) as corrupt:
+        v.admit(raw)
+    assert corrupt.value.reason is Reason.LEDGER_CORRUPT
 
 
 def test_a_group_whose_write_failed_is_admitted_when_sent_again(make_validator, backend, codec,

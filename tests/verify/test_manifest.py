@@ -1,14 +1,15 @@
-"""Signed assignments, verdicts and policy manifests; manifest chains and blob checks."""
+"""Signed assignments, group verdicts and policy manifests; manifest chains and blob checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from verify.errors import Reason, SignatureError, VerificationError
+from verify.errors import DecodeError, Reason, SignatureError, VerificationError
 from verify.keys import SigningKey
 from verify.manifest import blob_digest, check_blob, check_chain, check_manifest, manifest_digest
-from verify.signed import digest_of, open_sealed, seal
+from verify.signed import digest_of, open_group_verdict, open_sealed, seal
 from verify.types import (
+    GroupVerdict,
     PolicyManifest,
     SamplingParams,
     ShardEntry,
@@ -90,9 +91,38 @@ def test_assignments_and_verdicts_round_trip_through_seal() -> None:
     assert open_sealed(WorkAssignment, sealed, TRAINER.public) == a
     with pytest.raises(SignatureError):
         open_sealed(WorkAssignment, sealed, OTHER.public)
-    v = Verdict(1, TRAINER.public.raw, b"\x01" * 16, 2, b"\x05" * 32, False, "logprob_mismatch",
-                0.0, True, b"\x06" * 32, 30)
-    assert open_sealed(Verdict, seal(TRAINER, v), TRAINER.public.raw) == v
-    assert digest_of(v) != digest_of(a)
+    g = GroupVerdict(b"\x07" * 32, [_verdict(0, False, "logprob_mismatch"), _verdict(1, False, "group_rejected")])
+    assert open_sealed(GroupVerdict, seal(TRAINER, g), TRAINER.public.raw) == g
+    assert digest_of(g) != digest_of(a)
     with pytest.raises(SignatureError):
-        open_sealed(Verdict, sealed, TRAINER.public)  # an assignment is not a verdict
+        open_sealed(GroupVerdict, sealed, TRAINER.public)  # an assignment is not a verdict
+
+
+def _verdict(index: int, accepted: bool = True, reason: str = "", key: SigningKey = TRAINER,
+             assignment: bytes = b"\x01" * 16) -> Verdict:
+    return Verdict(1, key.public.raw, assignment, index, bytes([index]) * 32, accepted, reason,
+                   0.5, not accepted, b"" if accepted else b"\x06" * 32, 30)
+
+
+def test_a_group_verdict_opens_only_whole_and_for_its_own_submission() -> None:
+    group = GroupVerdict(b"\x07" * 32, [_verdict(i) for i in range(4)])
+    sealed = seal(TRAINER, group)
+    assert open_group_verdict(sealed, TRAINER.public, b"\x07" * 32) == group.verdicts
+    with pytest.raises(SignatureError):  # another validator's key
+        open_group_verdict(sealed, OTHER.public)
+    with pytest.raises(DecodeError) as other_submission:
+        open_group_verdict(sealed, TRAINER.public, b"\x08" * 32)
+    assert other_submission.value.reason is Reason.INCONSISTENT
+    # signed by the validator, but naming another validator or a second assignment inside
+    foreign = seal(TRAINER, GroupVerdict(b"\x07" * 32, [_verdict(0), _verdict(1, key=OTHER)]))
+    with pytest.raises(SignatureError) as named:
+        open_group_verdict(foreign, TRAINER.public)
+    assert named.value.reason is Reason.WRONG_SIGNER
+    spanning = seal(TRAINER, GroupVerdict(b"\x07" * 32, [_verdict(0), _verdict(1, assignment=b"\x02" * 16)]))
+    with pytest.raises(DecodeError) as two:
+        open_group_verdict(spanning, TRAINER.public)
+    assert two.value.reason is Reason.INCONSISTENT
+    # a single flipped byte of the signed bytes fails the signature
+    flipped = type(sealed)(sealed.group_verdict[:-1] + bytes([sealed.group_verdict[-1] ^ 1]), sealed.signature)
+    with pytest.raises(SignatureError):
+        open_group_verdict(flipped, TRAINER.public)

@@ -58,7 +58,8 @@ verdict = st.builds(
     reward=st.floats(allow_nan=False, allow_infinity=False), audited=st.booleans(),
     evidence_digest=st.one_of(st.just(b""), d32), decided_at_ms=u63,
 )
-signed_verdict = st.builds(T.SignedVerdict, verdict=st.binary(max_size=300), signature=sig)
+group_verdict = st.builds(T.GroupVerdict, group_digest=d32, verdicts=st.lists(verdict, min_size=1, max_size=4))
+signed_group_verdict = st.builds(T.SignedGroupVerdict, group_verdict=st.binary(max_size=300), signature=sig)
 shard = st.builds(T.ShardEntry, stage=u32, digest=d32, codec=short, nbytes=u63,
                   kind=st.sampled_from(["delta", "full"]))
 manifest = st.builds(
@@ -111,7 +112,8 @@ ALL = {
     T.RolloutEnvelope: envelope,
     T.GroupSubmission: group,
     T.Verdict: verdict,
-    T.SignedVerdict: signed_verdict,
+    T.GroupVerdict: group_verdict,
+    T.SignedGroupVerdict: signed_group_verdict,
     T.ShardEntry: shard,
     T.PolicyManifest: manifest,
     T.SignedManifest: signed_manifest,
