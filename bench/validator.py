@@ -205,13 +205,14 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
 
     import msgspec
 
-    from node.validator.server import BackgroundServer, settle_heap
+    from node.validator.server import BackgroundServer, settle_heap, share_the_interpreter
     from node.validator.service import create_app
 
     procs: list[subprocess.Popen] = []
     groups = sum(len(b) for b in per_client)
     app = create_app(v)
     settle_heap()  # as ``prooftrain validator`` does once its app is built
+    share_the_interpreter()
     with BackgroundServer(app) as url:
         for i, bodies in enumerate(per_client):
             path = work / f"client{i}.msgpack"

@@ -28,7 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     from node.config import ValidatorConfig, load
     from node.validator.build import build_validator, trainer_key
-    from node.validator.server import server_config, settle_heap
+    from node.validator.server import server_config, settle_heap, share_the_interpreter
     from node.validator.service import create_app
 
     overrides = {k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None}
@@ -44,6 +44,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO)
     app = create_app(validator, trainer_key(cfg))
     settle_heap()  # the model and libraries stay loaded: keep full collections off them
+    share_the_interpreter()
     print(f"listening on http://{cfg.node.host}:{cfg.node.port}")
     server = uvicorn.Server(server_config(app, cfg.node.host, cfg.node.port, log_level="warning"))
     try:

@@ -6,11 +6,27 @@ from __future__ import annotations
 import gc
 import socket
 import subprocess
+import sys
 import threading
 import time
 
 import uvicorn
 from fastapi import FastAPI
+
+SWITCH_INTERVAL_S = 0.001
+"""How long a thread holding the interpreter lock may run while another waits for it."""
+
+
+def share_the_interpreter() -> None:
+    """Let the node's threads take turns every millisecond, not every 5 (CPython's default).
+
+    The event loop and the admission thread share one interpreter lock, and
+    the admission thread lets go of it at every SQLite call, fsync and
+    signature: it then waited up to a whole interval for the event loop to
+    hand it back. Interleaved runs of the validator bench admitted about 5%
+    more at 1 ms; at 0.5 ms the switching itself cost more than it saved.
+    """
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
 
 
 def settle_heap() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import sqlite3
+import sys
 import threading
 import time
 import weakref
@@ -18,7 +19,7 @@ from ledger.log import Ledger
 from ledger.records import EpochCommitted, EpochRevealed, Note, VerdictRecorded
 from node.validator.commit import GroupCommitter
 from node.validator.core import Validator
-from node.validator.server import settle_heap
+from node.validator.server import settle_heap, share_the_interpreter
 from rollout.worker import header_fields, open_assignment
 from verify.envelope import build_envelope
 from verify.errors import AdmissionError, Reason
@@ -231,3 +232,12 @@ def test_settle_heap_keeps_what_is_loaded_out_of_later_collections() -> None:
         assert gone() is None
     finally:
         gc.unfreeze()
+
+
+def test_a_serving_node_switches_threads_every_millisecond() -> None:
+    before = sys.getswitchinterval()
+    try:
+        share_the_interpreter()
+        assert sys.getswitchinterval() == pytest.approx(0.001) and 0.001 < before
+    finally:
+        sys.setswitchinterval(before)
