@@ -35,12 +35,11 @@ Prints progress on stderr and one JSON object on the last line of stdout:
 
 Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
-two-core machine 82-85% busy, 4 about 80% (admitting about a tenth less), and
-12 about 85%, admitting about as much at half again the latency (the node's
-process and its precheck worker then keep both cores about as busy as they
-can). The clients send prebuilt requests and parse answers
-minimally, so they take little of the CPU they share with the node
-(``admission_cpu_ms_per_group``).
+two-core machine about 80% busy, and 16 or 32 admit about as much at two and
+four times the latency (the node's process and its precheck worker then keep
+both cores about as busy as they can). The clients send prebuilt requests and
+parse answers minimally, so they take little of the CPU they share with the
+node (``admission_cpu_ms_per_group``).
 
 The node runs with --processes precheck worker processes and --threads admission threads
 (``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.
@@ -460,7 +459,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--clients", type=int, default=8,
                         help="clients of the admission run, each with one request in flight: enough "
-                             "to keep a small node busy (4 admit about a tenth less)")
+                             "to keep a small node busy (16 or 32 admit about as much)")
     parser.add_argument("--audited-groups", type=int, default=96,
                         help="honest groups of the audited admission run")
     parser.add_argument("--audited-clients", type=int, default=16,

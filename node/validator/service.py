@@ -22,8 +22,9 @@ With ``node.admission_processes`` set, each submission's envelopes are first
 verified and scored in a worker process (``node.validator.precheck``). Every
 other validator call runs on one worker thread. When ``audit.queue`` calls
 are already waiting, submissions get 429 with Retry-After. ``POST /v1/submit``
-is served directly, ahead of FastAPI's middleware and routing, by the same
-handler and error handlers as its declared route (``_ValidatorApp``).
+is served directly on the ASGI messages, ahead of FastAPI's middleware and
+routing, with the same handling and error handlers as its declared route
+(``_ValidatorApp``).
 Errors are JSON ``{"reason": ..., "message": ...}`` with a status chosen from
 the reason; malformed input never produces a 500.
 """
