@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verify.errors import ProofTrainError
+from verify.keys import SigningKey
+from verify.signed import open_group_verdict, seal
 
 if TYPE_CHECKING:
     from node.validator.core import Validator
-    from verify.keys import SigningKey
     from verify.types import GroupSubmission
+
+VALIDATOR_SEED = b"\x21" * 32
+"""The campaign's validator key (the answers the contributor-side target opens are its)."""
 
 
 def mutate(data: bytes, rng: random.Random) -> bytes:
@@ -81,9 +85,12 @@ def decoder_targets(seeds: dict[str, bytes]) -> dict[str, Callable[[bytes], obje
         "checkpoint": lambda b: Checkpoint.from_text(b.decode("utf-8", "replace")),
     }
     for name in ("RolloutHeader", "GroupSubmission", "WorkAssignment", "SignedManifest", "PolicyManifest",
-                 "SampleBatch", "SlashEvidence", "Verdict"):
+                 "SampleBatch", "SlashEvidence", "GroupVerdict", "SignedGroupVerdict"):
         cls = getattr(T, name)
         targets[name] = partial(T.decode, cls, max_bytes=1 << 20)
+    validator = SigningKey.from_seed(VALIDATOR_SEED).public
+    targets["open-group-verdict"] = lambda b: open_group_verdict(  # what a contributor runs on an answer
+        T.decode(T.SignedGroupVerdict, b, max_bytes=1 << 20), validator)
     return {k: v for k, v in targets.items() if k in seeds}
 
 
@@ -107,11 +114,10 @@ def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSub
     from rewards.tasks.base import generate
     from rollout.backends import TransformersBackend
     from rollout.oracle import TransformersOracle
-    from rollout.worker import answer
-    from verify.keys import SigningKey
+    from rollout.worker import answer, open_assignment
     from verify.spotcheck import FLOAT32_TOLERANCE
 
-    key = SigningKey.from_seed(b"\x21" * 32)
+    key = SigningKey.from_seed(VALIDATOR_SEED)
     cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 8, "audit.rate_override": 1.0,
                                        "limits.requests_per_s": 1e6, "limits.burst": 1_000_000})
     ledger = Ledger.open(work / "ledger.sqlite", signing_key=key, origin="fuzz")
@@ -124,12 +130,19 @@ def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSub
     group = answer(alice, v.assign(alice.public.raw), key.public, TransformersBackend(model), codec)
     delta = {"w": torch.from_numpy(np.random.default_rng(0).normal(size=(64,)).astype("float32"))}
     batch = v.samples(0)
+    a = open_assignment(v.assign(alice.public.raw), key.public, alice.public)
+    answered = seal(key, T.GroupVerdict(b"\x00" * 32, [T.Verdict(
+        T.SCHEMA_VERSION, key.public.raw, a.assignment_id, i, bytes([i]) * 32, i > 0,
+        "" if i else "logprob_mismatch", 0.5, i == 0, b"" if i else b"\x01" * 32, 1) for i in range(4)]))
     seeds = {
         "envelope": T.canonical_bytes(group.envelopes[0]),
         "GroupSubmission": T.canonical_bytes(group),
         "RolloutHeader": group.envelopes[0].header,
         "WorkAssignment": v.assign(alice.public.raw).assignment,
         "SampleBatch": T.canonical_bytes(batch),
+        "GroupVerdict": answered.group_verdict,  # type: ignore[attr-defined]
+        "SignedGroupVerdict": T.canonical_bytes(answered),
+        "open-group-verdict": T.canonical_bytes(answered),
         "ledger-record": record_bytes(Note("fuzz", 1)),
         "weight-delta": get_codec("int8-block").encode(delta["w"]),
         "state-delta": encode_state_delta(delta, get_codec("topk")),
