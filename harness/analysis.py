@@ -8,6 +8,9 @@ Invariants:
   ``scenario``, ``honest``, ``no-defence`` first, then any others by name.
 - A figure whose events are missing is None (rendered "n/a"), never a guess:
   a gain needs two evals, a ratio a positive honest gain.
+- Runs that stopped at different steps (a wall-clock budget) are compared at
+  the last step every one of them evaluated (``comparison_step``), never a
+  short run's end against a long run's.
 - A rejection counts as caught only when its reason is not one an honest
   contributor on a slow or lossy link can get (``BENIGN_REASONS``).
 """
@@ -72,11 +75,21 @@ class RunData:
         ts = [e.t for e in timed]
         return max([*ts, self.summary.t if self.summary else 0.0, 0.0])
 
-    def gain(self) -> float | None:
-        """Last held-out pass@1 minus the first; None with fewer than two evals."""
+    def gain(self, at_step: int | None = None) -> float | None:
+        """Held-out pass@1 at the last eval (or the last eval of step ``at_step``) minus the
+        first; None with fewer than two evals or none at ``at_step``."""
         if len(self.evals) < 2:
             return None
-        return self.evals[-1].pass_at_1 - self.evals[0].pass_at_1
+        last = self.evals[-1] if at_step is None else self.eval_at(at_step)
+        return None if last is None else last.pass_at_1 - self.evals[0].pass_at_1
+
+    def eval_at(self, step: int) -> Eval | None:
+        """The last eval of step ``step``, if there is one."""
+        return next((e for e in reversed(self.evals) if e.step == step), None)
+
+    def last_step(self) -> int:
+        """The step of the last eval (0 without evals)."""
+        return self.evals[-1].step if self.evals else 0
 
 
 _LISTS = {Eval: "evals", TrainStep: "steps", Verdict: "verdicts", Slash: "slashes",
@@ -156,15 +169,32 @@ def honest_slashed(run: RunData) -> int:
     return len({s.contributor for s in run.slashes if s.strategy == HONEST})
 
 
+def comparison_step(runs: list[RunData]) -> int | None:
+    """The step at which ``runs`` compare: None when all of them end their evals at the same
+    step (each is compared at its end), else the last step after the first that every one of
+    them evaluated (None if there is none)."""
+    ends = {r.last_step() for r in runs if r.evals}
+    if len(ends) < 2:
+        return None
+    common = set.intersection(*({e.step for e in r.evals[1:]} for r in runs if r.evals))
+    below = [s for s in common if s <= min(ends)]
+    return max(below) if below else None
+
+
 @dataclass(frozen=True)
 class Outcome:
-    """The report's verdict. Gains are last minus first held-out pass@1."""
+    """The report's verdict. Gains are held-out pass@1 at the last eval minus the first,
+    or at ``step`` when the runs stopped at different steps."""
 
     gain: float | None
     honest_gain: float | None
     no_defence_gain: float | None
     honest_slashed: int
     audit_ok: bool | None
+    step: int | None = None
+    """The step every gain is read at, when the runs' last evals are at different steps."""
+    last_steps: dict[str, int] = field(default_factory=dict)
+    """Each compared run's last evaluated step."""
 
     @property
     def improved(self) -> bool | None:
@@ -187,9 +217,18 @@ class Outcome:
 def outcome(runs: dict[str, RunData]) -> Outcome:
     main = primary(runs)
     audits = [r.audit.ok for r in runs.values() if r.audit is not None]
+    compared = [main, *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main)]
+    step = comparison_step(compared)
+    uneven = len({r.last_step() for r in compared if r.evals}) > 1
+
+    def gain(name: str) -> float | None:  # runs that share no eval step do not compare
+        r = runs.get(name)
+        return None if r is None or (uneven and step is None) else r.gain(step)
+
     return Outcome(
-        gain=main.gain(),
-        honest_gain=runs["honest"].gain() if "honest" in runs else None,
-        no_defence_gain=runs["no-defence"].gain() if "no-defence" in runs else None,
+        gain=None if uneven and step is None else main.gain(step),
+        honest_gain=gain("honest"),
+        no_defence_gain=gain("no-defence"),
         honest_slashed=sum(honest_slashed(r) for r in runs.values()),
-        audit_ok=all(audits) if audits else None)
+        audit_ok=all(audits) if audits else None,
+        step=step, last_steps={r.name: r.last_step() for r in compared})

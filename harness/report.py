@@ -72,7 +72,8 @@ def summary_lines(runs: dict[str, RunData]) -> list[str]:
     caught = sum(r.contributors > 0 and (r.caught > 0 or r.slashed > 0) for r in adv)
     return [
         f"training improved: {_yn(o.improved)} (pass@1 {_f(first, '.3f')} -> {_f(last, '.3f')}; "
-        f"ratio to honest baseline {_f(o.ratio, '.2f')}; no-defence worse: {_yn(o.no_defence_worse)})",
+        f"ratio to honest baseline {_f(o.ratio, '.2f')}; no-defence worse: {_yn(o.no_defence_worse)}"
+        f"{'' if o.step is None else f'; compared at step {o.step}'})",
         f"adversarial strategies caught: {caught}/{len(adv)}; contributors banned: "
         f"{sum(r.banned for r in adv)}/{sum(r.contributors for r in adv)}",
         f"honest contributors slashed: {o.honest_slashed}; ledger audit: "
@@ -123,6 +124,17 @@ def _audit_lines(runs: dict[str, RunData]) -> list[str]:
     return out
 
 
+def _comparison_note(o: Outcome) -> list[str]:
+    """Why the gains are read before some run's end, when they are."""
+    if len(set(o.last_steps.values())) < 2:
+        return []
+    ends = ", ".join(f"{name} {step}" for name, step in o.last_steps.items())
+    where = "no step that every run evaluated" if o.step is None else f"step {o.step}, the last step every run evaluated"
+    return [f"- The runs' last evals are at different steps ({ends}; a run stops at "
+            f"`trainer.budget_s` before `trainer.steps` on a slow machine): the gains above are "
+            f"read at {where}; the runs table gives each run's own last figures."]
+
+
 def render_markdown(runs: dict[str, RunData], plots: dict[str, Path]) -> str:
     main, o = primary(runs), outcome(runs)
     title = main.start.scenario if main.start else main.name
@@ -131,6 +143,7 @@ def render_markdown(runs: dict[str, RunData], plots: dict[str, Path]) -> str:
     lines += [f"- Held-out pass@1 gain: scenario {_f(o.gain)}, honest baseline "
               f"{_f(o.honest_gain)}, no-defence ablation {_f(o.no_defence_gain)}.",
               f"- Improvement ratio (scenario / honest): {_f(o.ratio, '.2f')}.",
+              *_comparison_note(o),
               f"- No-defence ablation worse than the defended run: {_yn(o.no_defence_worse)}.", ""]
     lines += ["## Runs", "", *_runs_table(runs), ""]
     lines += [f"## Detection by strategy (`{main.name}` run)", "",

@@ -54,10 +54,11 @@ from harness.scenario import ContributorSpec, Scenario
 from harness.version_registry import RegistryOracle
 from ledger.audit import verify_ledger
 from node.validator.core import SLASHED, SubmitResult
+from rewards.tasks import generate as generate_problems
 from rollout.backends import TransformersBackend, generate_grouped
 from rollout.worker import open_assignment
 from trainer.config import AggregatorSection, LocalSection, LossSection, TrainerConfig
-from trainer.evals import evaluate
+from trainer.evals import default_max_new_tokens, evaluate
 from trainer.loop import TrainerLoop, ensure_process_group
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
@@ -274,10 +275,14 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     log.write(Start(run=run, scenario=s.name, seed=s.seed,
                     contributors={m.spec.id: m.spec.strategy for m in sim.members}))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    # The held-out set and its generation length, drawn once: drawing them costs about as much
+    # as an eval's greedy pass on the demo model, and the scenario run evaluates every version.
+    heldout = generate_problems(s.task.name, "heldout", cfg.eval_problems, s.seed)
+    max_new = default_max_new_tokens(heldout, tokenizer)
 
     def eval_event(step: int) -> float:
-        report = evaluate((net.registry[step], tokenizer), s.task.name, "heldout", n=cfg.eval_problems,
-                          k=1, samples=1, seed=s.seed)
+        report = evaluate((net.registry[step], tokenizer), s.task.name, "heldout", k=1, samples=1,
+                          seed=s.seed, problems=heldout, max_new_tokens=max_new)
         net.record_eval(step, report, seed=s.seed)
         p = report.metric("pass@1 (greedy)")
         reward = report.metric("mean reward (greedy)").value

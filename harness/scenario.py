@@ -194,7 +194,8 @@ class TrainerSpec(_Section):
     """Optimizer steps (0: no step limit); the run stops at whichever of ``steps`` and
     ``budget_s`` comes first."""
     budget_s: float = Field(default=0.0, ge=0, le=1e6)
-    """Wall-clock budget of the run in seconds (0: no time limit)."""
+    """Wall-clock budget of the run in seconds (0: no time limit). Runs that stop at different
+    steps are compared at the last step all of them evaluated (``harness.analysis``)."""
     batch_groups: int = Field(default=4, ge=1, le=4_096)
     """Accepted groups per optimizer step."""
     learning_rate: float = Field(default=1e-4, gt=0, le=1)

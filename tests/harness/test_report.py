@@ -155,6 +155,54 @@ def test_report_flags_slashed_honest_and_failed_audit(tmp_path: Path) -> None:
     assert "training improved: NO" in summary_lines(runs)[0]
 
 
+def _every_step(run: str, values: list[float]) -> list[Eval]:
+    """An eval after every step (``eval_every_version``), the run stopping after the last."""
+    return [Eval(t=float(i), run=run, step=i, version=i, pass_at_1=v, ci_low=v - 0.05,
+                 ci_high=v + 0.05, mean_reward=v) for i, v in enumerate(values)]
+
+
+def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(tmp_path: Path) -> None:
+    d = tmp_path / "budget"
+    with EventLog(d / EVENTS_FILE) as log:  # the scenario hit its wall-clock budget after step 7
+        log.write_all(_every_step("scenario", [0.20 + 0.02 * i for i in range(8)]))
+        log.write_all(_evals("honest", [0.20, 0.30, 0.45]))  # steps 0, 5, 10
+        log.write_all(_evals("no-defence", [0.20, 0.22, 0.25]))
+    runs = load_runs(d)
+    o = outcome(runs)
+    assert o.step == 5 and o.last_steps == {"scenario": 7, "honest": 10, "no-defence": 10}
+    # at step 5 each run gained 0.10, 0.10, 0.02; their ends would give 0.14 against 0.25
+    assert o.gain == pytest.approx(0.10) and o.honest_gain == pytest.approx(0.10)
+    assert o.ratio == pytest.approx(1.0) and o.no_defence_gain == pytest.approx(0.02)
+    assert o.no_defence_worse
+    assert "ratio to honest baseline 1.00" in summary_lines(runs)[0]
+    assert "compared at step 5" in summary_lines(runs)[0]
+    text = write_report(d).read_text()
+    assert "(scenario 7, honest 10, no-defence 10;" in text
+    assert "read at step 5, the last step every run evaluated" in text
+    assert "| gains read at | step 5 (runs ended apart) |" in compare_markdown([d])
+    assert "| scenario | 0.200 | 0.340 [0.290, 0.390] | +0.140 | 0 |" in text  # its own end
+
+
+def test_runs_sharing_no_eval_step_do_not_compare(tmp_path: Path) -> None:
+    d = tmp_path / "apart"
+    with EventLog(d / EVENTS_FILE) as log:
+        log.write_all(_every_step("scenario", [0.20, 0.25, 0.30]))  # stopped after step 2
+        log.write_all(_evals("honest", [0.20, 0.30]))  # steps 0, 5
+    runs = load_runs(d)
+    o = outcome(runs)
+    assert o.step is None and o.last_steps == {"scenario": 2, "honest": 5}
+    assert o.gain is None and o.honest_gain is None and o.ratio is None and o.improved is None
+    assert runs["scenario"].gain() == pytest.approx(0.10)  # each run's own figure is still there
+    assert "read at no step that every run evaluated" in write_report(d).read_text()
+
+
+def test_runs_ending_at_the_same_step_compare_at_their_ends(run_dir: Path) -> None:
+    o = outcome(load_runs(run_dir))
+    assert o.step is None and set(o.last_steps.values()) == {10}
+    assert "compared at step" not in summary_lines(load_runs(run_dir))[0]
+    assert "last evals are at different steps" not in write_report(run_dir).read_text()
+
+
 def test_report_from_an_empty_run(tmp_path: Path) -> None:
     d = tmp_path / "empty"
     with EventLog(d / EVENTS_FILE) as log:
@@ -190,6 +238,7 @@ def test_compare(run_dir: Path, tmp_path: Path) -> None:
     md = compare_markdown([run_dir, other])
     assert "| | synthetic | synthetic |" in md
     assert "| ratio to honest | 0.80 | n/a |" in md
+    assert "| gains read at | each run's end | each run's end |" in md
     assert "| adversarial groups caught / submitted | 3/8 | 0/0 |" in md
     out, png = write_comparison([run_dir, other], tmp_path / "cmp" / "compare.md")
     assert png == tmp_path / "cmp" / "compare.png"
