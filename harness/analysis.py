@@ -194,7 +194,12 @@ class Outcome:
     step: int | None = None
     """The step every gain is read at, when the runs' last evals are at different steps."""
     last_steps: dict[str, int] = field(default_factory=dict)
-    """Each compared run's last evaluated step."""
+    """Each compared run's last evaluated step (runs with evals)."""
+
+    @property
+    def ended_apart(self) -> bool:
+        """Whether the compared runs' last evals are at different steps."""
+        return len(set(self.last_steps.values())) > 1
 
     @property
     def improved(self) -> bool | None:
@@ -219,16 +224,17 @@ def outcome(runs: dict[str, RunData]) -> Outcome:
     audits = [r.audit.ok for r in runs.values() if r.audit is not None]
     compared = [main, *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main)]
     step = comparison_step(compared)
-    uneven = len({r.last_step() for r in compared if r.evals}) > 1
+    last_steps = {r.name: r.last_step() for r in compared if r.evals}
+    apart = len(set(last_steps.values())) > 1
 
     def gain(name: str) -> float | None:  # runs that share no eval step do not compare
         r = runs.get(name)
-        return None if r is None or (uneven and step is None) else r.gain(step)
+        return None if r is None or (apart and step is None) else r.gain(step)
 
     return Outcome(
-        gain=None if uneven and step is None else main.gain(step),
+        gain=gain(main.name),
         honest_gain=gain("honest"),
         no_defence_gain=gain("no-defence"),
         honest_slashed=sum(honest_slashed(r) for r in runs.values()),
         audit_ok=all(audits) if audits else None,
-        step=step, last_steps={r.name: r.last_step() for r in compared})
+        step=step, last_steps=last_steps)

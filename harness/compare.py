@@ -45,7 +45,7 @@ def _column(run_dir: Path, runs: dict[str, RunData]) -> dict[str, str]:
         "honest baseline gain": _f(o.honest_gain, "+.3f"),
         "ratio to honest": _f(o.ratio, ".2f"),
         "no-defence gain": _f(o.no_defence_gain, "+.3f"),
-        "gains read at": "each run's end" if len(set(o.last_steps.values())) < 2
+        "gains read at": "each run's end" if not o.ended_apart
         else ("no common step" if o.step is None else f"step {o.step} (runs ended apart)"),
         "adversarial groups caught / submitted":
             f"{sum(r.caught for r in adv)}/{sum(r.submitted for r in adv)}",

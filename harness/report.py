@@ -126,7 +126,7 @@ def _audit_lines(runs: dict[str, RunData]) -> list[str]:
 
 def _comparison_note(o: Outcome) -> list[str]:
     """Why the gains are read before some run's end, when they are."""
-    if len(set(o.last_steps.values())) < 2:
+    if not o.ended_apart:
         return []
     ends = ", ".join(f"{name} {step}" for name, step in o.last_steps.items())
     where = "no step that every run evaluated" if o.step is None else f"step {o.step}, the last step every run evaluated"

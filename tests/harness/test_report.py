@@ -196,6 +196,17 @@ def test_runs_sharing_no_eval_step_do_not_compare(tmp_path: Path) -> None:
     assert "read at no step that every run evaluated" in write_report(d).read_text()
 
 
+def test_a_run_without_evals_does_not_make_the_others_end_apart(tmp_path: Path) -> None:
+    d = tmp_path / "no-evals"
+    with EventLog(d / EVENTS_FILE) as log:
+        log.write_all(_evals("scenario", [0.20, 0.30]))
+        log.write_all(_evals("honest", [0.20, 0.40]))
+        log.write(Start(run="no-defence", scenario="synthetic", seed=1, contributors=PEOPLE))
+    o = outcome(load_runs(d))
+    assert o.last_steps == {"scenario": 5, "honest": 5} and not o.ended_apart and o.step is None
+    assert o.ratio == pytest.approx(0.5) and o.no_defence_gain is None
+
+
 def test_runs_ending_at_the_same_step_compare_at_their_ends(run_dir: Path) -> None:
     o = outcome(load_runs(run_dir))
     assert o.step is None and set(o.last_steps.values()) == {10}
