@@ -94,7 +94,6 @@ def build_manifest(
     manifest = PolicyManifest(SCHEMA_VERSION, version, parent_digest, base_digest, shards,
                               trainer_key.public.raw, now_ms)
     sealed = seal(trainer_key, manifest)
-    assert isinstance(sealed, SignedManifest)
     return sealed
 
 

@@ -10,7 +10,7 @@ without the key cannot make the parser see anything.
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import TypeVar, overload
 
 from msgspec import Struct
 
@@ -58,8 +58,19 @@ _KINDS: dict[type, tuple[bytes, bytes, type, str]] = {
 }
 
 
+@overload
+def seal(key: SigningKey, obj: WorkAssignment) -> SignedAssignment: ...
+@overload
+def seal(key: SigningKey, obj: GroupVerdict) -> SignedGroupVerdict: ...
+@overload
+def seal(key: SigningKey, obj: PolicyManifest) -> SignedManifest: ...
+@overload
+def seal(key: SigningKey, obj: EvalStatement) -> SignedEvalStatement: ...
+@overload
+def seal(key: SigningKey, obj: ReleaseManifest) -> SignedRelease: ...
 def seal(key: SigningKey, obj: Struct) -> Struct:
-    """Sign ``obj``; returns its Signed* wrapper."""
+    """Sign ``obj``; returns its Signed* wrapper (``SignedAssignment`` for a
+    ``WorkAssignment``, and so on: the type checker knows which)."""
     sig_domain, _, wrapper, _ = _KINDS[type(obj)]
     payload = canonical_bytes(obj)
     return wrapper(payload, key.sign(signing_message(sig_domain, payload)))

@@ -258,7 +258,6 @@ class Validator:
             nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
         )
         sealed = seal(self.key, wire)
-        assert isinstance(sealed, SignedAssignment)
         return Issued(sealed, wire, problem, tuple(self.codec.encode(problem.prompt)))
 
     # -- submission ----------------------------------------------------------
@@ -376,7 +375,6 @@ class Validator:
                 raise LedgerError(f"the answer stored for this group is unreadable: {exc}",
                                   reason=Reason.LEDGER_CORRUPT) from None
         sealed = seal(self.key, GroupVerdict(group_digest, verdicts))
-        assert isinstance(sealed, SignedGroupVerdict)
         return sealed
 
     def _judge(self, issued: Issued, members: list[Member], secret: bytes,

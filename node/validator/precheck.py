@@ -236,7 +236,7 @@ class _Worker:
             answer.set_exception(EOFError("the precheck worker is gone"))
             return answer
         self.pending.append(answer)
-        self._transport.writelines((len(message).to_bytes(_FRAME, "little"), message))
+        self._transport.writelines((_prefix(message), message))  # framed without copying it
         return answer
 
     def answered(self, message: bytes) -> None:
@@ -320,8 +320,13 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return bytes(buf)
 
 
+def _prefix(message: bytes) -> bytes:
+    """The frame header of ``message``: its length."""
+    return len(message).to_bytes(_FRAME, "little")
+
+
 def _framed(message: bytes) -> bytes:
-    return len(message).to_bytes(_FRAME, "little") + message
+    return _prefix(message) + message
 
 
 def _send(sock: socket.socket, message: bytes) -> None:

@@ -111,7 +111,6 @@ class Recorder:
         for rec in records:  # a bad record fails this group alone, not its whole batch
             check_record(rec)
         signed = seal(self.key, GroupVerdict(group_digest, verdicts))
-        assert isinstance(signed, SignedGroupVerdict)
         submission = (a.assignment_id, group_digest, canonical_bytes(signed))
         # Returns once durable in the ledger. Until then the group is in flight, so a
         # resubmission gets BACKPRESSURE, never a second judgement.
