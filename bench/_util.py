@@ -62,8 +62,18 @@ def busy_fraction(start: tuple[int, int, int] | None, end: tuple[int, int, int] 
 
 def process_cpu(pid: int) -> float | None:
     """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``), else None."""
+    return _stat_cpu(f"/proc/{pid}/stat")
+
+
+def thread_cpu(native_id: int) -> float | None:
+    """CPU seconds (user + system) this process's thread ``native_id``
+    (``threading.get_native_id``) has used so far (Linux ``/proc``), else None."""
+    return _stat_cpu(f"/proc/self/task/{native_id}/stat")
+
+
+def _stat_cpu(path: str) -> float | None:
     try:
-        with open(f"/proc/{pid}/stat") as f:
+        with open(path) as f:
             fields = f.read().rpartition(")")[2].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):

@@ -32,6 +32,11 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              own process (HTTP, admission), its precheck worker processes, the
                              load-generating clients (their request loops), and the rest of the
                              machine's busy time (kernel threads, other processes)
+  admission_node_thread_cpu_ms_per_group
+                             the node's share of that split by thread: its HTTP event loop
+                             (request parsing, handing bodies to the precheck workers, answers),
+                             its admission threads (checks, verdicts, the state and ledger
+                             writes) and the rest of its process (Linux; null elsewhere)
 
 Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
@@ -63,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._util import best_rate, busy_fraction, cpu_ticks, emit, process_cpu  # noqa: E402
+from bench._util import best_rate, busy_fraction, cpu_ticks, emit, process_cpu, thread_cpu  # noqa: E402
 
 
 def log(msg: str) -> None:
@@ -189,6 +194,9 @@ class Admitted:
     """CPU per admitted group: the node's own process (HTTP and admission), its precheck
     worker processes, the load-generating clients, and the rest of the machine's busy time
     (kernel threads, other processes)."""
+    node_thread_cpu_ms_per_group: dict[str, float | None]
+    """The node's own CPU per admitted group split by thread: its HTTP event loop, its
+    admission threads, and the rest of its process (other threads)."""
 
 
 def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]
@@ -222,8 +230,10 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
         for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+        threads = _node_threads()
         start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
         before = [process_cpu(pid) for pid in workers]
+        threads_before = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
         for proc in procs:
             assert proc.stdin is not None
             proc.stdin.write("go\n")
@@ -236,6 +246,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
             raise
         elapsed = time.perf_counter() - start
         after = [process_cpu(pid) for pid in workers]
+        threads_after = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
         ticks_after = cpu_ticks()
         busy, stolen = busy_fraction(ticks, ticks_after), busy_fraction(ticks, ticks_after, stolen=True)
         spent = os.times()
@@ -246,16 +257,42 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
     for report in reports:
         latencies.extend(report["latencies"])
         client_cpu += report["cpu_s"]
-    worker_cpu: float | None = 0.0
-    for a, b in zip(before, after, strict=True):
-        worker_cpu = None if a is None or b is None or worker_cpu is None else worker_cpu + b - a
-    per_group: dict[str, float | None] = {"node": spent.user + spent.system - own.user - own.system,
-                                          "precheck_workers": worker_cpu, "clients": client_cpu}
+    node_cpu = spent.user + spent.system - own.user - own.system
+    worker_cpu = _spent(before, after)
+    per_group: dict[str, float | None] = {"node": node_cpu, "precheck_workers": worker_cpu,
+                                          "clients": client_cpu}
     if busy is not None and worker_cpu is not None:  # the kernel's own threads, other processes
         machine = busy * (os.cpu_count() or 1) * elapsed
         per_group["rest_of_machine"] = machine - sum(t for t in per_group.values() if t is not None)
-    return Admitted(groups / elapsed, latencies, busy, stolen,
-                    {k: None if t is None else round(1000 * t / groups, 3) for k, t in per_group.items()})
+    node_threads = {part: _spent(threads_before[part], threads_after[part]) if ids else None
+                    for part, ids in threads.items()}
+    if all(t is not None for t in node_threads.values()):
+        node_threads["other"] = node_cpu - sum(node_threads.values())  # type: ignore[arg-type]
+
+    def ms(seconds: dict[str, float | None]) -> dict[str, float | None]:
+        return {k: None if t is None else round(1000 * t / groups, 3) for k, t in seconds.items()}
+
+    return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads))
+
+
+def _node_threads() -> dict[str, list[int]]:
+    """The native ids of the node's HTTP event loop thread and its admission threads."""
+    import threading
+
+    found: dict[str, list[int]] = {"http_event_loop": [], "admission": []}
+    for t in threading.enumerate():
+        part = ("http_event_loop" if t.name == "validator-http"
+                else "admission" if t.name.startswith("admit-") else None)
+        if part is not None and t.native_id is not None:
+            found[part].append(t.native_id)
+    return found
+
+
+def _spent(before: list[float | None], after: list[float | None]) -> float | None:
+    """CPU seconds between two readings of the same processes or threads; None if any is missing."""
+    if any(t is None for t in before + after):
+        return None
+    return sum(b - a for a, b in zip(before, after, strict=True))  # type: ignore[operator]
 
 
 def client(url: str, bodies_path: str) -> None:
@@ -517,6 +554,7 @@ def main() -> None:
         "admission_cpu_busy": run.busy,
         "admission_cpu_stolen": run.stolen,
         "admission_cpu_ms_per_group": run.cpu_ms_per_group,
+        "admission_node_thread_cpu_ms_per_group": run.node_thread_cpu_ms_per_group,
         **cost, **audited,
         "spotcheck_cost_target": 0.35,
         "model": str(model),

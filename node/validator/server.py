@@ -93,7 +93,7 @@ class BackgroundServer:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host, self.port = host, port or free_port(host)
         self.server = uvicorn.Server(server_config(app, self.host, self.port))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, name="validator-http", daemon=True)
 
     @property
     def url(self) -> str:

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 
 import pytest
 
-from bench._util import busy_fraction, cpu_ticks, process_cpu
+from bench._util import busy_fraction, cpu_ticks, process_cpu, thread_cpu
 
 
 def test_busy_and_stolen_shares_between_two_readings() -> None:
@@ -29,3 +31,27 @@ def test_readings_of_this_machine_and_process_grow_with_work() -> None:
     later = process_cpu(os.getpid())
     assert later is not None and later > cpu
     assert process_cpu(2**22 + 12_345) is None  # no such process
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_thread_reading_counts_that_thread_alone() -> None:
+    """A thread that only sleeps uses (almost) none of the CPU a busy thread uses."""
+    stop = threading.Event()
+    idle = threading.Thread(target=stop.wait, name="idle")
+    idle.start()
+    try:
+        assert idle.native_id is not None
+        me, other = threading.get_native_id(), idle.native_id
+        mine, theirs = thread_cpu(me), thread_cpu(other)
+        assert mine is not None and theirs is not None
+        end = time.process_time() + 0.3
+        while time.process_time() < end:
+            pass
+        spent_here = thread_cpu(me) - mine  # type: ignore[operator]
+        spent_there = thread_cpu(other) - theirs  # type: ignore[operator]
+        assert spent_here >= 0.2
+        assert spent_there <= 0.02
+    finally:
+        stop.set()
+        idle.join()
+    assert thread_cpu(2**22 + 12_345) is None  # no such thread here
