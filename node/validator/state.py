@@ -67,10 +67,10 @@ CREATE TABLE IF NOT EXISTS submissions (
     group_digest BLOB NOT NULL,
     verdicts BLOB NOT NULL
 );
-CREATE TABLE IF NOT EXISTS completions (
+CREATE TABLE IF NOT EXISTS completions (  -- one B-tree: no rowid table beside the key's index
     digest BLOB PRIMARY KEY,
     assignment_id BLOB
-);
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS assignments (
     assignment_id BLOB PRIMARY KEY,
     sealed BLOB NOT NULL

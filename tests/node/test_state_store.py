@@ -145,6 +145,20 @@ def test_an_in_memory_store_keeps_bodies_too() -> None:
     store.close()
 
 
+def test_a_new_store_keeps_completions_in_one_btree(tmp_path: Path) -> None:
+    """Completion digests are random keys: a rowid table would insert each one twice (the
+    table and its key's index), and hold both."""
+    store = StateStore(tmp_path / "state.sqlite")
+    store.put_samples([], [(b"c" * 32, A)])
+    store.close()
+    db = sqlite3.connect(tmp_path / "state.sqlite")
+    sql = db.execute("SELECT sql FROM sqlite_master WHERE name = 'completions'").fetchone()[0]
+    indexes = db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'completions'")
+    assert "WITHOUT ROWID" in sql and indexes.fetchall() == []
+    assert db.execute("SELECT digest, assignment_id FROM completions").fetchall() == [(b"c" * 32, A)]
+    db.close()
+
+
 def test_a_completion_is_seen_only_under_another_assignment(tmp_path: Path) -> None:
     path = tmp_path / "state.sqlite"
     legacy = sqlite3.connect(path)  # a database whose completions table has no assignment column
