@@ -181,6 +181,11 @@ def comparison_step(runs: list[RunData]) -> int | None:
     return max(below) if below else None
 
 
+def _ended_apart(last_steps: dict[str, int]) -> bool:
+    """Whether runs whose last evaluated steps are ``last_steps`` stopped at different steps."""
+    return len(set(last_steps.values())) > 1
+
+
 @dataclass(frozen=True)
 class Outcome:
     """The report's verdict. Gains are held-out pass@1 at the last eval minus the first,
@@ -199,7 +204,7 @@ class Outcome:
     @property
     def ended_apart(self) -> bool:
         """Whether the compared runs' last evals are at different steps."""
-        return len(set(self.last_steps.values())) > 1
+        return _ended_apart(self.last_steps)
 
     @property
     def improved(self) -> bool | None:
@@ -225,7 +230,7 @@ def outcome(runs: dict[str, RunData]) -> Outcome:
     compared = [main, *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main)]
     step = comparison_step(compared)
     last_steps = {r.name: r.last_step() for r in compared if r.evals}
-    apart = len(set(last_steps.values())) > 1
+    apart = _ended_apart(last_steps)
 
     def gain(name: str) -> float | None:  # runs that share no eval step do not compare
         r = runs.get(name)
