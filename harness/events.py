@@ -2,7 +2,10 @@
 
 runner → report, compare. Every event carries ``kind`` (the tag), ``run``
 (``scenario``, ``honest`` or ``no-defence``) and, except ``audit``, ``t``: the
-simulated time in seconds since that run started. A crash loses at most the
+simulated time in seconds since that run started. Events of one kind are
+written in time order; an eval is written when its report comes back
+(``harness.background_evals``), after the steps trained meanwhile, and its
+``t`` is its version's. A crash loses at most the
 line being written; readers skip a torn final line and reject any other bad
 line with its line number.
 

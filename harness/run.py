@@ -19,11 +19,14 @@ with its ledger, a policy-version registry) and drives it in simulated time:
   run's ledger.
 
 Real compute is done on this machine one piece at a time; only the clock is
-simulated.
+simulated. Held-out evals are the exception: they run beside training in a
+process of their own (``harness.background_evals``), are recorded in version
+order as their reports come back, and take none of the simulated time.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 import time
 from collections.abc import Callable
@@ -35,6 +38,7 @@ import torch
 from transformers import AutoTokenizer
 
 from harness.adversaries.base import Context, Strategy, make_strategy, plain_generation
+from harness.background_evals import BackgroundEvals, Evaluated
 from harness.events import (
     EVENTS_FILE,
     Audit,
@@ -58,7 +62,7 @@ from rewards.tasks import generate as generate_problems
 from rollout.backends import TransformersBackend, generate_grouped
 from rollout.worker import open_assignment
 from trainer.config import AggregatorSection, LocalSection, LossSection, TrainerConfig
-from trainer.evals import default_max_new_tokens, evaluate
+from trainer.evals import default_max_new_tokens
 from trainer.loop import TrainerLoop, ensure_process_group
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
@@ -280,53 +284,64 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     heldout = generate_problems(s.task.name, "heldout", cfg.eval_problems, s.seed)
     max_new = default_max_new_tokens(heldout, tokenizer)
 
-    def eval_event(step: int) -> float:
-        report = evaluate((net.registry[step], tokenizer), s.task.name, "heldout", k=1, samples=1,
-                          seed=s.seed, problems=heldout, max_new_tokens=max_new)
-        net.record_eval(step, report, seed=s.seed)
-        p = report.metric("pass@1 (greedy)")
-        reward = report.metric("mean reward (greedy)").value
-        log.write(Eval(t=sim.t, run=run, step=step, version=step, pass_at_1=p.value,
-                       ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
-        return p.value
+    last, evaluated = float("nan"), 0
+    passes: dict[int, float] = {}
+
+    def record(done: list[Evaluated]) -> None:
+        """Record reports in the ledger and the log, in version order, at their step's time."""
+        nonlocal last
+        for e in done:
+            net.record_eval(e.version, e.report, seed=s.seed)
+            p = e.report.metric("pass@1 (greedy)")
+            reward = e.report.metric("mean reward (greedy)").value
+            log.write(Eval(t=e.tag, run=run, step=e.version, version=e.version, pass_at_1=p.value,
+                           ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
+            last = p.value
+            passes[e.version] = p.value
 
     stage = load_stage(model_dir, 0, 1)
     runner = PipelineRunner(stage, 0, 1, temperature=v.temperature, seed=s.seed)
     loop = TrainerLoop(cfg, runner, net, publish=net.publish, weights=net.weights,
                        wait=sim.pump, progress=False)
-    first = eval_event(0)
-    last, evaluated = first, 0
     every_version = s.trainer.eval_every_version and run == "scenario"
-    wall0 = time.monotonic()
     budget = s.trainer.budget_s or float("inf")
     steps = s.trainer.steps or 1_000_000
     trained = 0
     from tqdm import tqdm
 
-    bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
-    while loop.version < steps and time.monotonic() - wall0 < budget:
-        metrics = loop.train_step()
-        sim.t += metrics.get("perf/step_s", 0.0)
-        trained += int(metrics.get("train/samples", 0))
-        stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
-                 for _ in range(int(metrics[k]))]
-        log.write(TrainStep(
-            t=sim.t, run=run, step=loop.version, version=loop.version,
-            samples=int(metrics.get("train/samples", 0)), staleness=stale,
-            loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
-            ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
-            masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
-            grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
-                        if k.startswith("aggregate/grad_norm/")}))
-        log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}", pass1=f"{last:.2f}")
-        if every_version or (cfg.eval_every and loop.version % cfg.eval_every == 0):
-            last = eval_event(loop.version)
-            evaluated = loop.version
-    bar.close()
-    if loop.version != evaluated:
-        last = eval_event(loop.version)
+    # Evals run beside training in a process of their own (``harness.background_evals``).
+    with BackgroundEvals(model_dir, s.task.name, heldout, max_new_tokens=max_new, seed=s.seed) as evals:
+        record(evals.submit(0, net.model(0), tag=sim.t))
+        wall0 = time.monotonic()
+        bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
+        while loop.version < steps and time.monotonic() - wall0 < budget:
+            metrics = loop.train_step()
+            sim.t += metrics.get("perf/step_s", 0.0)
+            trained += int(metrics.get("train/samples", 0))
+            stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
+                     for _ in range(int(metrics[k]))]
+            log.write(TrainStep(
+                t=sim.t, run=run, step=loop.version, version=loop.version,
+                samples=int(metrics.get("train/samples", 0)), staleness=stale,
+                loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
+                ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
+                masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
+                grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
+                            if k.startswith("aggregate/grad_norm/")}))
+            log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
+            bar.update(1)
+            bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
+                            pass1="-" if math.isnan(last) else f"{last:.2f}")
+            if every_version or (cfg.eval_every and loop.version % cfg.eval_every == 0):
+                record(evals.submit(loop.version, net.model(loop.version), tag=sim.t))
+                evaluated = loop.version
+            else:
+                record(evals.ready())
+        bar.close()
+        if loop.version != evaluated:  # the last version is always evaluated
+            evals.submit(loop.version, net.model(loop.version), tag=sim.t)
+        record(evals.drain())
+    first = passes[0]
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))
     values = {"steps": loop.version, "samples_trained": trained, "sim_seconds": round(sim.t, 2),
