@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import signal
 import traceback
 from collections import deque
 from collections.abc import Sequence
@@ -166,6 +167,7 @@ class BackgroundEvals:
 def _serve(conn: Any, model_dir: str, task: str, problems: list[Problem], max_new_tokens: int,
            seed: int) -> None:
     """The worker: load the architecture once, then evaluate each version sent until told to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops us
     torch.set_num_threads(1)  # as the run does: one core, and the same kernels' rounding
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
