@@ -19,8 +19,9 @@ torch thread.
 Invariants:
 - Reports come back in the order their versions were submitted.
 - At most ``max_pending`` versions are in flight; :meth:`submit` waits for the
-  oldest report beyond that (it returns the reports that came in), so a slow
+  oldest report beyond that (and keeps it for :meth:`ready`), so a slow
   machine never queues weights without bound.
+- Every report is handed out exactly once, by :meth:`ready` or :meth:`drain`.
 - An eval that fails in the worker raises :class:`EvalWorkerError` (with the
   worker's traceback) in the caller, at the next call that collects reports; a
   worker that dies raises it too. :meth:`close` stops the worker in every case.
@@ -75,6 +76,7 @@ class BackgroundEvals:
             raise ValueError("max_pending must be >= 1")
         self.max_pending = max_pending
         self._pending: deque[tuple[int, Any]] = deque()
+        self._done: list[Evaluated] = []
         context = multiprocessing.get_context("spawn")
         self._conn, theirs = context.Pipe()
         self._proc = context.Process(
@@ -94,30 +96,29 @@ class BackgroundEvals:
         """Versions submitted and not yet reported."""
         return len(self._pending)
 
-    def submit(self, version: int, model: torch.nn.Module, tag: Any = None) -> list[Evaluated]:
+    def submit(self, version: int, model: torch.nn.Module, tag: Any = None) -> None:
         """Evaluate ``model`` as policy ``version`` (its weights are copied now, so the caller
         may drop or change the model afterwards); ``tag`` comes back with its report.
 
-        Returns the reports that are in, waiting for the oldest ones while more than
-        ``max_pending`` are in flight."""
+        While more than ``max_pending`` are in flight it waits for the oldest reports."""
         state = {k: t.detach().cpu().clone() for k, t in model.state_dict().items()}
         self._send(pickle.dumps((version, state), pickle.HIGHEST_PROTOCOL))
         self._pending.append((version, tag))
-        done = self.ready()
         while len(self._pending) > self.max_pending:
-            done.append(self._receive())
-        return done
+            self._done.append(self._receive())
 
     def ready(self) -> list[Evaluated]:
-        """The reports already in, oldest first, without waiting."""
-        done = []
+        """The reports in and not yet handed out, oldest first, without waiting."""
         while self._pending and self._poll():
-            done.append(self._receive())
+            self._done.append(self._receive())
+        done, self._done = self._done, []
         return done
 
     def drain(self) -> list[Evaluated]:
-        """Every outstanding report, oldest first, waiting for each."""
-        return [self._receive() for _ in range(len(self._pending))]
+        """Every report not yet handed out, oldest first, waiting for those still in flight."""
+        while self._pending:
+            self._done.append(self._receive())
+        return self.ready()
 
     def close(self) -> None:
         """Stop the worker (outstanding evals are dropped; :meth:`drain` first to keep them)."""

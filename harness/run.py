@@ -311,7 +311,7 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
 
     # Evals run beside training in a process of their own (``harness.background_evals``).
     with BackgroundEvals(model_dir, s.task.name, heldout, max_new_tokens=max_new, seed=s.seed) as evals:
-        record(evals.submit(0, net.model(0), tag=sim.t))
+        evals.submit(0, net.model(0), tag=sim.t)
         wall0 = time.monotonic()
         bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
         while loop.version < steps and time.monotonic() - wall0 < budget:
@@ -333,10 +333,9 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
             bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
                             pass1="-" if math.isnan(last) else f"{last:.2f}")
             if every_version or (cfg.eval_every and loop.version % cfg.eval_every == 0):
-                record(evals.submit(loop.version, net.model(loop.version), tag=sim.t))
+                evals.submit(loop.version, net.model(loop.version), tag=sim.t)
                 evaluated = loop.version
-            else:
-                record(evals.ready())
+            record(evals.ready())
         bar.close()
         if loop.version != evaluated:  # the last version is always evaluated
             evals.submit(loop.version, net.model(loop.version), tag=sim.t)

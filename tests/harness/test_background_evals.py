@@ -47,8 +47,9 @@ def test_reports_match_in_line_evals_in_order_even_when_the_model_changes_after(
                          max_pending=2) as evals:
         for i, m in enumerate(versions):
             scratch = copy.deepcopy(m)
-            done += evals.submit(i, scratch, tag=f"t{i}")
+            evals.submit(i, scratch, tag=f"t{i}")
             assert evals.pending <= 2
+            done += evals.ready()
             with torch.no_grad():  # the weights were taken at submission
                 for p in scratch.parameters():
                     p.zero_()
@@ -63,6 +64,17 @@ def test_reports_match_in_line_evals_in_order_even_when_the_model_changes_after(
         assert got["settings"] == want["settings"]
 
 
+def test_reports_waited_for_while_submitting_are_kept_and_handed_out_once(setting) -> None:  # type: ignore[no-untyped-def]
+    model_dir, _, problems, max_new, base = setting
+    with BackgroundEvals(model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED,
+                         max_pending=1) as evals:
+        for i in range(4):  # from the second on, each submit waits for the one before
+            evals.submit(i, base, tag=i)
+            assert evals.pending == 1
+        assert [e.version for e in evals.drain()] == [0, 1, 2, 3]
+        assert evals.ready() == [] and evals.drain() == []
+
+
 def test_a_failed_eval_raises_with_the_workers_traceback(setting) -> None:  # type: ignore[no-untyped-def]
     model_dir, _, problems, max_new, base = setting
     wrong = torch.nn.Linear(3, 2)  # another architecture: its state dict does not load
@@ -71,7 +83,8 @@ def test_a_failed_eval_raises_with_the_workers_traceback(setting) -> None:  # ty
         with pytest.raises(EvalWorkerError, match=r"version 7 failed(.|\n)*state_dict"):
             evals.drain()
         # the worker lives on: the next version evaluates
-        [after] = evals.submit(8, base) + evals.drain()
+        evals.submit(8, base)
+        [after] = evals.drain()
         assert after.version == 8 and after.report.problems == 24
 
 
