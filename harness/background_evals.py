@@ -170,15 +170,16 @@ def _serve(conn: Any, model_dir: str, task: str, problems: list[Problem], max_ne
     """The worker: load the architecture once, then evaluate each version sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops us
     torch.set_num_threads(1)  # as the run does: one core, and the same kernels' rounding
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
 
+    from rollout.loading import load_pretrained_lm
     from trainer.evals import evaluate
 
     hf_logging.disable_progress_bar()  # the run's own progress bar is the one to read
 
     # As the run loads them (``harness.local_network``, ``harness.run``).
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     while True:
         try:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import blake3
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from harness.adversaries.base import Context, make_strategy
 from harness.version_registry import RegistryOracle, VersionRegistry
@@ -49,6 +49,7 @@ from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.state import StateStore
 from rewards.tasks.base import generate as generate_problems
 from rollout.backends import TransformersBackend, generate_grouped
+from rollout.loading import load_pretrained_lm
 from rollout.oracle import UnknownPolicyVersion
 from rollout.sync import PolicySync
 from rollout.worker import honest_request, sign_completions
@@ -147,7 +148,7 @@ class LocalNetwork:
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="prooftrain-local-")
         self.work_dir = Path(work_dir or self._tmp.name)  # type: ignore[union-attr]
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        base = AutoModelForCausalLM.from_pretrained(self.model_dir, dtype=torch.float32)
+        base = load_pretrained_lm(self.model_dir, dtype=torch.float32)
         self.registry = VersionRegistry(base.eval(), keep=s.max_staleness + s.publish_delay + 2)
         self.codec = HFTextCodec(self.model_dir)
         self.trainer_key = local_trainer_key()

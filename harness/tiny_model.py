@@ -14,6 +14,7 @@ import torch
 def build_tiny_model(path: Path, seed: int = 0, layers: int = 2, scale: float = 3.0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from rollout.loading import MODEL_BUILD_LOCK
     from trainer.tokenizer import build_char_tokenizer
 
     tok = build_char_tokenizer()
@@ -23,7 +24,8 @@ def build_tiny_model(path: Path, seed: int = 0, layers: int = 2, scale: float = 
                          max_position_embeddings=128, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                          tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+    with MODEL_BUILD_LOCK:
+        model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(scale)
     model.save_pretrained(path)

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from rollout.loading import load_pretrained_lm
 from verify.errors import ConfigError
 from verify.sampling import (
     SAMPLER_KEY_SIZE,
@@ -167,9 +168,7 @@ def load_causal_lm(
 ) -> torch.nn.Module:
     """A ready ``transformers`` causal LM in eval mode, from a module or a local directory."""
     if isinstance(model, (str, Path)):
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(model), dtype=dtype or "auto")
+        model = load_pretrained_lm(model, dtype=dtype or "auto")
     elif dtype is not None:
         model = model.to(dtype)
     return model.to(device).eval()

@@ -41,6 +41,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from rollout.loading import load_pretrained_lm
 from verify.errors import ConfigError, Reason, VerificationError
 from verify.keys import PublicKey
 from verify.manifest import (
@@ -113,8 +114,6 @@ class PolicySync:
         max_cached: int = 2,
         limits: DecodeLimits = DEFAULT_LIMITS,
     ) -> None:
-        from transformers import AutoModelForCausalLM
-
         if max_cached < 1:
             raise ConfigError("max_cached must be >= 1")
         self.trainer = trainer_pub
@@ -124,9 +123,7 @@ class PolicySync:
         self._fetch_manifest = fetch_manifest
         self._fetch_blob = fetch_blob
         self.base_digest = base_model_digest(base_model_dir)
-        self._template = AutoModelForCausalLM.from_pretrained(
-            str(base_model_dir), dtype=torch.float32
-        ).eval()
+        self._template = load_pretrained_lm(base_model_dir, dtype=torch.float32).eval()
         self._stages = stage_names(self._template, num_stages)
         # The template is never modified (model_at copies it), so version 0 shares its storage.
         self._base: State = {n: p.detach() for n, p in self._template.named_parameters()}

@@ -36,6 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rewards import reward
 from rewards.tasks import generate as generate_problems
 from rewards.tasks import get_task
+from rollout.loading import MODEL_BUILD_LOCK
 from trainer.generate import SamplingParams, generate
 from trainer.tokenizer import build_char_tokenizer
 
@@ -149,7 +150,8 @@ def _model(config: BaseModelConfig, vocab_size: int) -> LlamaForCausalLM:
         bos_token_id=1,
         eos_token_id=2,
     )
-    return LlamaForCausalLM(cfg)
+    with MODEL_BUILD_LOCK:
+        return LlamaForCausalLM(cfg)
 
 
 def _examples(config: BaseModelConfig, seed: int, tokenizer) -> tuple[list, list, int]:

@@ -25,7 +25,6 @@ from pathlib import Path
 
 import torch
 from transformers import (
-    AutoModelForCausalLM,
     AutoTokenizer,
     PreTrainedModel,
     PreTrainedTokenizerBase,
@@ -35,6 +34,7 @@ from rewards import Problem, reward
 from rewards.errors import TaskError, UnknownTaskError
 from rewards.tasks import generate as generate_problems
 from rewards.tasks import get_task
+from rollout.loading import load_pretrained_lm
 from trainer.generate import SamplingParams, generate
 from verify.keys import SigningKey
 from verify.signed import seal
@@ -136,7 +136,7 @@ def load_policy(
     if not (path / "config.json").is_file():
         raise TaskError(f"{path} is not a model directory (no config.json)")
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    model = load_pretrained_lm(path, local_files_only=True)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # functools.wraps on PreTrainedModel.to hides the bound signature (mypy sees self first).
     return model.to(device).eval(), tokenizer  # type: ignore[arg-type]

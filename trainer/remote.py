@@ -26,9 +26,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from node.client import ValidatorClient
+from rollout.loading import load_pretrained_lm
 from rollout.sync import base_model_digest
 from trainer.base_model import ensure_base_model
 from trainer.config import TrainerConfig
@@ -90,7 +91,7 @@ def run_remote(
     hook = PublishHook(publisher, client, base_digest=base_model_digest(model_dir),
                        trainer_key=key)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    template = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    template = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
 
     def evaluate_version(version: int) -> EvalReport:
         if publisher.version != version:

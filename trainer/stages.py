@@ -47,6 +47,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
+from rollout.loading import MODEL_BUILD_LOCK
 from verify.errors import ConfigError
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -306,7 +307,7 @@ def load_stage(
     if not 0 <= stage_index < num_stages:
         raise ConfigError(f"stage index {stage_index} out of range for {num_stages} stages")
     spec = specs[stage_index]
-    with torch.device("meta"):
+    with MODEL_BUILD_LOCK, torch.device("meta"):
         full = AutoModelForCausalLM.from_config(config, dtype=dtype)
     for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
         if not hasattr(full.model, name):
@@ -373,7 +374,7 @@ def write_index(
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
+    with MODEL_BUILD_LOCK, torch.device("meta"):
         full = AutoModelForCausalLM.from_config(config, dtype=dtype)
     weight_map: dict[str, str] = {}
     total = 0

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from ledger.log import Ledger
 from node.client import ValidatorClient
@@ -28,6 +27,7 @@ from node.validator.service import create_app
 from node.validator.state import StateStore
 from rewards.tasks.base import generate
 from rollout.backends import TransformersBackend, register_backend
+from rollout.loading import load_pretrained_lm
 from rollout.oracle import TransformersOracle
 from trainer.publish import StagePublisher, publish_version, publishable_state
 from verify.keys import SigningKey
@@ -74,7 +74,7 @@ def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tin
         assert all(x.accepted for x in worker.step())
 
         # The trainer takes a step and publishes version 1 as an int8 delta.
-        model = AutoModelForCausalLM.from_pretrained(str(tiny_model), dtype=torch.float32)
+        model = load_pretrained_lm(tiny_model, dtype=torch.float32)  # a node is running beside
         publisher = StagePublisher(0, publishable_state(model), "int8-block")
         with torch.no_grad():
             for p in model.parameters():

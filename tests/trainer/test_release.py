@@ -17,6 +17,7 @@ from ledger.records import EvalRecorded
 from node.client import ServiceError, ValidatorClient
 from node.validator.server import BackgroundServer
 from node.validator.service import create_app
+from rollout.loading import load_pretrained_lm
 from tests.release_world import TRAINER, VALIDATOR, World, release_fixtures
 from trainer.evals import EvalReport, Metric, eval_statement, evaluate, report_from_statement
 from trainer.release import build_release
@@ -101,9 +102,7 @@ def test_manifests_are_in_the_blob_store(world: World) -> None:
 
 
 def test_release_loads_and_reproduces_its_card(release: Path) -> None:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(release))
+    model = load_pretrained_lm(release)
     assert model.config.num_hidden_layers == 2
     data = (release / L.table_path("arithmetic", "release")).read_bytes()
     stmt = decode(EvalStatement, decode(SignedEvalStatement, data, max_bytes=len(data)).statement,
