@@ -97,11 +97,11 @@ class BackgroundEvals:
         return len(self._pending)
 
     def submit(self, version: int, model: torch.nn.Module, tag: Any = None) -> None:
-        """Evaluate ``model`` as policy ``version`` (its weights are copied now, so the caller
-        may drop or change the model afterwards); ``tag`` comes back with its report.
+        """Evaluate ``model`` as policy ``version`` (its weights are serialized now, so the
+        caller may drop or change the model afterwards); ``tag`` comes back with its report.
 
         While more than ``max_pending`` are in flight it waits for the oldest reports."""
-        state = {k: t.detach().cpu().clone() for k, t in model.state_dict().items()}
+        state = {k: t.cpu() for k, t in model.state_dict().items()}  # detached already
         self._send(pickle.dumps((version, state), pickle.HIGHEST_PROTOCOL))
         self._pending.append((version, tag))
         while len(self._pending) > self.max_pending:
