@@ -284,12 +284,11 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     heldout = generate_problems(s.task.name, "heldout", cfg.eval_problems, s.seed)
     max_new = default_max_new_tokens(heldout, tokenizer)
 
-    last, evaluated = float("nan"), 0
-    passes: dict[int, float] = {}
+    first, last, evaluated = float("nan"), float("nan"), 0
 
     def record(done: list[Evaluated]) -> None:
         """Record reports in the ledger and the log, in version order, at their step's time."""
-        nonlocal last
+        nonlocal first, last
         for e in done:
             net.record_eval(e.version, e.report, seed=s.seed)
             p = e.report.metric("pass@1 (greedy)")
@@ -297,7 +296,8 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
             log.write(Eval(t=e.tag, run=run, step=e.version, version=e.version, pass_at_1=p.value,
                            ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
             last = p.value
-            passes[e.version] = p.value
+            if e.version == 0:
+                first = p.value
 
     stage = load_stage(model_dir, 0, 1)
     runner = PipelineRunner(stage, 0, 1, temperature=v.temperature, seed=s.seed)
@@ -340,7 +340,6 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
         if loop.version != evaluated:  # the last version is always evaluated
             evals.submit(loop.version, net.model(loop.version), tag=sim.t)
         record(evals.drain())
-    first = passes[0]
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))
     values = {"steps": loop.version, "samples_trained": trained, "sim_seconds": round(sim.t, 2),
