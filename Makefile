@@ -45,7 +45,7 @@ faults: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy verify ledger trainer rollout rewards node harness
+	$(VENV)/bin/mypy verify ledger trainer rollout rewards node harness bench
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

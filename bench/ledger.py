@@ -34,6 +34,14 @@ KEY = SigningKey.from_seed(b"\x42" * 32)
 CONTRIBUTORS = [i.to_bytes(2, "big") * 16 for i in range(1, 257)]
 
 
+def _leaf(ledger: Ledger, index: int) -> bytes:
+    """The leaf hash of entry ``index``, which the ledger must hold."""
+    entry = ledger.store.entry(index)
+    if entry is None:
+        raise RuntimeError(f"the ledger has no entry {index}")
+    return entry[0]
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -88,7 +96,7 @@ def bench_proofs(ledger: Ledger, size: int, samples: int = 2000) -> dict:
     t0 = time.perf_counter()
     proofs = [ledger.inclusion_proof(i, size) for i in indices]
     gen = (time.perf_counter() - t0) / samples
-    leaves = [ledger.store.entry(i)[0] for i in indices]
+    leaves = [_leaf(ledger, i) for i in indices]
     t0 = time.perf_counter()
     for i, leaf, proof in zip(indices, leaves, proofs, strict=True):
         merkle.verify_inclusion(i, size, leaf, proof, cp.root)

@@ -184,7 +184,7 @@ def main() -> None:
             return None
         return round(improvement[key] / ref, 4)
 
-    def seed_ratios(key: str) -> list[float] | None:
+    def seed_ratios(key: str) -> list[float | None] | None:
         if key not in per_seed or "s0_is" not in per_seed:
             return None
         return [round(a / b, 4) if b else None for a, b in zip(per_seed[key], per_seed["s0_is"], strict=True)]

@@ -192,7 +192,7 @@ def main() -> int:
         hf.generate(warm[0])
         hf_groups, hf_s = timed(lambda: [hf.generate(r) for r in requests])
         log(f"transformers: {count_tokens(hf_groups)} tokens in {hf_s:.2f} s")
-        hf = None  # free its GPU memory before vLLM sizes its cache
+        hf = None  # type: ignore[assignment]  # free its GPU memory before vLLM sizes its cache
         torch.cuda.empty_cache()
         start = time.perf_counter()
         backend = VllmBackend(model_dir, dtype=args.dtype, enforce_eager=not args.cuda_graphs,

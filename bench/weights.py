@@ -35,7 +35,7 @@ from tqdm import tqdm  # noqa: E402
 from bench._util import emit  # noqa: E402
 from trainer.publish import StagePublisher, publishable_state  # noqa: E402
 
-CODECS = {
+CODECS: dict[str, tuple[str, dict[str, object]]] = {
     "fp32": ("fp32", {}),
     "int8-block": ("int8-block", {"block_size": 64, "scale_dtype": "bfloat16"}),
     "topk-2%-int8": ("topk", {"fraction": 0.02, "int8": True, "block_size": 64}),
