@@ -181,13 +181,21 @@ def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_valida
     first, second = pool.workers
 
     async def scenario() -> None:
-        # a caller that goes away leaves its check to be answered: the worker stays in use
+        # both sockets are attached first, so nothing below waits while a loss can be seen
+        await first.attach()
+        await second.attach()
+        # a caller that goes away once its check is sent leaves it to be answered: the worker stays
         task = asyncio.ensure_future(pool.check(*job))
-        await asyncio.sleep(0)
+        while not (first.pending or second.pending):
+            await asyncio.sleep(0)
         task.cancel()
-        await asyncio.sleep(2)
-        assert pool.live == 2 and not first.pending and not second.pending
+        for _ in range(200):
+            if not (first.pending or second.pending):
+                break
+            await asyncio.sleep(0.01)
+        assert task.cancelled() and pool.live == 2 and not first.pending and not second.pending
         # a worker killed holding two checks fails both; the other one answers the next
+        # (the three are handed out in one turn of the event loop, before it can see the loss)
         first.proc.kill()
         held = await asyncio.gather(pool.check(*job), pool.check(*job), pool.check(*job),
                                     return_exceptions=True)
