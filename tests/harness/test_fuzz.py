@@ -10,7 +10,7 @@ from harness.fuzz import main, mutate
 def test_short_campaign_is_clean(capsys) -> None:
     assert main(["--seconds", "4"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert result["inputs"] > 500 and result["crashes"] == 0
+    assert result["inputs"] > 100 and result["crashes"] == 0
     assert result["node_healthy"] and result["ledger_audit_ok"]
     assert any(k.startswith("http") for k in result["per_target"])
 

@@ -57,13 +57,16 @@ class Probe(ValidatorClient):
     ``on_submit(n, raw, answer)`` runs after the n-th submission (0-based) got
     its answer (``answer`` is None when ``send`` said not to send it). More than
     ``max_assigns`` assignments raise, so a loop that ignores a failure ends.
+    The first ``overlap`` submissions each wait (up to a minute) until the state
+    file holds another group besides their own, so generation and uploads
+    overlap however fast or slow the machine generates.
     """
 
     def __init__(self, url: str, state_file: Path, *, delay_s: float = 0.0,
                  send=lambda n: True, on_submit=None,  # type: ignore[no-untyped-def]
-                 max_assigns: int = 100) -> None:
+                 max_assigns: int = 100, overlap: int = 0) -> None:
         super().__init__(url, ALICE)
-        self.max_assigns = max_assigns
+        self.max_assigns, self.overlap = max_assigns, overlap
         self.state_file, self.delay_s, self.send, self.on_submit = state_file, delay_s, send, on_submit
         self.lock = threading.Lock()
         self.uploading = 0
@@ -94,8 +97,15 @@ class Probe(ValidatorClient):
             n = self.submits
             self.submits += 1
             self.uploading += 1
-            self.pending_at_submit.append(self._pending())
         try:
+            deadline = time.monotonic() + 60
+            while n < self.overlap and time.monotonic() < deadline:
+                with self.lock:
+                    if self._pending() >= 2:
+                        break
+                time.sleep(0.01)
+            with self.lock:
+                self.pending_at_submit.append(self._pending())
             time.sleep(self.delay_s)  # a slow wide-area link
             answer = super().submit(group) if self.send(n) else None
             if answer is not None:
@@ -127,7 +137,7 @@ def _upload_threads() -> list[threading.Thread]:
 
 def test_uploads_overlap_generation_and_all_groups_land(node, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     v, url = node
-    client = Probe(url, _state(tmp_path), delay_s=0.4)
+    client = Probe(url, _state(tmp_path), delay_s=0.4, overlap=4)
     client.register("alice")
     log: list[str] = []
     worker = _contributor(client, tmp_path, tiny_model, uploads=3, log=log)

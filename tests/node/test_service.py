@@ -135,7 +135,7 @@ def test_rejections_carry_reasons_and_statuses(live) -> None:
 
 
 def test_rate_limit_answers_429_with_retry_after(make_validator) -> None:
-    v = make_validator({"limits.requests_per_s": 0.5, "limits.burst": 2})
+    v = make_validator({"limits.requests_per_s": 0.001, "limits.burst": 2})
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         codes = [httpx.post(f"{url}/v1/submit", content=b"x").status_code for _ in range(4)]
         assert codes[:2] == [400, 400] and codes[2:] == [429, 429]

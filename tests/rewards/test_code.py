@@ -108,13 +108,13 @@ def test_huge_output_is_capped_and_scores_zero():
 def test_infinite_loop_hits_cpu_limit():
     t0 = time.monotonic()
     assert score("def add(a, b):\n    while True: pass\n") == 0.0
-    assert time.monotonic() - t0 < FAST.wall_seconds + 2
+    assert time.monotonic() - t0 < FAST.wall_seconds + 10
 
 
 def test_sleep_hits_wall_clock():
     t0 = time.monotonic()
     assert score("import time\ndef add(a, b):\n    time.sleep(100)\n") == 0.0
-    assert time.monotonic() - t0 < FAST.wall_seconds + 2
+    assert time.monotonic() - t0 < FAST.wall_seconds + 10
 
 
 @pytest.mark.parametrize("limits", [FAST, OS_ONLY], ids=["guard", "os-only"])
