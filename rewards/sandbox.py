@@ -130,10 +130,17 @@ def _cmdline_has(pid: int, marker: bytes) -> bool:
         return False
 
 
+KILL_SWEEP_S = 10.0
+"""How long :func:`kill_tree` keeps sweeping: SIGKILLed processes exit as soon as the kernel
+schedules them, which on a loaded machine can take well over a few milliseconds."""
+
+
 def kill_tree(leader: int, marker: bytes) -> None:
-    """SIGKILL the group of ``leader`` and sweep /proc until none of its processes runs."""
+    """SIGKILL the group of ``leader`` and sweep /proc until none of its processes runs
+    (for at most :data:`KILL_SWEEP_S`)."""
     me = os.getpid()
-    for _ in range(50):
+    deadline = time.monotonic() + KILL_SWEEP_S
+    while True:
         try:
             os.killpg(leader, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
@@ -147,7 +154,7 @@ def kill_tree(leader: int, marker: bytes) -> None:
                 continue
             if leader in (fields[1], fields[2]) or _cmdline_has(pid, marker):
                 alive.append(pid)
-        if not alive:
+        if not alive or time.monotonic() > deadline:
             return
         for pid in alive:
             try:
