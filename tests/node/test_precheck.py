@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import pickle
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -169,6 +170,13 @@ def _run_then_close(pool: PrecheckPool, scenario: Callable[[], Coroutine[Any, An
         pool.close()
 
 
+async def _until(condition: Callable[[], bool], seconds: float = 2.0) -> None:
+    """Let the event loop run until ``condition()`` holds or ``seconds`` have passed."""
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+
+
 async def _gather(pool: PrecheckPool, jobs: list) -> list[Prechecked]:
     return list(await asyncio.gather(*(pool.check(*job) for job in jobs)))
 
@@ -186,13 +194,9 @@ def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_valida
         await second.attach()
         # a caller that goes away once its check is sent leaves it to be answered: the worker stays
         task = asyncio.ensure_future(pool.check(*job))
-        while not (first.pending or second.pending):
-            await asyncio.sleep(0)
+        await _until(lambda: bool(first.pending or second.pending))
         task.cancel()
-        for _ in range(200):
-            if not (first.pending or second.pending):
-                break
-            await asyncio.sleep(0.01)
+        await _until(lambda: not (first.pending or second.pending))
         assert task.cancelled() and pool.live == 2 and not first.pending and not second.pending
         # a worker killed holding two checks fails both; the other one answers the next
         # (the three are handed out in one turn of the event loop, before it can see the loss)
