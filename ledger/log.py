@@ -122,8 +122,13 @@ class Ledger:
         return self.append_many([record])[0]
 
     def append_many(self, records: Sequence[Record], *, checkpoint: bool = False,
-                    _genesis: bool = False) -> range:
-        """Append records in one transaction; return their indices."""
+                    before_commit: Callable[[], object] | None = None, _genesis: bool = False) -> range:
+        """Append records in one transaction; return their indices.
+
+        ``before_commit``: called once the records are written into the transaction and
+        just before it commits; what it raises rolls the transaction back and propagates.
+        A caller whose records refer to data it is still making durable waits for it
+        there, so that wait overlaps the work of the append instead of preceding it."""
         bodies = []
         for rec in records:
             if isinstance(rec, LogCreated) and not _genesis:
@@ -131,10 +136,10 @@ class Ledger:
             check_record(rec)
             bodies.append(canonical_bytes(rec))
         with self._write_lock:
-            return self._append_locked(records, bodies, checkpoint, _genesis)
+            return self._append_locked(records, bodies, checkpoint, before_commit, _genesis)
 
     def _append_locked(self, records: Sequence[Record], bodies: list[bytes], checkpoint: bool,
-                       _genesis: bool) -> range:
+                       before_commit: Callable[[], object] | None, _genesis: bool) -> range:
         with self.store.write() as tx:
             size = tx.size()
             if size != self._known_size:  # another writer appended: what we knew may be stale
@@ -166,6 +171,8 @@ class Ledger:
             tx.put_reputation(changed.values())
             if checkpoint and self._signer is not None:
                 self._sign_head(tx, tree.size, tree.root())
+            if before_commit is not None:
+                before_commit()
         # committed: the states read and written are current as of the new size
         self._states.update((key, states.get(key)) for key in keys)
         self._known_size = size + len(records)

@@ -14,9 +14,10 @@ records, then the stored answers for idempotent resubmission.
 Invariants:
 - Every record is checked (``check_record``) before the group is handed to
   the batch, so a bad record fails its own group, never the batch.
-- Bodies are stored before the ledger records, so every accepted verdict in
-  the ledger has its body; stored answers come last, so an answer always has
-  its verdicts in the ledger.
+- Bodies are on disk before the ledger records commit (the ledger's
+  transaction is written while they are made durable, and waits for them), so
+  every accepted verdict in the ledger has its body; stored answers come
+  last, so an answer always has its verdicts in the ledger.
 - :meth:`Recorder.record` returns only once the batch holding the group is
   durable in the ledger.
 - A checkpoint (signed tree head) is requested with the batch that brings the
@@ -125,14 +126,18 @@ class Recorder:
         """Several groups at once: their accepted bodies in one state transaction, their
         verdicts and slashes in one ledger transaction, then their stored answers.
 
-        Bodies go first, so every accepted verdict in the ledger has its body; the
-        answers go last, so a stored answer always has its verdicts in the ledger.
+        Bodies go first: the ledger transaction is written while they and their index
+        are made durable, and commits only once they are, so every accepted verdict in
+        the ledger has its body. The answers go last, so a stored answer always has its
+        verdicts in the ledger.
         """
         samples = [(w.submission[0], w.samples) for w in batch if w.samples]
-        if samples:
-            self.state.put_samples(samples, [(c, w.submission[0]) for w in batch for c in w.completions])
+        stored = None
+        if samples:  # on disk while the ledger transaction is prepared; it commits after them
+            stored = self.state.store_samples(samples, [(c, w.submission[0]) for w in batch
+                                                        for c in w.completions])
         self.ledger.append_many([r for w in batch for r in w.records],
-                                checkpoint=self._checkpoint_due(len(batch)))
+                                checkpoint=self._checkpoint_due(len(batch)), before_commit=stored)
         self.state.put_submissions([w.submission for w in batch])
 
     def _checkpoint_due(self, groups: int = 1) -> bool:

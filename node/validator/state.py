@@ -19,16 +19,24 @@ one B-tree, not a table and an index). Bodies indexed one by one
 (``bodies``) or stored as rows (``samples``), in a database from before, are
 still served.
 
-Crash safety: bodies are written before the ledger records their verdict, so
+Crash safety: bodies are on disk before the ledger records their verdict, so
 every accepted verdict in the ledger has its body here; a body whose verdict
 never reached the ledger is an orphan the stream never serves. A batch's
-bodies are appended and fsync'd, then their index rows are committed. Bodies,
-their index and epoch secrets, which ledger records made durable right after
-them depend on, are committed with ``synchronous=FULL`` (on disk before the
-call returns, even across a power loss); the rest (answers, assignments,
-manifests) with ``NORMAL``, which survives a process crash and costs no fsync.
-Bytes a crash left after the last indexed body are never read; the next
-append goes after them.
+bodies are appended, then a helper thread fsyncs them while their index rows
+are committed and the ledger transaction holding their verdicts is written
+(``store_samples``); that transaction commits only once the bodies are on
+disk (``Ledger.append_many``'s ``before_commit``), so the fsync overlaps the
+rest of the write instead of adding to it. An index row can therefore reach
+the disk before its body; a crash in between leaves a row naming bytes the
+file may not hold, for a group whose verdicts never reached the ledger. Nothing serves such a row
+(the stream starts from the ledger), its assignment is still open, and the
+group sent again is stored anew and indexed in its place. Bodies, their index
+and epoch secrets, which ledger records made durable right after them depend
+on, are committed with ``synchronous=FULL`` (on disk before the call returns,
+even across a power loss); the rest (answers, assignments, manifests) with
+``NORMAL``, which survives a process crash and costs no fsync. Bytes a crash
+left after the last indexed body are never read; the next append goes after
+them.
 """
 
 from __future__ import annotations
@@ -37,6 +45,8 @@ import os
 import sqlite3
 import tempfile
 import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -112,8 +122,10 @@ class StateStore:
             self._bodies = os.open(bodies, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             if fresh:  # the new file's name is on disk before any body in it counts
                 fsync_dir(bodies.parent)
+        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="state-fsync")  # started on first use
 
     def close(self) -> None:
+        self._syncer.shutdown(wait=True)
         with self._lock:
             self._db.close()
             if self._bodies >= 0:
@@ -141,17 +153,27 @@ class StateStore:
 
     def put_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
                     completions: list[tuple[bytes, bytes]]) -> None:
-        """Each group's (assignment id, [(envelope digest, body), ...]) and the (completion
-        digest, assignment id) pairs they hold, durably: the bodies appended to the bodies
-        file and fsync'd, then one index row per group and the completions in one
-        transaction. A body that is not bytes, or a digest that is not 32 bytes, stores
-        nothing."""
+        """:meth:`store_samples`, returning once the bodies and their index are on disk."""
+        self.store_samples(groups, completions)()
+
+    def store_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
+                      completions: list[tuple[bytes, bytes]]) -> Callable[[], None]:
+        """Store each group's (assignment id, [(envelope digest, body), ...]) and the
+        (completion digest, assignment id) pairs they hold, durably; return ``wait``, which
+        returns once the bodies are on disk too and raises what failed.
+
+        The bodies are appended to the bodies file, and the helper thread fsyncs them
+        while one index row per group and the completions are committed in one
+        transaction (on disk when this returns); the caller does its own work, the
+        ledger's transaction, while the fsync runs. A body that is not bytes, or a
+        digest that is not 32 bytes, stores nothing."""
         for _, rows in groups:
             if not all(isinstance(body, bytes) for _, body in rows):
                 raise TypeError("a sample body must be bytes")
             if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
                 raise TypeError("an envelope digest must be 32 bytes")
         index = []
+        synced: Future[None] | None = None
         if any(rows for _, rows in groups):
             with self._lock:  # appends go to the file's end, wherever an earlier failure left it
                 offset = os.lseek(self._bodies, 0, os.SEEK_END)
@@ -159,10 +181,22 @@ class StateStore:
                     lengths = np.array([len(body) for _, body in rows], _U32)
                     index.append((assignment_id, offset, b"".join(d for d, _ in rows), lengths.tobytes()))
                     offset += int(lengths.sum())
-                _append(self._bodies, b"".join(body for _, rows in groups for _, body in rows))
-        self._many(("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
-                   ("INSERT OR IGNORE INTO completions VALUES (?, ?)", completions),
-                   durable=True)
+                _write_all(self._bodies, b"".join(body for _, rows in groups for _, body in rows))
+            synced = self._syncer.submit(os.fdatasync, self._bodies)  # the data and the new size
+        try:
+            self._many(("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
+                       ("INSERT OR IGNORE INTO completions VALUES (?, ?)", completions),
+                       durable=True)
+        except BaseException:
+            if synced is not None:  # never leave with the fsync still running
+                synced.exception()
+            raise
+
+        def wait() -> None:
+            if synced is not None:
+                synced.result()
+
+        return wait
 
     def sample(self, envelope_digest: bytes, assignment_id: bytes) -> bytes | None:
         """The body of ``envelope_digest``, a member of ``assignment_id``'s group, or None.
@@ -259,10 +293,9 @@ def _member(row: tuple[int, bytes, bytes], envelope_digest: bytes) -> tuple[int,
     return None
 
 
-def _append(fd: int, data: bytes) -> None:
-    """Write all of ``data`` at ``fd``'s end (the caller holds the store's lock), then
-    ``fdatasync`` it (the data and the file's new size)."""
+def _write_all(fd: int, data: bytes) -> None:
+    """Write all of ``data`` at ``fd``'s end (opened ``O_APPEND``; the caller holds the
+    store's lock)."""
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
-    os.fdatasync(fd)

@@ -23,6 +23,7 @@ from ledger.records import (
     epoch_commitment,
 )
 from ledger.reputation import Replay
+from ledger.storage import open_store
 from verify.errors import ConfigError, LedgerError, ProofError, Reason
 from verify.keys import SigningKey
 
@@ -51,6 +52,31 @@ def test_append_checkpoint_prove(open_ledger) -> None:
         assert signed.checkpoint.size == n
     assert [r for _, r in ledger.entries(1, n)] == recs
     assert ledger.find(leaf_hash(canonical_bytes(recs[5]))) == 6
+
+
+def test_before_commit_runs_inside_the_transaction_and_its_failure_rolls_it_back(open_ledger,
+                                                                                   ledger_url) -> None:
+    ledger = open_ledger()
+    recs = sample_records(3)  # and 3 registrations before them
+    seen_by_readers: list[int] = []
+
+    def ready() -> None:  # written, not yet committed: another connection still sees the old size
+        reader = open_store(ledger_url, readonly=True)
+        seen_by_readers.append(reader.size())
+        reader.close()
+
+    assert list(ledger.append_many(recs[:3], checkpoint=True, before_commit=ready)) == [1, 2, 3]
+    assert seen_by_readers == [1] and ledger.size() == 4
+
+    def not_ready() -> None:
+        raise OSError(5, "Input/output error")
+
+    with pytest.raises(OSError, match="Input/output"):
+        ledger.append_many(recs[3:], checkpoint=True, before_commit=not_ready)
+    assert ledger.size() == 4 and ledger.latest_checkpoint().checkpoint.size == 4  # nothing of it
+    assert list(ledger.append_many(recs[3:])) == [4, 5, 6]
+    assert len(recs) == 6 and [r for _, r in ledger.entries(1, 7)] == recs
+    assert verify_ledger(ledger.store, log_key=ledger.verifier).ok
 
 
 def test_no_leaf_index_is_kept_and_one_from_before_is_dropped(open_ledger, ledger_url) -> None:

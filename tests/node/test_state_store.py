@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -56,30 +58,44 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     assert store.submission(b"a" * 16) == (b"g" * 32, b"v")
 
 
-def test_bodies_are_fsynced_before_they_are_indexed_and_a_failed_fsync_indexes_nothing(
+def test_bodies_are_fsynced_while_they_are_indexed_and_a_failed_fsync_fails_the_write(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = StateStore(tmp_path / "state.sqlite")
-    synced: list[int] = []
+    events: list[str] = []
+    store._db.set_trace_callback(lambda sql: events.append(sql) if sql == "COMMIT" else None)
     real = os.fdatasync
+    release = threading.Event()
 
-    def spy(fd: int) -> None:
+    def slow(fd: int) -> None:
+        events.append("fsync begins")
+        assert release.wait(10)
         real(fd)
-        synced.append(fd)
+        events.append(f"fsync ends {fd}")
 
-    monkeypatch.setattr(os, "fdatasync", spy)
-    store.put_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
-    assert synced == [store._bodies]
+    monkeypatch.setattr(os, "fdatasync", slow)
+    wait = store.store_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
+    deadline = time.monotonic() + 10
+    while "COMMIT" not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert events == ["fsync begins", "COMMIT"]  # the index committed while the fsync ran
+    release.set()
+    wait()  # returns once both are on disk
+    assert events == ["fsync begins", "COMMIT", f"fsync ends {store._bodies}"]
+    assert store.sample(b"d" * 32, A) == b"body"
 
     def failing(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(os, "fdatasync", failing)
     with pytest.raises(OSError, match="Input/output"):
-        store.put_samples([(B, [(b"e" * 32, b"more")])], [])
-    assert store.sample(b"e" * 32, B) is None  # not indexed
+        store.put_samples([(B, [(b"e" * 32, b"more")])], [(b"f" * 32, B)])
+    # The row was indexed, but its verdicts never reach the ledger (the write failed), so
+    # nothing serves it, and its completion is no copy when the same group comes again.
+    assert store.seen_completions([b"f" * 32], B) == set()
     monkeypatch.setattr(os, "fdatasync", real)
-    store.put_samples([(B, [(b"e" * 32, b"more")])], [])  # sent again: stored, and served
-    assert store.sample(b"e" * 32, B) == b"more" and store.sample(b"d" * 32, A) == b"body"
+    store.put_samples([(B, [(b"e" * 32, b"more, again")])], [(b"f" * 32, B)])  # sent again
+    assert store.sample(b"e" * 32, B) == b"more, again" and store.sample(b"d" * 32, A) == b"body"
+    assert store._db.execute("SELECT COUNT(*) FROM group_bodies").fetchone()[0] == 2  # replaced
 
 
 def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: Path) -> None:

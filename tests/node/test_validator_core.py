@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import msgspec
 import numpy as np
@@ -167,6 +168,27 @@ def test_a_group_whose_write_failed_is_admitted_when_sent_again(make_validator, 
     assert [x.accepted for x in got] == [True] * 4
     assert not any(isinstance(rec, Slashed) for _, rec in v.ledger.entries())
     assert len(v.samples(0).samples) == 4
+
+
+def test_a_group_whose_bodies_failed_to_reach_the_disk_has_no_verdict_and_is_admitted_again(
+        make_validator, backend, codec, monkeypatch) -> None:
+    """The ledger transaction commits only once the bodies are fsync'd: a failed fsync rolls
+    back the verdicts written beside it."""
+    v = make_validator()
+    raw = canonical_bytes(honest_group(v, backend, codec))
+    size = v.ledger.size()
+    real = os.fdatasync
+
+    def fails_once(fd: int) -> None:
+        monkeypatch.setattr(os, "fdatasync", real)
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", fails_once)
+    with pytest.raises(OSError, match="Input/output"):
+        v.submit(raw)
+    assert v.ledger.size() == size and v.samples(0).samples == []
+    got = verdicts(v, v.submit(raw))
+    assert [x.accepted for x in got] == [True] * 4 and len(v.samples(0).samples) == 4
 
 
 def test_tampered_logprobs_are_caught_and_slashed(make_validator, backend, codec, tiny_model) -> None:
