@@ -15,7 +15,7 @@ Invariants:
 - Every record is checked (``check_record``) before the group is handed to
   the batch, so a bad record fails its own group, never the batch.
 - Bodies are on disk before the ledger records commit (the ledger's
-  transaction is written while they are made durable, and waits for them), so
+  transaction is written while they are fsync'd, and waits for them), so
   every accepted verdict in the ledger has its body; stored answers come
   last, so an answer always has its verdicts in the ledger.
 - :meth:`Recorder.record` returns only once the batch holding the group is
@@ -126,10 +126,10 @@ class Recorder:
         """Several groups at once: their accepted bodies in one state transaction, their
         verdicts and slashes in one ledger transaction, then their stored answers.
 
-        Bodies go first: the ledger transaction is written while they and their index
-        are made durable, and commits only once they are, so every accepted verdict in
-        the ledger has its body. The answers go last, so a stored answer always has its
-        verdicts in the ledger.
+        Bodies go first: their index is committed and the ledger transaction written
+        while the bodies are fsync'd, and that transaction commits only once they are on
+        disk, so every accepted verdict in the ledger has its body. The answers go last,
+        so a stored answer always has its verdicts in the ledger.
         """
         samples = [(w.submission[0], w.samples) for w in batch if w.samples]
         stored = None

@@ -28,15 +28,15 @@ are committed and the ledger transaction holding their verdicts is written
 disk (``Ledger.append_many``'s ``before_commit``), so the fsync overlaps the
 rest of the write instead of adding to it. An index row can therefore reach
 the disk before its body; a crash in between leaves a row naming bytes the
-file may not hold, for a group whose verdicts never reached the ledger. Nothing serves such a row
-(the stream starts from the ledger), its assignment is still open, and the
-group sent again is stored anew and indexed in its place. Bodies, their index
-and epoch secrets, which ledger records made durable right after them depend
-on, are committed with ``synchronous=FULL`` (on disk before the call returns,
-even across a power loss); the rest (answers, assignments, manifests) with
-``NORMAL``, which survives a process crash and costs no fsync. Bytes a crash
-left after the last indexed body are never read; the next append goes after
-them.
+file may not hold, for a group whose verdicts never reached the ledger.
+Nothing serves such a row (the stream starts from the ledger), its
+assignment is still open, and the group sent again is stored anew and
+indexed in its place. Bodies, their index and epoch secrets, which ledger
+records made durable right after them depend on, are committed with
+``synchronous=FULL`` (on disk before the call returns, even across a power
+loss); the rest (answers, assignments, manifests) with ``NORMAL``, which
+survives a process crash and costs no fsync. Bytes a crash left after the
+last indexed body are never read; the next append goes after them.
 """
 
 from __future__ import annotations
