@@ -45,6 +45,13 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              (request parsing, handing bodies to the precheck workers, answers),
                              its admission threads (checks, verdicts, the state and ledger
                              writes) and the rest of its process (Linux; null elsewhere)
+  admission_thread_busy      share of each admission run's wall clock its admission threads spent
+                             admitting batches, per thread (from the node's own /metrics: near 1,
+                             admission is the node's bottleneck)
+  admission_thread_on_cpu    share of that busy time the threads were on a CPU; the rest they
+                             waited for fsyncs, the interpreter lock or a core
+  admission_batch_mean_groups
+                             groups per admission batch (one ledger transaction, its fsyncs)
 
 Each client waits for its answer before sending its next group, so the
 admission run offers as much load as there are clients: the default 8 keep a
@@ -210,6 +217,10 @@ class Admitted:
     node_thread_cpu_ms_per_group: dict[str, float | None]
     """The node's own CPU per admitted group split by thread: its HTTP event loop, its
     admission threads, and the rest of its process (other threads)."""
+    admission_thread: dict[str, float | None]
+    """From the node's /metrics over the run: ``busy``, the share of the run its admission
+    threads spent admitting (per thread); ``on_cpu``, the share of that on a CPU;
+    ``batch_mean_groups``, groups per admission batch."""
 
 
 def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]
@@ -244,6 +255,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
         threads = _node_threads()
+        gauges = _admission_gauges(url)
         start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
         before = [process_cpu(pid) for pid in workers]
         threads_before = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
@@ -258,6 +270,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
                 proc.kill()
             raise
         elapsed = time.perf_counter() - start
+        gauges = {k: _admission_gauges(url)[k] - gauges[k] for k in gauges}
         after = [process_cpu(pid) for pid in workers]
         threads_after = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
         ticks_after = cpu_ticks()
@@ -285,7 +298,30 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
     def ms(seconds: dict[str, float | None]) -> dict[str, float | None]:
         return {k: None if t is None else round(1000 * t / groups, 3) for k, t in seconds.items()}
 
-    return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads))
+    admitting = len(threads["admission"]) or 1
+    admission_thread = {
+        "busy": round(gauges["busy"] / elapsed / admitting, 3),
+        "on_cpu": round(gauges["cpu"] / gauges["busy"], 3) if gauges["busy"] > 0 else None,
+        "batch_mean_groups": round(gauges["groups"] / gauges["batches"], 2) if gauges["batches"] else None,
+    }
+    return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads),
+                    admission_thread)
+
+
+_GAUGES = {"busy": "prooftrain_verify_admission_busy_seconds_total",
+           "cpu": "prooftrain_verify_admission_cpu_seconds_total",
+           "batches": "prooftrain_verify_admission_batch_groups_count",
+           "groups": "prooftrain_verify_admission_batch_groups_sum"}
+
+
+def _admission_gauges(url: str) -> dict[str, float]:
+    """The node's admission counters (``_GAUGES``) read from its /metrics."""
+    from urllib.request import urlopen
+
+    with urlopen(f"{url}/metrics", timeout=30) as answer:
+        values = dict(line.rsplit(" ", 1) for line in answer.read().decode().splitlines()
+                      if line and not line.startswith("#"))
+    return {k: float(values[name]) for k, name in _GAUGES.items()}
 
 
 def _node_threads() -> dict[str, list[int]]:
@@ -606,6 +642,9 @@ def main() -> None:
         "admission_cpu_stolen": _mean(run.stolen for run in runs),
         "admission_cpu_ms_per_group": _mean_split(run.cpu_ms_per_group for run in runs),
         "admission_node_thread_cpu_ms_per_group": _mean_split(run.node_thread_cpu_ms_per_group for run in runs),
+        "admission_thread_busy": _mean(run.admission_thread["busy"] for run in runs),
+        "admission_thread_on_cpu": _mean(run.admission_thread["on_cpu"] for run in runs),
+        "admission_batch_mean_groups": _mean((run.admission_thread["batch_mean_groups"] for run in runs), 2),
         **cost, **audited,
         "spotcheck_cost_target": 0.35,
         "model": str(model),

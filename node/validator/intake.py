@@ -12,7 +12,9 @@ thread contends for the interpreter lock with the HTTP event loop.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -32,11 +34,13 @@ class AdmissionQueue(Generic[Item]):
     """
 
     def __init__(self, admit_batch: Callable[[list[Item]], Sequence[object]], *, threads: int = 1,
-                 max_batch: int = 64, name: str = "admit") -> None:
+                 max_batch: int = 64, name: str = "admit",
+                 observe: Callable[[int, float, float], None] | None = None) -> None:
         if threads < 1 or max_batch < 1:
             raise ValueError("an admission queue needs at least one thread and batches of at least one")
         self._admit = admit_batch
         self._max_batch = max_batch
+        self._observe = observe
         self._waiting: deque[tuple[Item, Future[object]]] = deque()
         self._cv = threading.Condition()
         self._closed = False
@@ -70,14 +74,19 @@ class AdmissionQueue(Generic[Item]):
                 if not self._waiting:
                     return
                 batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self._max_batch))]
+            wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 results = self._admit([item for item, _ in batch])
                 if len(results) != len(batch):
                     raise RuntimeError(f"admission returned {len(results)} results for {len(batch)} items")
             except BaseException as exc:  # noqa: BLE001 - every submission of the batch gets the failure
                 results = [exc] * len(batch)
+            if self._observe is not None:
+                with contextlib.suppress(Exception):  # a broken gauge must not fail admitted groups
+                    self._observe(len(batch), time.perf_counter() - wall, time.thread_time() - cpu)
             for (_, done), result in zip(batch, results, strict=True):
                 if isinstance(result, BaseException):
                     done.set_exception(result)
                 else:
                     done.set_result(result)
+

@@ -172,6 +172,23 @@ class Metrics:
         self.precheck_failures = Counter("prooftrain_verify_precheck_failures_total",
                                          "submissions a precheck worker failed to answer (checked in process)",
                                          registry=self.registry)
+        self.batch_groups = Histogram("prooftrain_verify_admission_batch_groups",
+                                      "submissions admitted together in one batch",
+                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
+        self.admitting = Counter("prooftrain_verify_admission_busy_seconds",
+                                 "wall-clock seconds the admission threads spent admitting batches "
+                                 "(per second: how busy they are; near their number, admission is "
+                                 "the node's bottleneck)", registry=self.registry)
+        self.admitting_cpu = Counter("prooftrain_verify_admission_cpu_seconds",
+                                     "CPU seconds the admission threads spent admitting batches "
+                                     "(the rest of their busy time they waited: for fsyncs, the "
+                                     "interpreter lock or a core)", registry=self.registry)
+
+    def admitted_batch(self, groups: int, wall_s: float, cpu_s: float) -> None:
+        """One batch of ``groups`` submissions admitted in ``wall_s`` seconds, ``cpu_s`` on a CPU."""
+        self.batch_groups.observe(groups)
+        self.admitting.inc(max(wall_s, 0.0))
+        self.admitting_cpu.inc(max(cpu_s, 0.0))
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
@@ -191,7 +208,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         running["intake"] = AdmissionQueue(
             lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
-            threads=max(1, threads), max_batch=cfg.audit.queue)
+            threads=max(1, threads), max_batch=cfg.audit.queue, observe=metrics.admitted_batch)
         if cfg.node.admission_processes:
             try:
                 running["prechecks"] = await asyncio.get_running_loop().run_in_executor(

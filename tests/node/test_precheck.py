@@ -293,6 +293,32 @@ def test_admission_queue_batches_what_waits_and_hands_out_each_outcome() -> None
         q.submit(8)
 
 
+def test_admission_queue_reports_each_batch_and_a_broken_report_fails_nothing() -> None:
+    reports: list[tuple[int, float, float]] = []
+
+    def admit(items: list[int]) -> list[object]:
+        time.sleep(0.05)  # waiting, off the CPU
+        deadline = time.thread_time() + 0.02
+        while time.thread_time() < deadline:  # computing
+            pass
+        return [i * 10 for i in items]
+
+    q: AdmissionQueue[int] = AdmissionQueue(admit, threads=1, max_batch=8, observe=lambda *r: reports.append(r))
+    assert q.submit(1).result(10) == 10
+    assert [f.result(10) for f in [q.submit(2), q.submit(3)]] == [20, 30]
+    q.close()
+    assert sum(groups for groups, _, _ in reports) == 3 and 2 <= len(reports) <= 3
+    for _, wall, cpu in reports:
+        assert wall >= 0.07 and 0.02 <= cpu < wall - 0.04  # the sleep counts as busy, not as CPU
+
+    def broken(*_: object) -> None:
+        raise RuntimeError("gauge gone")
+
+    q = AdmissionQueue(admit, threads=1, observe=broken)
+    assert q.submit(4).result(10) == 40
+    q.close()
+
+
 def test_a_node_with_precheck_processes_over_http(make_validator, backend, codec) -> None:
     v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
                         "node.admission_processes": 1})

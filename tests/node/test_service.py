@@ -72,6 +72,11 @@ def test_contributor_round_trip_and_trainer_stream(live, backend, codec) -> None
     assert health["ok"] and health["ledger_size"] == v.ledger.size()
     metrics = httpx.get(f"{url}/metrics").text
     assert 'prooftrain_verify_verdicts_total{accepted="true",reason="accepted"} 8.0' in metrics
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    assert float(values["prooftrain_verify_admission_batch_groups_sum"]) == 4  # resubmissions too
+    assert 1 <= float(values["prooftrain_verify_admission_batch_groups_count"]) <= 4
+    busy = float(values["prooftrain_verify_admission_busy_seconds_total"])
+    assert 0 < float(values["prooftrain_verify_admission_cpu_seconds_total"]) <= busy
     spec = httpx.get(f"{url}/openapi.json").json()
     assert {"/v1/submit", "/v1/assign", "/v1/samples", "/healthz"} <= set(spec["paths"])
 
