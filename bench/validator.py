@@ -255,7 +255,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
         threads = _node_threads()
-        gauges = _admission_gauges(url)
+        counted = _admission_counters(url)
         start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
         before = [process_cpu(pid) for pid in workers]
         threads_before = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
@@ -270,12 +270,12 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
                 proc.kill()
             raise
         elapsed = time.perf_counter() - start
-        gauges = {k: _admission_gauges(url)[k] - gauges[k] for k in gauges}
         after = [process_cpu(pid) for pid in workers]
         threads_after = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
         ticks_after = cpu_ticks()
         busy, stolen = busy_fraction(ticks, ticks_after), busy_fraction(ticks, ticks_after, stolen=True)
         spent = os.times()
+        counted = {k: v - counted[k] for k, v in _admission_counters(url).items()}  # off the clock
         for proc in procs:  # let them exit, outside the clock
             proc.communicate()
     latencies: list[float] = []
@@ -300,28 +300,28 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
 
     admitting = len(threads["admission"]) or 1
     admission_thread = {
-        "busy": round(gauges["busy"] / elapsed / admitting, 3),
-        "on_cpu": round(gauges["cpu"] / gauges["busy"], 3) if gauges["busy"] > 0 else None,
-        "batch_mean_groups": round(gauges["groups"] / gauges["batches"], 2) if gauges["batches"] else None,
+        "busy": round(counted["busy"] / elapsed / admitting, 3),
+        "on_cpu": round(counted["cpu"] / counted["busy"], 3) if counted["busy"] > 0 else None,
+        "batch_mean_groups": round(counted["groups"] / counted["batches"], 2) if counted["batches"] else None,
     }
     return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads),
                     admission_thread)
 
 
-_GAUGES = {"busy": "prooftrain_verify_admission_busy_seconds_total",
-           "cpu": "prooftrain_verify_admission_cpu_seconds_total",
-           "batches": "prooftrain_verify_admission_batch_groups_count",
-           "groups": "prooftrain_verify_admission_batch_groups_sum"}
+_ADMISSION_COUNTERS = {"busy": "prooftrain_verify_admission_busy_seconds_total",
+                       "cpu": "prooftrain_verify_admission_cpu_seconds_total",
+                       "batches": "prooftrain_verify_admission_batch_groups_count",
+                       "groups": "prooftrain_verify_admission_batch_groups_sum"}
 
 
-def _admission_gauges(url: str) -> dict[str, float]:
-    """The node's admission counters (``_GAUGES``) read from its /metrics."""
+def _admission_counters(url: str) -> dict[str, float]:
+    """The node's admission counters (``_ADMISSION_COUNTERS``) read from its /metrics."""
     from urllib.request import urlopen
 
     with urlopen(f"{url}/metrics", timeout=30) as answer:
         values = dict(line.rsplit(" ", 1) for line in answer.read().decode().splitlines()
                       if line and not line.startswith("#"))
-    return {k: float(values[name]) for k, name in _GAUGES.items()}
+    return {k: float(values[name]) for k, name in _ADMISSION_COUNTERS.items()}
 
 
 def _node_threads() -> dict[str, list[int]]:

@@ -7,10 +7,13 @@ import socket
 import subprocess
 import sys
 import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from prometheus_client import generate_latest
 
-from bench.validator import _Replies, _report
+from bench.validator import _admission_counters, _Replies, _report
+from node.validator.service import Metrics
 
 
 def _pair_sending(chunks: list[bytes]) -> socket.socket:
@@ -59,3 +62,28 @@ def test_a_clients_report_is_read_while_it_waits_and_a_failure_says_why() -> Non
     with pytest.raises(RuntimeError, match="a client failed: HTTP 400: b'bad_signature'"):
         _report(failed)
     assert failed.returncode == 1
+
+
+def test_the_admission_counters_are_read_from_the_nodes_own_metrics() -> None:
+    metrics = Metrics()
+    metrics.admitted_batch(3, 0.5, 0.2)
+    metrics.admitted_batch(5, 0.25, 0.25)
+
+    class Serve(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the handler's protocol
+            body = generate_latest(metrics.registry) if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Serve)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        counted = _admission_counters(f"http://127.0.0.1:{server.server_address[1]}")
+    finally:
+        server.shutdown()
+    assert counted == {"busy": 0.75, "cpu": 0.45, "batches": 2.0, "groups": 8.0}
