@@ -89,4 +89,3 @@ class AdmissionQueue(Generic[Item]):
                     done.set_exception(result)
                 else:
                     done.set_result(result)
-

@@ -187,8 +187,8 @@ class Metrics:
     def admitted_batch(self, groups: int, wall_s: float, cpu_s: float) -> None:
         """One batch of ``groups`` submissions admitted in ``wall_s`` seconds, ``cpu_s`` on a CPU."""
         self.batch_groups.observe(groups)
-        self.admitting.inc(max(wall_s, 0.0))
-        self.admitting_cpu.inc(max(cpu_s, 0.0))
+        self.admitting.inc(wall_s)
+        self.admitting_cpu.inc(cpu_s)
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
