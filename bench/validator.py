@@ -20,6 +20,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              the same against the best of 7 short runs re-verifying one envelope
                              (the least-disturbed rate, best over the runs; stricter on a
                              loaded machine)
+  cpu_affinity, node_cpus, precheck_cpus
+                             whether the node pinned its threads and workers, and to which CPUs
+                             (null where it did not)
   admission_p50_ms, admission_p99_ms
                              percentiles of submit latency seen by the clients, every run
   spotcheck_cost_ratio       recomputation (spot check) time / generation time for the same
@@ -63,9 +66,13 @@ node (``admission_cpu_ms_per_group``).
 
 The node runs with --processes precheck worker processes and --threads admission threads
 (``node.admission_processes`` and ``node.admission_threads``); the baseline is one thread.
+With ``node.cpu_affinity`` on (the default; --no-cpu-affinity turns it off) and a CPU to
+spare, each precheck worker runs on a CPU of its own and the node's threads on the others
+(``node_cpus``, ``precheck_cpus``); the clients then run on the node's CPUs, leaving each
+worker its CPU to itself, as on a real node whose contributors are elsewhere.
 
     python bench/validator.py [--groups 200] [--repeats 5] [--group-size 8] [--tokens 1024]
-                              [--clients 8] [--processes 1] [--threads 1]
+                              [--clients 8] [--processes 1] [--threads 1] [--no-cpu-affinity]
 """
 
 from __future__ import annotations
@@ -221,6 +228,9 @@ class Admitted:
     """From the node's /metrics over the run: ``busy``, the share of the run its admission
     threads spent admitting (per thread); ``on_cpu``, the share of that on a CPU;
     ``batch_mean_groups``, groups per admission batch."""
+    cpus: tuple[list[int] | None, list[list[int]] | None] = (None, None)
+    """The CPUs of the node's threads (and the clients') and of each precheck worker, as
+    ``node.cpu_affinity`` placed them; None where nothing was pinned."""
 
 
 def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type: ignore[no-untyped-def]
@@ -236,6 +246,7 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
 
     import msgspec
 
+    from node.validator import affinity
     from node.validator.server import BackgroundServer, settle_heap, share_the_interpreter
     from node.validator.service import create_app
 
@@ -251,6 +262,9 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
             procs.append(subprocess.Popen(
                 [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+            if v.placement is not None:  # off the precheck workers' CPUs, as if on other machines
+                affinity.pin(v.placement.node, procs[-1].pid)
+        placed = v.placement
         for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
         workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
@@ -304,8 +318,9 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
         "on_cpu": round(counted["cpu"] / counted["busy"], 3) if counted["busy"] > 0 else None,
         "batch_mean_groups": round(counted["groups"] / counted["batches"], 2) if counted["batches"] else None,
     }
+    cpus = (None, None) if placed is None else (sorted(placed.node), [sorted(w) for w in placed.workers])
     return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads),
-                    admission_thread)
+                    admission_thread, cpus)
 
 
 _ADMISSION_COUNTERS = {"busy": "prooftrain_verify_admission_busy_seconds_total",
@@ -574,6 +589,9 @@ def main() -> None:
     parser.add_argument("--processes", type=int, default=1,
                         help="the node's admission_processes (precheck worker processes)")
     parser.add_argument("--threads", type=int, default=1, help="the node's admission_threads")
+    parser.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
+                        help="the node's cpu_affinity off: its threads, its precheck workers and "
+                             "the clients go wherever the operating system puts them")
     parser.add_argument("--client-of", help=argparse.SUPPRESS)
     parser.add_argument("--bodies", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -588,7 +606,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = model_dir(work)
-        node = {"admission_processes": args.processes, "admission_threads": args.threads}
+        node = {"admission_processes": args.processes, "admission_threads": args.threads,
+                "cpu_affinity": args.cpu_affinity}
         v, codec = make_validator(work, model, args.group_size, args.tokens, node=node)
         log(f"signing {args.repeats} x {args.groups} groups of {args.group_size} x {args.tokens} tokens")
         per_client = synthetic_groups(v, args.groups * args.repeats, args.tokens, codec.vocab_size,
@@ -620,12 +639,14 @@ def main() -> None:
         batch = max(1, round(audited["audit_batch_mean_groups"]))
         cost = spotcheck_cost(model, codec, args.group_size, batch)
     groups_per_s = statistics.median(run.groups_per_s for run in runs)
+    placement = runs[-1].cpus
     envelopes_per_s = groups_per_s * args.group_size
     latencies = [t for run in runs for t in run.latencies]
     emit({
         "bench": "validator",
         "groups": args.groups, "group_size": args.group_size, "tokens_per_rollout": args.tokens,
         "clients": args.clients, "admission_processes": args.processes, "admission_threads": args.threads,
+        "cpu_affinity": args.cpu_affinity, "node_cpus": placement[0], "precheck_cpus": placement[1],
         "admission_runs": args.repeats,
         "admitted_groups_per_s": round(groups_per_s, 1),
         "admitted_envelopes_per_s": round(envelopes_per_s, 1),

@@ -44,6 +44,10 @@ class NodeSection(_Section):
     """Worker processes that verify submitted envelopes and compute rewards before admission
     (``node.validator.precheck``), taking that work off the node's own process; 0 does it on
     the admission threads. One per core left after the node and its spot checks."""
+    cpu_affinity: bool = True
+    """With precheck workers and a CPU to spare for each, run each worker on a CPU of its own
+    and the node's own threads on the others, so they never preempt a worker (Linux;
+    ``node.validator.affinity``). Spot checks' forward passes still use every CPU."""
 
 
 class PolicySection(_Section):

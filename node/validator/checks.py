@@ -40,6 +40,7 @@ import numpy as np
 
 from ledger.log import Ledger
 from node.config import ValidatorConfig
+from node.validator.affinity import Placement, spread
 from node.validator.commit import Batcher, Steps
 from node.validator.policy import PolicyVersions, TextCodec
 from node.validator.precheck import completion_digest, score
@@ -117,6 +118,9 @@ class GroupChecks:
             self._spot_batch, max_batch=cfg.audit.queue)
         self._pending_completions: set[bytes] = set()
         self._pit: dict[bytes, list[np.ndarray]] = {}
+        self.placement: Placement | None = None
+        """Where the node's threads run while serving; a spot check's forward pass spreads
+        over all of its CPUs (``node.validator.affinity.spread``)."""
 
     def judge(self, issued: Issued, members: list[Member], secret: bytes,
               reserved: set[bytes]) -> Steps[None]:
@@ -219,7 +223,8 @@ class GroupChecks:
         return self._pit_check(issued.wire.contributor_key, members)
 
     def _spot_batch(self, jobs: list[SpotJob]) -> list[AuditResults]:
-        results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
+        with spread(self.placement):
+            results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
         self.metrics["audit/batch_groups"] = float(len(jobs))
         self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)
         self.metrics["audit/batches"] = self.metrics.get("audit/batches", 0.0) + 1

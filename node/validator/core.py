@@ -57,6 +57,7 @@ from ledger.records import (
 )
 from node.config import ValidatorConfig
 from node.validator import trainer_side
+from node.validator.affinity import Placement
 from node.validator.checks import GroupChecks, Issued, Member
 from node.validator.commit import Steps, drive, drive_many
 from node.validator.epochs import EpochSecrets
@@ -147,6 +148,16 @@ class Validator:
     @oracle.setter
     def oracle(self, oracle: DistributionOracle) -> None:
         self._checks.oracle = oracle
+
+    @property
+    def placement(self) -> Placement | None:
+        """Where the node's threads and precheck workers run while it serves
+        (``node.validator.affinity``); None: wherever the operating system puts them."""
+        return self._checks.placement
+
+    @placement.setter
+    def placement(self, placement: Placement | None) -> None:
+        self._checks.placement = placement
 
     # -- start-up -------------------------------------------------------
     def _restore(self) -> None:

@@ -47,6 +47,7 @@ from typing import Any
 
 import numpy as np
 
+from node.validator import affinity
 from rewards.base import Problem
 from rewards.registry import reward
 from verify.envelope import Limits, VerifiedRollout, decode_group, group_digest, verify_envelope
@@ -115,7 +116,10 @@ class PrecheckPool:
     event loop, and :meth:`close` it when done.
     """
 
-    def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2) -> None:
+    def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2,
+                 cpus: Sequence[frozenset[int]] | None = None) -> None:
+        """``cpus``: the CPUs of each worker in turn (``node.validator.affinity``); None leaves
+        them where the operating system puts them."""
         if processes < 1 or depth < 1:
             raise ValueError("a precheck pool needs at least one process holding at least one check")
         self.depth = depth
@@ -123,13 +127,15 @@ class PrecheckPool:
         self._waiters: deque[asyncio.Future[None]] = deque()
         context = multiprocessing.get_context("spawn")
         decoder = codec.decoder() if hasattr(codec, "decoder") else codec
-        workers = []
-        for _ in range(processes):  # each takes a second or two: start them all, then wait
+        workers: list[_Worker] = []
+        for i in range(processes):  # each takes a second or two: start them all, then wait
             ours, theirs = socket.socketpair()
             proc = context.Process(target=_serve, args=(theirs, limits, decoder), name="prooftrain-precheck",
                                    daemon=True)
             proc.start()
             theirs.close()
+            if cpus and proc.pid is not None:
+                affinity.pin(cpus[i % len(cpus)], proc.pid)
             workers.append(_Worker(proc, ours, self._wake))
         try:
             for w in workers:

@@ -19,7 +19,8 @@ Submissions are admitted in batches (``node.validator.intake``): every
 submission waiting when an admission thread is free goes into its next batch,
 with one spot-check forward pass and one ledger transaction for all of them.
 With ``node.admission_processes`` set, each submission's envelopes are first
-verified and scored in a worker process (``node.validator.precheck``). Every
+verified and scored in a worker process (``node.validator.precheck``), each on a
+CPU of its own while there are CPUs to spare (``node.cpu_affinity``). Every
 other validator call runs on one worker thread. When ``audit.queue`` calls
 are already waiting, submissions get 429 with Retry-After. ``POST /v1/submit``
 is served directly on the ASGI messages, ahead of FastAPI's middleware and
@@ -55,6 +56,7 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
+from node.validator import affinity
 from node.validator.auth import verify_request
 from node.validator.core import SubmitResult, Validator
 from node.validator.intake import AdmissionQueue
@@ -206,22 +208,38 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The event loop's thread runs this: pinned first, the admission threads, the
+        # executor's and the workers' start inherit its CPUs (each worker is then moved to its own).
+        before = affinity.allowed()
+        placement = (affinity.plan(before, cfg.node.admission_processes)
+                     if cfg.node.cpu_affinity and before is not None else None)
+        if placement is not None and affinity.pin(placement.node):
+            validator.placement = placement
+        else:
+            placement = None
         running["intake"] = AdmissionQueue(
             lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
             threads=max(1, threads), max_batch=cfg.audit.queue, observe=metrics.admitted_batch)
-        if cfg.node.admission_processes:
-            try:
-                running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
-                    executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits, validator.codec))
-            except Exception as exc:
-                running.pop("intake").close()
-                raise ConfigError(f"node.admission_processes: the precheck workers did not start: {exc}") from exc
         try:
-            yield
+            if cfg.node.admission_processes:
+                try:
+                    running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
+                        executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits,
+                                                       validator.codec,
+                                                       cpus=placement.workers if placement else None))
+                except Exception as exc:
+                    running.pop("intake").close()
+                    raise ConfigError(f"node.admission_processes: the precheck workers did not start: {exc}") from exc
+            try:
+                yield
+            finally:
+                running.pop("intake").close()
+                if "prechecks" in running:
+                    running.pop("prechecks").close()
         finally:
-            running.pop("intake").close()
-            if "prechecks" in running:
-                running.pop("prechecks").close()
+            if placement is not None and before is not None:
+                validator.placement = None
+                affinity.pin(before)
 
     app = _ValidatorApp(title="prooftrain validator", version="1", lifespan=lifespan,
                         description="Assigns work, admits signed rollout groups, serves accepted samples.")
