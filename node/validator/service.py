@@ -193,6 +193,12 @@ class Metrics:
         self.admitting_cpu.inc(cpu_s)
 
 
+def _unplace(validator: Validator, placement: affinity.Placement) -> None:
+    """The calling thread back on every CPU it had before ``placement`` pinned it."""
+    validator.placement = None
+    affinity.pin(placement.everything)
+
+
 def create_app(validator: Validator, trainer: PublicKey | None = None,
                clock_ms: Callable[[], int] | None = None, admission_threads: int | None = None) -> FastAPI:
     """The FastAPI app around one validator; ``admission_threads`` (default: the validator's
@@ -208,19 +214,24 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The event loop's thread runs this: pinned first, the admission threads, the
-        # executor's and the workers' start inherit its CPUs (each worker is then moved to its own).
-        before = affinity.allowed()
-        placement = (affinity.plan(before, cfg.node.admission_processes)
-                     if cfg.node.cpu_affinity and before is not None else None)
-        if placement is not None and affinity.pin(placement.node):
-            validator.placement = placement
-        else:
-            placement = None
-        running["intake"] = AdmissionQueue(
-            lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
-            threads=max(1, threads), max_batch=cfg.audit.queue, observe=metrics.admitted_batch)
-        try:
+        # Undone in reverse: the admission queue closes first (admitting what it holds),
+        # then the precheck workers, then the event loop's thread gets its CPUs back.
+        with contextlib.ExitStack() as undo:
+            # The event loop's thread runs this: pinned first, the admission threads, the
+            # executor's and the workers' start inherit its CPUs (each worker is then moved to its own).
+            before = affinity.allowed()
+            placement = (affinity.plan(before, cfg.node.admission_processes)
+                         if cfg.node.cpu_affinity and before is not None else None)
+            if placement is not None and affinity.pin(placement.node):
+                validator.placement = placement
+                undo.callback(_unplace, validator, placement)
+            else:
+                placement = None
+            undo.callback(lambda: running.pop("prechecks").close() if "prechecks" in running else None)
+            running["intake"] = AdmissionQueue(
+                lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
+                threads=max(1, threads), max_batch=cfg.audit.queue, observe=metrics.admitted_batch)
+            undo.callback(lambda: running.pop("intake").close())
             if cfg.node.admission_processes:
                 try:
                     running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
@@ -228,18 +239,8 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
                                                        validator.codec,
                                                        cpus=placement.workers if placement else None))
                 except Exception as exc:
-                    running.pop("intake").close()
                     raise ConfigError(f"node.admission_processes: the precheck workers did not start: {exc}") from exc
-            try:
-                yield
-            finally:
-                running.pop("intake").close()
-                if "prechecks" in running:
-                    running.pop("prechecks").close()
-        finally:
-            if placement is not None and before is not None:
-                validator.placement = None
-                affinity.pin(before)
+            yield
 
     app = _ValidatorApp(title="prooftrain validator", version="1", lifespan=lifespan,
                         description="Assigns work, admits signed rollout groups, serves accepted samples.")

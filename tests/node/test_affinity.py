@@ -88,3 +88,38 @@ def _children() -> list[int]:
 
     return [p.pid for p in multiprocessing.active_children()
             if p.name == "prooftrain-precheck" and p.pid is not None]
+
+
+@pinnable
+def test_a_node_whose_workers_fail_to_start_closes_admission_and_lets_go(make_validator, monkeypatch) -> None:
+    import asyncio
+
+    import node.validator.service as service
+    from verify.errors import ConfigError
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise OSError("no workers today")
+
+    monkeypatch.setattr(service, "PrecheckPool", broken)
+    v = make_validator({"node.admission_processes": 1})
+    app = create_app(v)
+    seen: dict[str, object] = {}
+
+    async def start() -> None:
+        async with app.router.lifespan_context(app):
+            pass
+
+    def serving_thread() -> None:
+        try:
+            asyncio.run(start())
+        except ConfigError as exc:
+            seen["error"] = str(exc)
+        seen["cpus"] = affinity.allowed()
+
+    t = threading.Thread(target=serving_thread)
+    t.start()
+    t.join(60)
+    assert "no workers today" in str(seen["error"]) and "admission_processes" in str(seen["error"])
+    assert seen["cpus"] == frozenset(CPUS)  # the loop's thread is back on every CPU
+    assert v.placement is None
+    assert not [t for t in threading.enumerate() if t.name.startswith("admit-")]
