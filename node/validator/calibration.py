@@ -4,7 +4,8 @@ Honest contributors generate with the claimed policy, but on other hardware,
 in another precision, with another batch size: their committed logprobs
 differ from the validator's recomputation by rounding alone. ``calibrate``
 measures that difference for every (generation dtype, recomputation dtype,
-recomputation batch size) setting on prompts from the task, and chooses
+recomputation batch size, forward layout) setting on prompts from the task,
+and chooses
 
     token_abs      = margin * (largest honest |diff| at any token)
     chunk_mean_abs = margin * (largest honest mean |diff| over a chunk)
@@ -24,6 +25,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import torch
@@ -37,6 +39,8 @@ from verify.spotcheck import OracleRequest, Tolerance
 
 TOKEN_FLOOR = 1e-4
 CHUNK_FLOOR = 1e-5
+Layout = Literal["packed", "padded"]
+LAYOUTS: tuple[Layout, ...] = ("packed", "padded")
 
 
 @dataclass
@@ -49,6 +53,7 @@ class SettingStats:
     token_max_abs: float
     token_p999_abs: float
     chunk_mean_max: float
+    layout: str = "padded"
 
 
 @dataclass
@@ -88,16 +93,17 @@ def calibrate(
     batch_sizes: Sequence[int] = (1, 4, 16), group_size: int = 4, max_tokens: int = 16,
     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE, margin: float = 2.0, seed: int = 0,
-    progress: bool = False,
+    layouts: Sequence[Layout] = LAYOUTS, progress: bool = False,
 ) -> Calibration:
     """Measure honest discrepancies for every setting and choose thresholds."""
     model = load_causal_lm(model_dir, torch.device("cpu"), None)
-    oracle = TransformersOracle({0: model_dir}, dtype=recompute_dtype, padding_side="left")
+    oracles = layout_oracles(model_dir, recompute_dtype)
+    used = [layout for layout in layouts if layout in oracles]
     settings: list[SettingStats] = []
     all_tok: list[np.ndarray] = []
     all_chunk: list[np.ndarray] = []
     rng = np.random.default_rng(seed)
-    bar = _bar(len(generation_dtypes) * len(batch_sizes), progress)
+    bar = _bar(len(generation_dtypes) * len(batch_sizes) * len(used), progress)
     for gen_dtype in generation_dtypes:
         backend = TransformersBackend(model_dir, dtype=gen_dtype)
         requests: list[OracleRequest] = []
@@ -113,21 +119,22 @@ def calibrate(
                                               top_k, top_p))
                 claimed.append(np.asarray(c.logprobs))
         for b in batch_sizes:
-            tok, chk = [], []
-            for start in range(0, len(requests), b):
-                got = oracle.logprobs_batch(0, requests[start : start + b])
-                for cl, rc in zip(claimed[start : start + b], got, strict=True):
-                    d, m = _diffs(cl, rc, chunk_size)
-                    tok.append(d)
-                    chk.append(m)
-            t, ch = np.concatenate(tok), np.concatenate(chk)
-            settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(ch.size),
-                                         float(t.max(initial=0.0)),
-                                         float(np.quantile(t, 0.999)) if t.size else 0.0,
-                                         float(ch.max(initial=0.0))))
-            all_tok.append(t)
-            all_chunk.append(ch)
-            bar.update(1)
+            for layout in used:
+                tok, chk = [], []
+                for start in range(0, len(requests), b):
+                    got = oracles[layout].logprobs_batch(0, requests[start : start + b])
+                    for cl, rc in zip(claimed[start : start + b], got, strict=True):
+                        d, m = _diffs(cl, rc, chunk_size)
+                        tok.append(d)
+                        chk.append(m)
+                t, ch = np.concatenate(tok), np.concatenate(chk)
+                settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(ch.size),
+                                             float(t.max(initial=0.0)),
+                                             float(np.quantile(t, 0.999)) if t.size else 0.0,
+                                             float(ch.max(initial=0.0)), layout))
+                all_tok.append(t)
+                all_chunk.append(ch)
+                bar.update(1)
     bar.close()
     del model
     tok_max = float(max((s.token_max_abs for s in settings), default=0.0))
@@ -136,6 +143,15 @@ def calibrate(
     chunk_abs = min(max(margin * chunk_max, CHUNK_FLOOR), token_abs)
     return Calibration(token_abs, chunk_abs, margin, tok_max, chunk_max,
                        int(sum(t.size for t in all_tok)), int(sum(c.size for c in all_chunk)), settings)
+
+
+def layout_oracles(model_dir: str | Path, dtype: str) -> dict[Layout, TransformersOracle]:
+    """One oracle per forward layout a node may use, over one loaded model: the packed
+    rows of short groups (when the model runs them) and the left-padded rows of long
+    ones (``rollout/oracle.py``)."""
+    packed = TransformersOracle({0: model_dir}, dtype=dtype, padding_side="left")
+    padded = TransformersOracle({0: packed.model(0)}, dtype=dtype, padding_side="left", max_packed_tokens=0)
+    return {"packed": packed, "padded": padded} if packed.packs(0) else {"padded": padded}
 
 
 def _bar(total: int, enabled: bool):  # type: ignore[no-untyped-def]
@@ -181,7 +197,8 @@ def honest_audit(
 ) -> dict:
     """Run the full spot check (logprobs, support, replay on every chunk) on fresh honest rollouts.
 
-    Returns the number audited, the number rejected (false positives), and, for
+    Batches take the batch sizes in turn, and each round of them the next forward
+    layout (:func:`layout_oracles`). Returns the number audited, the number rejected (false positives), and, for
     each ``shift``, the fraction of rollouts caught when 3 of their committed
     logprobs are moved by that many nats.
     """
@@ -192,7 +209,7 @@ def honest_audit(
     from verify.keys import SigningKey
     from verify.types import SamplingParams
 
-    oracle = TransformersOracle({0: model_dir}, dtype=recompute_dtype)
+    oracles = list(layout_oracles(model_dir, recompute_dtype).values())
     rng = np.random.default_rng(seed)
     audited = rejected = 0
     caught = {s: 0 for s in shifts}
@@ -214,6 +231,7 @@ def honest_audit(
         start, turn = 0, 0
         while start < len(items):
             b = batch_sizes[turn % len(batch_sizes)]
+            oracle = oracles[turn // len(batch_sizes) % len(oracles)]
             batch, start, turn = items[start : start + b], start + b, turn + 1
             logits = oracle.logits_batch(0, [(p + list(c.token_ids), len(p)) for _, p, c in batch])
             for (rollout, _, _), lg in zip(batch, logits, strict=True):

@@ -27,6 +27,16 @@ def mixed(tiny_model, codec, prompts):
     return calibrate(tiny_model, prompts[:10], stop_token_ids=[codec.eos_token_id], max_tokens=12)
 
 
+def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> None:
+    seen = {(s.generation_dtype, s.batch_size, s.layout) for s in mixed.settings}
+    assert seen == {(d, b, layout) for d in ("float32", "bfloat16") for b in (1, 4, 16)
+                    for layout in ("packed", "padded")}
+    assert all(s.tokens > 0 for s in mixed.settings)
+    # every layout computes the same logprobs up to float32 rounding: the same-precision settings agree
+    fp32 = {(s.batch_size, s.layout): s.token_max_abs for s in mixed.settings if s.generation_dtype == "float32"}
+    assert max(fp32.values()) < 1e-4
+
+
 def test_two_thousand_honest_audits_give_no_false_positive(tiny_model, codec, prompts, mixed) -> None:
     result = honest_audit(tiny_model, prompts[10:260], mixed.tolerance,
                           stop_token_ids=[codec.eos_token_id], max_tokens=12, shifts=(0.05,))

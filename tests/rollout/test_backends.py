@@ -96,18 +96,21 @@ def test_completions_are_well_formed_and_deterministic(backend):
 
 
 @pytest.mark.parametrize("params", [(1.0, 0, 1.0), (0.7, 20, 0.9), (0.0, 0, 1.0)])
-@pytest.mark.parametrize("padding_side", ["left", "right"])
-def test_committed_logprobs_equal_recomputation_fp32(backend, model_dir, params, padding_side):
+@pytest.mark.parametrize("layout", ["packed", "left", "right"])
+def test_committed_logprobs_equal_recomputation_fp32(backend, model_dir, params, layout):
     request = _request(*params)
     completions = backend.generate(request)
     requests = _oracle_requests(request, completions)
-    oracle = TransformersOracle({3: model_dir}, dtype="float32", padding_side=padding_side)
-    batched = oracle.logprobs_batch(3, requests)  # batch of 8, padded
+    packed = layout == "packed"
+    oracle = TransformersOracle({3: model_dir}, dtype="float32", padding_side="left" if packed else layout,
+                                max_packed_tokens=4096 if packed else 0)
+    assert oracle.packs(3) == packed
+    batched = oracle.logprobs_batch(3, requests)  # batch of 8: one packed row, or 8 padded ones
     singles = [oracle.logprobs(3, r.input_ids, r.prompt_len, *params) for r in requests]
     worst = 0.0
     for c, b, s in zip(completions, batched, singles, strict=True):
         worst = max(worst, float(np.abs(b - c.logprobs).max()), float(np.abs(s - c.logprobs).max()))
-    print(f"fp32 generation vs fp32 recomputation ({padding_side} padding, {params}): "
+    print(f"fp32 generation vs fp32 recomputation ({layout} layout, {params}): "
           f"max abs diff {worst:.2e}")
     assert worst <= 1e-5
     if params[0] == 0.0:
