@@ -12,7 +12,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "calibrate",
         help="measure honest generation-vs-recomputation noise and write a tolerance file",
         description="Generate honest rollouts in each generation precision, recompute them in the "
-        "validator's precision with several batch sizes, packed and padded, and write the "
+        "validator's precision with several batch sizes, groups packed and unpacked, and write the "
         "per-token and per-chunk thresholds (margin x the largest honest difference) with the "
         "statistics behind them. Point audit.tolerance_file at the result.",
     )
@@ -47,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
         progress=True,
     )
     write_tolerance_file(cal, args.out)
-    print(f"{'generation':>10} {'recompute':>9} {'batch':>5} {'layout':>6} {'tokens':>7} {'max|diff|':>10} "
+    print(f"{'generation':>10} {'recompute':>9} {'batch':>5} {'layout':>8} {'tokens':>7} {'max|diff|':>10} "
           f"{'chunk mean':>10}")
     for s in cal.settings:
-        print(f"{s.generation_dtype:>10} {s.recompute_dtype:>9} {s.batch_size:>5} {s.layout:>6} {s.tokens:>7} "
+        print(f"{s.generation_dtype:>10} {s.recompute_dtype:>9} {s.batch_size:>5} {s.layout:>8} {s.tokens:>7} "
               f"{s.token_max_abs:>10.3g} {s.chunk_mean_max:>10.3g}")
     print(json.dumps({"token_abs": cal.token_abs, "chunk_mean_abs": cal.chunk_mean_abs,
                       "false_positive_rate_95ub": cal.false_positive_bound(), "out": str(args.out)}))

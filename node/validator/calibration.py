@@ -39,8 +39,8 @@ from verify.spotcheck import OracleRequest, Tolerance
 
 TOKEN_FLOOR = 1e-4
 CHUNK_FLOOR = 1e-5
-Layout = Literal["packed", "padded"]
-LAYOUTS: tuple[Layout, ...] = ("packed", "padded")
+Layout = Literal["packed", "unpacked"]
+LAYOUTS: tuple[Layout, ...] = ("packed", "unpacked")
 
 
 @dataclass
@@ -53,7 +53,7 @@ class SettingStats:
     token_max_abs: float
     token_p999_abs: float
     chunk_mean_max: float
-    layout: str = "padded"
+    layout: str = "unpacked"
 
 
 @dataclass
@@ -146,12 +146,14 @@ def calibrate(
 
 
 def layout_oracles(model_dir: str | Path, dtype: str) -> dict[Layout, TransformersOracle]:
-    """One oracle per forward layout a node may use, over one loaded model: the packed
-    rows of short groups (when the model runs them) and the left-padded rows of long
-    ones (``rollout/oracle.py``)."""
+    """One oracle per forward layout a node may use, over one loaded model: ``packed``,
+    the rows of short groups (when the model runs them), and ``unpacked``, as the node
+    runs groups too wide to pack (a shared prefix when it pays, else left-padded rows;
+    ``rollout/oracle.py``)."""
     packed = TransformersOracle({0: model_dir}, dtype=dtype, padding_side="left")
-    padded = TransformersOracle({0: packed.model(0)}, dtype=dtype, padding_side="left", max_packed_tokens=0)
-    return {"packed": packed, "padded": padded} if packed.packs(0) else {"padded": padded}
+    unpacked = TransformersOracle({0: packed.model(0)}, dtype=dtype, padding_side="left",
+                                  max_packed_tokens=0)
+    return {"packed": packed, "unpacked": unpacked} if packed.packs(0) else {"unpacked": unpacked}
 
 
 def _bar(total: int, enabled: bool):  # type: ignore[no-untyped-def]
@@ -198,9 +200,9 @@ def honest_audit(
     """Run the full spot check (logprobs, support, replay on every chunk) on fresh honest rollouts.
 
     Batches take the batch sizes in turn, and each round of them the next forward
-    layout (:func:`layout_oracles`). Returns the number audited, the number rejected (false positives), and, for
-    each ``shift``, the fraction of rollouts caught when 3 of their committed
-    logprobs are moved by that many nats.
+    layout (:func:`layout_oracles`). Returns the number audited, the number
+    rejected (false positives), and, for each ``shift``, the fraction of rollouts
+    caught when 3 of their committed logprobs are moved by that many nats.
     """
     from node.validator.spot import _check
     from rollout.backends import GenerationRequest

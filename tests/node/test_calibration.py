@@ -30,7 +30,7 @@ def mixed(tiny_model, codec, prompts):
 def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> None:
     seen = {(s.generation_dtype, s.batch_size, s.layout) for s in mixed.settings}
     assert seen == {(d, b, layout) for d in ("float32", "bfloat16") for b in (1, 4, 16)
-                    for layout in ("packed", "padded")}
+                    for layout in ("packed", "unpacked")}
     assert all(s.tokens > 0 for s in mixed.settings)
     # every layout computes the same logprobs up to float32 rounding: the same-precision settings agree
     fp32 = {(s.batch_size, s.layout): s.token_max_abs for s in mixed.settings if s.generation_dtype == "float32"}
