@@ -19,10 +19,11 @@ computing, for every sequence, what it would compute alone:
   FLOPs (:func:`packed_width_limit`): 153 slots on the demo model (a group
   of eight 16-token completions, 127 slots, packs and runs as fast as under a
   shared prefix; eight 32-token ones, 255 slots, do not), about 3,700 on a 7B
-  Llama. Packing needs a model that honours a 4-D
-  attention mask (``sdpa`` or ``eager`` attention); the oracle checks that
-  each model it loads gives the padded layout's logits on a probe batch and
-  falls back to the other layouts when it does not.
+  Llama; never wider than a sliding attention window, which the packed mask
+  would replace. Packing needs a model that honours a 4-D attention mask
+  (``sdpa`` or ``eager`` attention); the oracle checks that each model it
+  loads gives the padded layout's logits on a probe batch and falls back to
+  the other layouts when it does not.
 - **shared prefix**: the distinct prompts run once, left-padded, with a KV
   cache; the cache rows are repeated per sequence and the completions run on
   top of it, right-padded. A batch takes that path when it saves at least
@@ -128,7 +129,11 @@ class TransformersOracle(LogitsOracle):
         if version not in self._packs:
             model = self.model(version)
             limit = packed_width_limit(model) if self.max_packed_tokens is None else self.max_packed_tokens
-            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            config = getattr(model, "config", None)
+            window = getattr(config, "sliding_window", None)
+            if isinstance(window, int) and window > 0:  # a packed mask replaces the window's own:
+                limit = min(limit, window)  # rows no wider than it never need it
+            impl = getattr(config, "_attn_implementation", None)
             packs = limit > 0 and impl in ("sdpa", "eager") and self._packing_matches(model)
             self._packs[version] = limit if packs else 0
         return self._packs[version] > 0

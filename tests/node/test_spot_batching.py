@@ -175,6 +175,27 @@ def test_a_model_that_ignores_packed_masks_is_not_packed(tiny_model) -> None:
     assert max(float((g - w).abs().max()) for g, w in zip(wrong, right, strict=True) if g is not None) > 1e-3
 
 
+def test_a_sliding_window_bounds_the_packed_rows(tiny_model) -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    model = MistralForCausalLM(MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=6, attn_implementation="sdpa")).eval()
+    oracle = TransformersOracle({0: model})
+    assert oracle.packs(0) and oracle._packs[0] == 6
+    rng = random.Random(7)
+    prompt = [rng.randrange(3, 60) for _ in range(3)]
+    seqs = [(prompt + [rng.randrange(3, 60) for _ in range(n)], 3) for n in (2, 3, 9)]  # packed: 14 slots
+    want = TransformersOracle({0: model}, max_packed_tokens=0, min_prefix_savings=10**9).logits_batch(0, seqs)
+    for g, w in zip(oracle.logits_batch(0, seqs), want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    # packed anyway, the row's mask would let the last completion see past the window
+    wide: list[torch.Tensor | None] = [None] * len(seqs)
+    oracle._run_packed(oracle.model(0), seqs, [[0, 1, 2]], wide)
+    assert float((wide[2] - want[2]).abs().max()) > 1e-3  # type: ignore[operator]
+
+
 def test_packing_is_probed_once_per_loaded_version(tiny_model, other_model) -> None:
     oracle = TransformersOracle({0: tiny_model, 1: other_model}, max_versions=1)
     calls: list[int] = []
