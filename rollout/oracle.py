@@ -6,24 +6,20 @@ sequences whose logits are processed in float32 with
 ``verify.sampling.process_logits``. A batch takes one of three layouts, each
 computing, for every sequence, what it would compute alone:
 
-- **packed** (the default for short groups): the sequences that share a
-  prompt (the G rollouts of a group) become one row, ``prompt, completion 1,
-  completion 2, ...``, whose attention mask lets each completion see the
-  prompt and its own earlier tokens only, with position ids restarting after
-  the prompt for each completion. The prompt runs once, every row is one
-  forward call, and a completion's last token (whose logits nothing needs) is
-  never fed. A row holds a group when it is at most ``max_packed_tokens``
-  long: a completion attends over the whole row, masked, so the attention
-  cost grows with its square. By default that width is where the masked
+- **packed** (the default for short groups; ``rollout/packing.py``): the
+  sequences that share a prompt become one row, the prompt then each
+  completion, under an attention mask that lets each completion see the
+  prompt and its own earlier tokens only: the prompt runs once, nothing is
+  padded, and each batch is one forward call. A group packs when its row is at
+  most ``max_packed_tokens`` wide; by default the width at which the masked
   attention would add ``PACKED_ATTENTION_SHARE`` to the row's linear-layer
-  FLOPs (:func:`packed_width_limit`): 153 slots on the demo model (a group
-  of eight 16-token completions, 127 slots, packs and runs as fast as under a
-  shared prefix; eight 32-token ones, 255 slots, do not), about 3,700 on a 7B
-  Llama; never wider than a sliding attention window, which the packed mask
-  would replace. Packing needs a model that honours a 4-D attention mask
-  (``sdpa`` or ``eager`` attention); the oracle checks that each model it
-  loads gives the padded layout's logits on a probe batch and falls back to
-  the other layouts when it does not.
+  FLOPs (153 slots on the demo model, so a group of eight 16-token
+  completions packs; about 3,700 on a 7B Llama), and never wider than an
+  attention window or chunk the model's config names. Packing needs a model
+  that honours a 4-D attention mask and position ids (``sdpa`` or ``eager``
+  attention): the oracle checks each model it loads on a probe group as wide
+  as its limit and uses the other layouts when packing does not give the
+  padded layout's logits.
 - **shared prefix**: the distinct prompts run once, left-padded, with a KV
   cache; the cache rows are repeated per sequence and the completions run on
   top of it, right-padded. A batch takes that path when it saves at least
@@ -39,6 +35,7 @@ Logits are only projected for the positions a completion needs
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -47,6 +44,7 @@ from typing import TypeVar
 import torch
 
 from rollout.backends import cache_kwarg, load_causal_lm, resolve_dtype
+from rollout.packing import attention_span, pack, packed_width, packed_width_limit, unpack
 from verify.errors import ProofTrainError
 from verify.spotcheck import LogitsOracle
 
@@ -89,20 +87,22 @@ class TransformersOracle(LogitsOracle):
         self.min_prefix_savings = min_prefix_savings
         self.max_packed_tokens = max_packed_tokens
         self._packs: dict[int, int] = {}  # version -> its packed width limit, 0 if it does not pack
+        self._lock = threading.RLock()  # loading, evicting and probing; forward passes run outside it
 
     def model(self, version: int) -> torch.nn.Module:
-        if version not in self._loaded:
-            if isinstance(self._models, Mapping):
-                if version not in self._models:
-                    raise UnknownPolicyVersion(f"no weights for policy version {version}")
-                source = self._models[version]
-            else:
-                source = self._models(version)
-            self._loaded[version] = load_causal_lm(source, self.device, self.dtype)
-            while len(self._loaded) > self.max_versions:  # keep the staleness window, not history
-                self._packs.pop(self._loaded.popitem(last=False)[0], None)
-        self._loaded.move_to_end(version)
-        return self._loaded[version]
+        with self._lock:
+            if version not in self._loaded:
+                if isinstance(self._models, Mapping):
+                    if version not in self._models:
+                        raise UnknownPolicyVersion(f"no weights for policy version {version}")
+                    source = self._models[version]
+                else:
+                    source = self._models(version)
+                self._loaded[version] = load_causal_lm(source, self.device, self.dtype)
+                while len(self._loaded) > self.max_versions:  # keep the staleness window, not history
+                    self._packs.pop(self._loaded.popitem(last=False)[0], None)
+            self._loaded.move_to_end(version)
+            return self._loaded[version]
 
     def logits_batch(
         self, version: int, seqs: Sequence[tuple[Sequence[int], int]]
@@ -114,10 +114,9 @@ class TransformersOracle(LogitsOracle):
         model = self.model(version)
         result: list[torch.Tensor | None] = [None] * len(seqs)
         groups = _by_prompt(seqs)
-        if self.packs(version):
-            limit = self._packs[version]
-            self._run_packed_rows(model, seqs, [g for g in groups if _packed_width(seqs, g) <= limit], result)
-            groups = [g for g in groups if _packed_width(seqs, g) > limit]
+        if limit := self._packed_limit(version, model):
+            self._run_packed_rows(model, seqs, [g for g in groups if packed_width(seqs, g) <= limit], result)
+            groups = [g for g in groups if packed_width(seqs, g) > limit]
         if groups and self._prefix_pays(seqs, groups):
             self._run_groups(model, seqs, groups, result)
         elif groups:
@@ -126,96 +125,74 @@ class TransformersOracle(LogitsOracle):
 
     def packs(self, version: int) -> bool:
         """Whether this version's model runs the packed layout (module docstring); probed once."""
-        if version not in self._packs:
-            model = self.model(version)
-            limit = packed_width_limit(model) if self.max_packed_tokens is None else self.max_packed_tokens
-            config = getattr(model, "config", None)
-            window = getattr(config, "sliding_window", None)
-            if isinstance(window, int) and window > 0:  # a packed mask replaces the window's own:
-                limit = min(limit, window)  # rows no wider than it never need it
-            impl = getattr(config, "_attn_implementation", None)
-            packs = limit > 0 and impl in ("sdpa", "eager") and self._packing_matches(model)
-            self._packs[version] = limit if packs else 0
-        return self._packs[version] > 0
+        return self._packed_limit(version, self.model(version)) > 0
 
-    def _packing_matches(self, model: torch.nn.Module) -> bool:
-        """The packed layout gives the padded layout's logits on a probe group of three."""
+    def _packed_limit(self, version: int, model: torch.nn.Module) -> int:
+        """The widest packed row for this version's model, 0 if it does not pack; probed once."""
+        with self._lock:
+            if version not in self._packs:
+                limit = packed_width_limit(model) if self.max_packed_tokens is None else self.max_packed_tokens
+                config = getattr(model, "config", None)
+                if (span := attention_span(config)) is not None:  # a packed mask replaces a window's
+                    limit = min(limit, span)  # own: rows no wider than it never need it
+                impl = getattr(config, "_attn_implementation", None)
+                packs = limit > 0 and impl in ("sdpa", "eager") and self._packing_matches(model, limit)
+                self._packs[version] = limit if packs else 0
+            return self._packs[version]
+
+    def _packing_matches(self, model: torch.nn.Module, limit: int) -> bool:
+        """The packed layout gives the padded layout's logits on a probe group as wide as
+        ``limit``: one long completion, then two short ones at the far end of the row, so a
+        model whose attention is local (a window or chunk no config field named), or which
+        ignores the mask or the restarted positions, shows it. The bound is the larger of
+        four times the padded layout's own batch-versus-alone difference and 1e-4 (float32)
+        or 1e-2 (16-bit) of the largest logit."""
+        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or limit
+        width = min(limit, positions)
+        if width < 5:  # no room for a prompt and three completions
+            return False
         vocab = _vocab_size(model)
-        tok = [1 + t % max(vocab - 1, 1) for t in (5, 3, 8, 1, 9, 4, 7, 2, 6)]
-        prompt = tok[:3]
-        seqs = [(prompt + tok[3:7], 3), (prompt + tok[7:], 3), (prompt + tok[4:6], 3)]
+        tok = [1 + (7 * i + 3) % max(vocab - 1, 1) for i in range(width)]
+        p = min(3, width - 4)
+        prompt, fed = tok[:p], width - p - 3  # p + fed + 2 + 1 = width slots
+        seqs = [(prompt + tok[p:p + fed + 1], p), (prompt + tok[1:4], p), (prompt + tok[2:4], p)]
         padded: list[torch.Tensor | None] = [None] * len(seqs)
+        alone: list[torch.Tensor | None] = [None] * len(seqs)
         packed: list[torch.Tensor | None] = [None] * len(seqs)
         self._run(model, seqs, [0, 1, 2], padded)
+        for i in range(len(seqs)):
+            self._run(model, seqs, [i], alone)
         try:
             self._run_packed(model, seqs, [[0, 1, 2]], packed)
-        except (RuntimeError, ValueError, TypeError):  # a model that refuses a 4-D mask
+        except (RuntimeError, ValueError, TypeError, IndexError):  # a model that refuses the inputs
             return False
-        scale = max(1.0, max(float(w.abs().max()) for w in padded if w is not None))
+        runs = [(g, w, a) for g, w, a in zip(packed, padded, alone, strict=True)
+                if g is not None and w is not None and a is not None and g.shape == w.shape]
+        if len(runs) != len(seqs):
+            return False
+        scale = max(1.0, max(float(w.abs().max()) for _, w, _ in runs))
+        noise = max(float((a - w).abs().max()) for _, w, a in runs)
         exact = next(model.parameters()).dtype in (torch.float32, torch.float64)
-        bound = (1e-4 if exact else 5e-2) * scale
-        return all(g is not None and w is not None and g.shape == w.shape
-                   and float((g - w).abs().max()) <= bound for g, w in zip(packed, padded, strict=True))
+        bound = max(4 * noise, (1e-4 if exact else 1e-2) * scale)
+        return all(float((g - w).abs().max()) <= bound for g, w, _ in runs)
 
     def _run_packed_rows(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
                          groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
         """Packed rows, longest first, batched within ``max_batch_tokens``."""
-        for batch in _batches(groups, lambda g: _packed_width(seqs, g), self.max_batch_tokens):
+        for batch in _batches(groups, lambda g: packed_width(seqs, g), self.max_batch_tokens):
             self._run_packed(model, seqs, batch, result)
 
     @torch.inference_mode()
     def _run_packed(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
                     groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
-        """One row per group: ``prompt, fed tokens of member 1, of member 2, ...``.
-
-        ``seg`` names what each slot holds: 0 the prompt, k member k, -1
-        padding. A query sees a key at or before it that is the prompt or its
-        own member; a padding slot sees itself, so no row of the mask is empty.
-        """
-        ids_rows, pos_rows, seg_rows = [], [], []
-        for g in groups:
-            prompt_len = seqs[g[0]][1]
-            ids, pos, seg = list(seqs[g[0]][0][:prompt_len]), list(range(prompt_len)), [0] * prompt_len
-            for k, i in enumerate(g, 1):
-                fed = seqs[i][0][prompt_len: len(seqs[i][0]) - 1]  # the last token predicts nothing
-                ids.extend(fed)
-                pos.extend(range(prompt_len, prompt_len + len(fed)))
-                seg.extend([k] * len(fed))
-            ids_rows.append(ids)
-            pos_rows.append(pos)
-            seg_rows.append(seg)
-        width = max(len(r) for r in ids_rows)
-        ids_t = torch.tensor([r + [self.pad_token_id] * (width - len(r)) for r in ids_rows], dtype=torch.long)
-        pos_t = torch.tensor([r + [0] * (width - len(r)) for r in pos_rows], dtype=torch.long)
-        seg_t = torch.tensor([r + [-1] * (width - len(r)) for r in seg_rows], dtype=torch.long)  # (U, W)
-        slots = torch.arange(width)
-        query, key = seg_t[:, :, None], seg_t[:, None, :]
-        sees = ((key == 0) | (key == query)) & (key >= 0) & (slots[:, None] >= slots[None, :])
-        sees |= torch.eye(width, dtype=torch.bool)
-        dtype = next(model.parameters()).dtype
-        mask = torch.zeros(sees.shape, dtype=dtype).masked_fill_(~sees, torch.finfo(dtype).min)
-        first = min(seqs[g[0]][1] for g in groups) - 1  # no logits are needed before this slot
-        logits = model(input_ids=ids_t.to(self.device), attention_mask=mask[:, None].to(self.device),
-                       position_ids=pos_t.to(self.device), use_cache=False,
-                       logits_to_keep=width - first).logits.float().cpu()  # (U, W - first, V)
-        rows: list[int] = []
-        cols: list[int] = []
-        sizes: list[int] = []
-        members: list[int] = []
-        for u, g in enumerate(groups):
-            prompt_len = seqs[g[0]][1]
-            at = prompt_len
-            for i in g:
-                n = len(seqs[i][0]) - prompt_len
-                if n:  # predicted by the prompt's last slot, then by the member's fed tokens
-                    rows.extend([u] * n)
-                    cols.append(prompt_len - 1 - first)
-                    cols.extend(range(at - first, at - first + n - 1))
-                    at += n - 1
-                sizes.append(n)
-                members.append(i)
-        picked = logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)]  # (sum n, V)
-        for i, part in zip(members, picked.split(sizes), strict=True):
+        """One packed row per group (``rollout/packing.py``), all in one forward call."""
+        batch = pack(seqs, groups, self.pad_token_id, next(model.parameters()).dtype)
+        width = batch.input_ids.shape[1]
+        logits = model(input_ids=batch.input_ids.to(self.device),
+                       attention_mask=batch.attention_mask.to(self.device),
+                       position_ids=batch.position_ids.to(self.device), use_cache=False,
+                       logits_to_keep=width - batch.first).logits.float().cpu()  # (U, W - first, V)
+        for i, part in unpack(logits, seqs, groups, batch.first):
             result[i] = part
 
     def _prefix_pays(self, seqs: Sequence[tuple[Sequence[int], int]], groups: list[list[int]]) -> bool:
@@ -322,30 +299,6 @@ class TransformersOracle(LogitsOracle):
             result[i] = logits[row, idx].contiguous()
 
 
-PACKED_ATTENTION_SHARE = 0.15
-"""The masked attention a packed row may add to its linear layers' FLOPs. Measured on
-the demo model, one torch thread, groups of eight: packing is as fast as the shared
-prefix at 127 slots, 5-14% slower at 255 and 37-51% slower at 511 (one and seven
-groups per call)."""
-
-
-def packed_width_limit(model: torch.nn.Module) -> int:
-    """The widest packed row whose attention adds at most ``PACKED_ATTENTION_SHARE`` to its
-    linear layers' FLOPs: per layer, ``2 * P`` per slot for ``P`` linear weights against
-    ``4 * heads * head_dim`` per slot pair, over the ``W^2`` pairs of a row of ``W``. 0
-    when the model's shape is not one that can be read."""
-    config = getattr(model, "config", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // (heads or 1)
-    if not layers or not heads or not head_dim:
-        return 0
-    head = model.get_output_embeddings()  # type: ignore[operator]
-    linear = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and m is not head)
-    return int(PACKED_ATTENTION_SHARE * 2 * linear / layers / (4 * heads * head_dim))
-
-
 def _batches(items: list[T], width: Callable[[T], int], budget: int) -> Iterator[list[T]]:
     """``items`` widest first, cut into batches of at most ``budget`` rows * width (at least one row)."""
     batch: list[T] = []
@@ -364,12 +317,6 @@ def _by_prompt(seqs: Sequence[tuple[Sequence[int], int]]) -> list[list[int]]:
     for i, (ids, prompt_len) in enumerate(seqs):
         by_prompt.setdefault(tuple(ids[:prompt_len]), []).append(i)
     return list(by_prompt.values())
-
-
-def _packed_width(seqs: Sequence[tuple[Sequence[int], int]], group: list[int]) -> int:
-    """Slots of a group's packed row: its prompt, then every completion but its last token."""
-    prompt_len = seqs[group[0]][1]
-    return prompt_len + sum(max(len(seqs[i][0]) - prompt_len - 1, 0) for i in group)
 
 
 def _keep_arg(keep: list[int], width: int, device: torch.device) -> int | torch.Tensor:

@@ -99,6 +99,9 @@ def calibrate(
     model = load_causal_lm(model_dir, torch.device("cpu"), None)
     oracles = layout_oracles(model_dir, recompute_dtype)
     used = [layout for layout in layouts if layout in oracles]
+    if not used:  # thresholds from no observations would be the floors
+        raise ConfigError(f"calibrate: {model_dir} runs none of the layouts {list(layouts)} "
+                          f"(it runs {sorted(oracles)})")
     settings: list[SettingStats] = []
     all_tok: list[np.ndarray] = []
     all_chunk: list[np.ndarray] = []

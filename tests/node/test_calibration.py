@@ -37,6 +37,16 @@ def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> Non
     assert max(fp32.values()) < 1e-4
 
 
+def test_calibrating_no_layout_the_model_runs_is_refused(tiny_model, codec, prompts, monkeypatch) -> None:
+    from node.validator import calibration
+
+    only = calibration.layout_oracles
+    monkeypatch.setattr(calibration, "layout_oracles",
+                        lambda *a: {k: v for k, v in only(*a).items() if k == "unpacked"})  # a model that never packs
+    with pytest.raises(ConfigError, match="runs none of the layouts"):
+        calibrate(tiny_model, prompts[:2], stop_token_ids=[codec.eos_token_id], max_tokens=4, layouts=("packed",))
+
+
 def test_two_thousand_honest_audits_give_no_false_positive(tiny_model, codec, prompts, mixed) -> None:
     result = honest_audit(tiny_model, prompts[10:260], mixed.tolerance,
                           stop_token_ids=[codec.eos_token_id], max_tokens=12, shifts=(0.05,))
