@@ -117,7 +117,8 @@ def attention_span(config: object) -> int | None:
 
 def packed_width_limit(model: torch.nn.Module) -> int:
     """The widest packed row whose attention adds at most ``PACKED_ATTENTION_SHARE`` to its
-    linear layers' FLOPs: per layer, ``2 * P`` per slot for ``P`` linear weights against
+    linear layers' FLOPs: per layer, ``2 * P`` per slot for ``P`` matrix weights (every 2-D
+    weight but the embeddings' and the output head's) against
     ``4 * heads * head_dim`` per slot pair, over the ``W^2`` pairs of a row of ``W``. 0
     when the model's shape is not one that can be read."""
     config = getattr(model, "config", None)
@@ -127,6 +128,7 @@ def packed_width_limit(model: torch.nn.Module) -> int:
     if not layers or not heads or not head_dim:
         return 0
     head = model.get_output_embeddings()  # type: ignore[operator]
-    linear = sum(m.weight.numel() for m in model.modules()
-                 if isinstance(m, torch.nn.Linear) and m is not head)
+    linear = sum(m.weight.numel() for m in model.modules()  # Linear, and GPT-2's Conv1D
+                 if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+                 and not isinstance(m, torch.nn.Embedding) and m is not head)
     return int(PACKED_ATTENTION_SHARE * 2 * linear / layers / (4 * heads * head_dim))

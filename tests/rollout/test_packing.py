@@ -225,3 +225,28 @@ def test_a_bfloat16_model_packs_and_matches_its_padded_rows_within_rounding(tiny
     for g, w in zip(oracle.logits_batch(0, seqs), want, strict=True):
         scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
         assert g.shape == w.shape and (not g.numel() or float((g - w).abs().max()) <= 2 ** -6 * scale)
+
+
+ARCHITECTURES = {  # name: (model class, config class, config, packs)
+    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                      num_attention_heads=4, num_key_value_heads=2), True),
+    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_layer=2, n_head=4), True),  # Conv1D weights
+    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64,
+                                                             num_hidden_layers=2, num_attention_heads=4), True),
+    "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                                num_attention_heads=4, word_embed_proj_dim=32), True),
+    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), False),  # ALiBi
+}
+
+
+@pytest.mark.parametrize("name", sorted(ARCHITECTURES))
+def test_each_architecture_packs_only_where_packing_gives_its_padded_logits(name) -> None:
+    import transformers
+
+    cls, config_cls, config, packs = ARCHITECTURES[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(getattr(transformers, config_cls)(vocab_size=64, **config)).eval()
+    oracle = TransformersOracle({0: model}, min_prefix_savings=10**9)
+    assert oracle.packs(0) is packs
+    seqs = _random_seqs(random.Random(11))
+    _assert_same(oracle.logits_batch(0, seqs), _padded(model).logits_batch(0, seqs))
