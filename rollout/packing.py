@@ -128,7 +128,7 @@ def packed_width_limit(model: torch.nn.Module) -> int:
     if not layers or not heads or not head_dim:
         return 0
     head = model.get_output_embeddings()  # type: ignore[operator]
-    linear = sum(m.weight.numel() for m in model.modules()  # Linear, and GPT-2's Conv1D
-                 if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
-                 and not isinstance(m, torch.nn.Embedding) and m is not head)
+    weights = [getattr(m, "weight", None) for m in model.modules()
+               if m is not head and not isinstance(m, torch.nn.Embedding)]
+    linear = sum(w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2)  # and Conv1D
     return int(PACKED_ATTENTION_SHARE * 2 * linear / layers / (4 * heads * head_dim))
