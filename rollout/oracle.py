@@ -115,8 +115,10 @@ class TransformersOracle(LogitsOracle):
         result: list[torch.Tensor | None] = [None] * len(seqs)
         groups = _by_prompt(seqs)
         if limit := self._packed_limit(version, model):
-            self._run_packed_rows(model, seqs, [g for g in groups if packed_width(seqs, g) <= limit], result)
-            groups = [g for g in groups if packed_width(seqs, g) > limit]
+            widths = [packed_width(seqs, g) for g in groups]
+            self._run_packed_rows(model, seqs, [g for g, w in zip(groups, widths, strict=True) if w <= limit],
+                                  result)
+            groups = [g for g, w in zip(groups, widths, strict=True) if w > limit]
         if groups and self._prefix_pays(seqs, groups):
             self._run_groups(model, seqs, groups, result)
         elif groups:
@@ -302,10 +304,13 @@ class TransformersOracle(LogitsOracle):
 def _batches(items: list[T], width: Callable[[T], int], budget: int) -> Iterator[list[T]]:
     """``items`` widest first, cut into batches of at most ``budget`` rows * width (at least one row)."""
     batch: list[T] = []
-    for item in sorted(items, key=lambda x: -width(x)):
-        if batch and (len(batch) + 1) * width(batch[0]) > budget:
+    widest = 0  # the first item's width: every later one is at most that
+    for w, item in sorted(((width(x), x) for x in items), key=lambda wx: -wx[0]):
+        if batch and (len(batch) + 1) * widest > budget:
             yield batch
             batch = []
+        if not batch:
+            widest = w
         batch.append(item)
     if batch:
         yield batch

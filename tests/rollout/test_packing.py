@@ -40,7 +40,7 @@ def _random_seqs(rng: random.Random, lengths=(0, 1, 2, 5, 9)) -> list[tuple[list
 @pytest.mark.parametrize("seed", [3, 4, 5])
 def test_every_forward_layout_matches_one_row_per_sequence(tiny_model, seed) -> None:
     seqs = _random_seqs(random.Random(seed), lengths=(0, 1, 2, 5, 9, 30))
-    padded = TransformersOracle({0: tiny_model}, min_prefix_savings=10**9, max_packed_tokens=0)
+    padded = _padded(tiny_model)
     shared = TransformersOracle({0: tiny_model}, min_prefix_savings=0, max_batch_tokens=40,
                                 max_packed_tokens=0)
     packed = TransformersOracle({0: tiny_model}, max_batch_tokens=40)  # several packed batches
@@ -49,10 +49,7 @@ def test_every_forward_layout_matches_one_row_per_sequence(tiny_model, seed) -> 
     want = padded.logits_batch(0, seqs)
     assert [tuple(x.shape) for x in want] == [(len(ids) - p, x.shape[-1]) for (ids, p), x in zip(seqs, want, strict=True)]
     for oracle in (shared, packed, mixed):
-        got = oracle.logits_batch(0, seqs)
-        assert [x.shape for x in got] == [x.shape for x in want]
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+        _assert_same(oracle.logits_batch(0, seqs), want)
 
 
 def test_a_packed_group_runs_its_prompt_once_and_pads_nothing(tiny_model) -> None:
@@ -95,14 +92,12 @@ def test_a_model_that_ignores_packed_masks_is_not_packed(tiny_model) -> None:
     seqs = _random_seqs(random.Random(6))
     oracle = TransformersOracle({0: IgnoresCustomMasks(load_causal_lm(tiny_model, "cpu", None))})
     assert not oracle.packs(0)
-    want = _padded(tiny_model).logits_batch(0, seqs)
-    for g, w in zip(oracle.logits_batch(0, seqs), want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    _assert_same(oracle.logits_batch(0, seqs), _padded(tiny_model).logits_batch(0, seqs))
     # and the packed layout itself is what the probe rejected: it would have answered wrongly
     wrong: list[torch.Tensor | None] = [None] * 3
     probe = [([5, 9, 11, 7, 7, 7], 3), ([5, 9, 11, 8, 8], 3), ([5, 9, 11, 6, 6, 6], 3)]
     oracle._run_packed(oracle.model(0), probe, [[0, 1, 2]], wrong)
-    right = TransformersOracle({0: tiny_model}, max_packed_tokens=0).logits_batch(0, probe)
+    right = _padded(tiny_model).logits_batch(0, probe)
     assert max(float((g - w).abs().max()) for g, w in zip(wrong, right, strict=True) if g is not None) > 1e-3
 
 
@@ -118,9 +113,8 @@ def test_a_sliding_window_bounds_the_packed_rows(tiny_model) -> None:
     rng = random.Random(7)
     prompt = [rng.randrange(3, 60) for _ in range(3)]
     seqs = [(prompt + [rng.randrange(3, 60) for _ in range(n)], 3) for n in (2, 3, 9)]  # packed: 14 slots
-    want = TransformersOracle({0: model}, max_packed_tokens=0, min_prefix_savings=10**9).logits_batch(0, seqs)
-    for g, w in zip(oracle.logits_batch(0, seqs), want, strict=True):
-        torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    want = _padded(model).logits_batch(0, seqs)
+    _assert_same(oracle.logits_batch(0, seqs), want)
     # packed anyway, the row's mask would let the last completion see past the window
     wide: list[torch.Tensor | None] = [None] * len(seqs)
     oracle._run_packed(oracle.model(0), seqs, [[0, 1, 2]], wide)
