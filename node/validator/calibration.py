@@ -28,9 +28,8 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
-import torch
 
-from rollout.backends import TransformersBackend, load_causal_lm
+from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.errors import ConfigError
@@ -96,7 +95,6 @@ def calibrate(
     layouts: Sequence[Layout] = LAYOUTS, progress: bool = False,
 ) -> Calibration:
     """Measure honest discrepancies for every setting and choose thresholds."""
-    model = load_causal_lm(model_dir, torch.device("cpu"), None)
     oracles = layout_oracles(model_dir, recompute_dtype)
     used = [layout for layout in layouts if layout in oracles]
     if not used:  # thresholds from no observations would be the floors
@@ -139,7 +137,6 @@ def calibrate(
                 all_chunk.append(ch)
                 bar.update(1)
     bar.close()
-    del model
     tok_max = float(max((s.token_max_abs for s in settings), default=0.0))
     chunk_max = float(max((s.chunk_mean_max for s in settings), default=0.0))
     token_abs = max(margin * tok_max, TOKEN_FLOOR)
