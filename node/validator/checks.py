@@ -185,7 +185,7 @@ class GroupChecks:
                                      reason=Reason.BACKPRESSURE)
             self._pending_completions.update(digests)
             reserved.update(digests)
-        seen = self.state.seen_completions(list(digests), a.assignment_id)
+        seen = self.state.seen_completions(a.prompt_digest, list(digests), a.assignment_id)
         for m in members:
             if m.rollout.token_ids.size and int(m.rollout.token_ids.max()) >= vocab:
                 return fail(m, Reason.MALFORMED)

@@ -3,8 +3,9 @@
 The ledger holds verdicts (small, hashed, public); this SQLite file (WAL) holds
 what the trainer and the node need beside them, keyed by envelope digest or
 assignment: where each accepted sample's body is, the verdicts returned for
-each assignment (so a resubmission gets the same answer), assignments,
-manifests and epoch secrets.
+each assignment (so a resubmission gets the same answer), each accepted
+group's completion digests under its prompt digest (so a copy is caught),
+assignments, manifests and epoch secrets.
 
 Sample bodies (about 8 KiB per 1,024-token rollout) go to an append-only file
 beside the database (``<path>.bodies``, 0600). A group's bodies lie side by
@@ -77,9 +78,15 @@ CREATE TABLE IF NOT EXISTS submissions (
     group_digest BLOB NOT NULL,
     verdicts BLOB NOT NULL
 );
-CREATE TABLE IF NOT EXISTS completions (  -- one B-tree: no rowid table beside the key's index
+CREATE TABLE IF NOT EXISTS completions (  -- written by nodes before prompt_completions
     digest BLOB PRIMARY KEY,
     assignment_id BLOB
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS prompt_completions (
+    prompt_digest BLOB NOT NULL,
+    assignment_id BLOB NOT NULL,
+    digests BLOB NOT NULL,  -- the group's accepted completion digests, 32 bytes each
+    PRIMARY KEY (prompt_digest, assignment_id)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS assignments (
     assignment_id BLOB PRIMARY KEY,
@@ -112,6 +119,8 @@ class StateStore:
         self._db.executescript(_SCHEMA)
         if "assignment_id" not in {row[1] for row in self._db.execute("PRAGMA table_info(completions)")}:
             self._db.execute("ALTER TABLE completions ADD COLUMN assignment_id BLOB")  # rows before: NULL
+        # Nothing writes the table any more: only a database from before needs it read.
+        self._legacy_completions = self._db.execute("SELECT 1 FROM completions LIMIT 1").fetchone() is not None
         self._lock = threading.Lock()
         if str(path) == ":memory:":
             with tempfile.TemporaryFile() as scratch:  # already unlinked: gone with the store
@@ -152,26 +161,34 @@ class StateStore:
                     self._db.execute("PRAGMA synchronous=NORMAL")
 
     def put_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
-                    completions: list[tuple[bytes, bytes]]) -> None:
+                    completions: list[tuple[bytes, bytes, list[bytes]]]) -> None:
         """:meth:`store_samples`, returning once the bodies and their index are on disk."""
         self.store_samples(groups, completions)()
 
     def store_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
-                      completions: list[tuple[bytes, bytes]]) -> Callable[[], None]:
-        """Store each group's (assignment id, [(envelope digest, body), ...]) and the
-        (completion digest, assignment id) pairs they hold, durably; return ``wait``, which
-        returns once the bodies are on disk too and raises what failed.
+                      completions: list[tuple[bytes, bytes, list[bytes]]]) -> Callable[[], None]:
+        """Store each group's (assignment id, [(envelope digest, body), ...]) and each
+        group's (prompt digest, assignment id, [completion digest, ...]), durably; return
+        ``wait``, which returns once the bodies are on disk too and raises what failed.
 
         The bodies are appended to the bodies file, and the helper thread fsyncs them
         while one index row per group and the completions are committed in one
         transaction (on disk when this returns); the caller does its own work, the
         ledger's transaction, while the fsync runs. A body that is not bytes, or a
-        digest that is not 32 bytes, stores nothing."""
+        digest that is not 32 bytes, stores nothing.
+
+        A group's completions are one row keyed by its prompt digest (a completion
+        digest starts from it): one insert per group where a row per completion, under a
+        random key, dirtied a page of its own for every member and took a third of the
+        bytes a batch wrote."""
         for _, rows in groups:
             if not all(isinstance(body, bytes) for _, body in rows):
                 raise TypeError("a sample body must be bytes")
             if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
                 raise TypeError("an envelope digest must be 32 bytes")
+        for _, _, digests in completions:
+            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d in digests):
+                raise TypeError("a completion digest must be 32 bytes")
         index = []
         synced: Future[None] | None = None
         if any(rows for _, rows in groups):
@@ -185,7 +202,8 @@ class StateStore:
             synced = self._syncer.submit(os.fdatasync, self._bodies)  # the data and the new size
         try:
             self._many(("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
-                       ("INSERT OR IGNORE INTO completions VALUES (?, ?)", completions),
+                       ("INSERT OR REPLACE INTO prompt_completions VALUES (?, ?, ?)",
+                        [(prompt, aid, b"".join(digests)) for prompt, aid, digests in completions if digests]),
                        durable=True)
         except BaseException:
             if synced is not None:  # never leave with the fsync still running
@@ -218,22 +236,30 @@ class StateStore:
             raise OSError(f"the bodies file ends inside the body at offset {offset}")
         return body
 
-    def seen_completions(self, digests: list[bytes], assignment_id: bytes) -> set[bytes]:
-        """The subset of ``digests`` stored for another assignment than ``assignment_id``, or
-        for an unknown one (one query).
+    def seen_completions(self, prompt_digest: bytes, digests: list[bytes], assignment_id: bytes) -> set[bytes]:
+        """The subset of ``digests``, completions of ``prompt_digest``, stored for another
+        assignment than ``assignment_id``, or for an unknown one.
 
         A group's own completions are stored before its verdicts reach the ledger; if the
         node stops in between, the assignment stays open and the same group comes again.
         It is then no copy of anything."""
-        wanted = list(set(digests))
+        wanted = set(digests)
         if not wanted:
             return set()
-        marks = ",".join("?" * len(wanted))
         with self._lock:
-            rows = self._db.execute(
-                f"SELECT digest FROM completions WHERE digest IN ({marks})"
-                " AND (assignment_id IS NULL OR assignment_id != ?)", [*wanted, assignment_id]).fetchall()
-        return {bytes(r[0]) for r in rows}
+            rows = self._db.execute("SELECT digests FROM prompt_completions WHERE prompt_digest = ?"
+                                    " AND assignment_id != ?", (prompt_digest, assignment_id)).fetchall()
+            legacy = self._legacy_rows(list(wanted), assignment_id) if self._legacy_completions else []
+        stored = {bytes(blob[i:i + _DIGEST]) for (blob,) in rows for i in range(0, len(blob), _DIGEST)}
+        return (wanted & stored) | {bytes(r[0]) for r in legacy}
+
+    def _legacy_rows(self, wanted: list[bytes], assignment_id: bytes) -> list[tuple[bytes]]:
+        """Rows of ``wanted`` in the ``completions`` table of a database from before (one
+        row per completion), stored for another assignment or an unknown one."""
+        marks = ",".join("?" * len(wanted))
+        return self._db.execute(
+            f"SELECT digest FROM completions WHERE digest IN ({marks})"
+            " AND (assignment_id IS NULL OR assignment_id != ?)", [*wanted, assignment_id]).fetchall()
 
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:
         self.put_assignments([(assignment_id, sealed)])

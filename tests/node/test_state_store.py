@@ -14,6 +14,7 @@ from node.validator.state import StateStore
 
 A = b"a" * 16  # an assignment id
 B = b"b" * 16
+P = b"p" * 32  # a prompt digest
 
 
 def _traced(store: StateStore) -> list[str]:
@@ -44,7 +45,7 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
     store = StateStore(tmp_path / "state.sqlite")
     assert _level(store) == 1  # NORMAL by default
     seen = _traced(store)
-    store.put_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
+    store.put_samples([(A, [(b"d" * 32, b"body")])], [(P, A, [b"c" * 32])])
     assert _committed_at_full(seen, "group_bodies")
     assert _level(store) == 1  # back to NORMAL afterwards
     seen.clear()
@@ -73,7 +74,7 @@ def test_bodies_are_fsynced_while_they_are_indexed_and_a_failed_fsync_fails_the_
         events.append(f"fsync ends {fd}")
 
     monkeypatch.setattr(os, "fdatasync", slow)
-    wait = store.store_samples([(A, [(b"d" * 32, b"body")])], [(b"c" * 32, A)])
+    wait = store.store_samples([(A, [(b"d" * 32, b"body")])], [(P, A, [b"c" * 32])])
     deadline = time.monotonic() + 10
     while "COMMIT" not in events and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -88,12 +89,12 @@ def test_bodies_are_fsynced_while_they_are_indexed_and_a_failed_fsync_fails_the_
 
     monkeypatch.setattr(os, "fdatasync", failing)
     with pytest.raises(OSError, match="Input/output"):
-        store.put_samples([(B, [(b"e" * 32, b"more")])], [(b"f" * 32, B)])
+        store.put_samples([(B, [(b"e" * 32, b"more")])], [(P, B, [b"f" * 32])])
     # The row was indexed, but its verdicts never reach the ledger (the write failed), so
     # nothing serves it, and its completion is no copy when the same group comes again.
-    assert store.seen_completions([b"f" * 32], B) == set()
+    assert store.seen_completions(P, [b"f" * 32], B) == set()
     monkeypatch.setattr(os, "fdatasync", real)
-    store.put_samples([(B, [(b"e" * 32, b"more, again")])], [(b"f" * 32, B)])  # sent again
+    store.put_samples([(B, [(b"e" * 32, b"more, again")])], [(P, B, [b"f" * 32])])  # sent again
     assert store.sample(b"e" * 32, B) == b"more, again" and store.sample(b"d" * 32, A) == b"body"
     assert store._db.execute("SELECT COUNT(*) FROM group_bodies").fetchone()[0] == 2  # replaced
 
@@ -107,7 +108,7 @@ def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: 
     assert store.sample(b"d" * 32, A) is None
     assert (tmp_path / "state.sqlite.bodies").stat().st_size == 0
     with pytest.raises(sqlite3.Error):  # the index fails: no body is indexed, the level is restored
-        store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"other")])], [(object(), b"a")])  # type: ignore[list-item]
+        store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"other")])], [(object(), A, [b"c" * 32])])  # type: ignore[list-item]
     assert store.sample(b"d" * 32, A) is None and store.sample(b"e" * 32, A) is None
     assert _level(store) == 1
     store.put_samples([(A, [(b"d" * 32, b"body")])], [])
@@ -155,23 +156,30 @@ def test_bodies_stored_as_rows_or_indexed_one_by_one_are_still_served(tmp_path: 
 
 def test_an_in_memory_store_keeps_bodies_too() -> None:
     store = StateStore(":memory:")
-    store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"more")])], [(b"c" * 32, A)])
+    store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"more")])], [(P, A, [b"c" * 32])])
     assert (store.sample(b"d" * 32, A), store.sample(b"e" * 32, A)) == (b"body", b"more")
-    assert store.seen_completions([b"c" * 32, b"z" * 32], b"b" * 16) == {b"c" * 32}
+    assert store.seen_completions(P, [b"c" * 32, b"z" * 32], b"b" * 16) == {b"c" * 32}
     store.close()
 
 
-def test_a_new_store_keeps_completions_in_one_btree(tmp_path: Path) -> None:
-    """Completion digests are random keys: a rowid table would insert each one twice (the
-    table and its key's index), and hold both."""
+def test_a_new_store_keeps_a_groups_completions_in_one_row_under_its_prompt(tmp_path: Path) -> None:
+    """Completion digests are random keys: a row for each would dirty a page of its own. A
+    group's row is one insert, found by the prompt its completions answer."""
     store = StateStore(tmp_path / "state.sqlite")
-    store.put_samples([], [(b"c" * 32, A)])
+    group = [bytes([i]) * 32 for i in range(8)]
+    store.put_samples([], [(P, A, group), (b"q" * 32, B, [])])  # a group with none accepted: no row
+    assert store.seen_completions(P, [group[3], b"z" * 32], B) == {group[3]}
+    assert store.seen_completions(b"q" * 32, [group[3]], B) == set()  # under another prompt
+    with pytest.raises(TypeError, match="completion digest"):
+        store.put_samples([], [(P, B, [b"short"])])
     store.close()
     db = sqlite3.connect(tmp_path / "state.sqlite")
-    sql = db.execute("SELECT sql FROM sqlite_master WHERE name = 'completions'").fetchone()[0]
-    indexes = db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'completions'")
+    sql = db.execute("SELECT sql FROM sqlite_master WHERE name = 'prompt_completions'").fetchone()[0]
+    indexes = db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'prompt_completions'")
     assert "WITHOUT ROWID" in sql and indexes.fetchall() == []
-    assert db.execute("SELECT digest, assignment_id FROM completions").fetchall() == [(b"c" * 32, A)]
+    assert db.execute("SELECT prompt_digest, assignment_id, digests FROM prompt_completions").fetchall() == [
+        (P, A, b"".join(group))]
+    assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] == 0
     db.close()
 
 
@@ -183,7 +191,10 @@ def test_a_completion_is_seen_only_under_another_assignment(tmp_path: Path) -> N
     legacy.commit()
     legacy.close()
     store = StateStore(path)
-    store.put_samples([], [(b"c" * 32, b"a" * 16)])
+    store.put_samples([], [(P, b"a" * 16, [b"c" * 32])])
     wanted = [b"c" * 32, b"o" * 32, b"z" * 32]
-    assert store.seen_completions(wanted, b"a" * 16) == {b"o" * 32}  # its own is no copy
-    assert store.seen_completions(wanted, b"b" * 16) == {b"c" * 32, b"o" * 32}
+    assert store.seen_completions(P, wanted, b"a" * 16) == {b"o" * 32}  # its own is no copy
+    assert store.seen_completions(P, wanted, b"b" * 16) == {b"c" * 32, b"o" * 32}
+    store._db.execute("INSERT INTO completions VALUES (?, ?)", (b"m" * 32, b"a" * 16))  # a row from before
+    assert store.seen_completions(P, [b"m" * 32], b"a" * 16) == set()
+    assert store.seen_completions(P, [b"m" * 32], b"b" * 16) == {b"m" * 32}
