@@ -63,7 +63,7 @@ class GroupWrite:
 
     records: list[Record]
     samples: list[tuple[bytes, bytes]]  # (envelope digest, AcceptedSample bytes)
-    completions: tuple[bytes, list[bytes]]  # (prompt digest, the accepted members' completion digests)
+    completions: tuple[bytes, bytes, list[bytes]]  # (prompt digest, assignment id, accepted completions)
     submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, SignedGroupVerdict bytes)
 
 
@@ -115,7 +115,7 @@ class Recorder:
         submission = (a.assignment_id, group_digest, canonical_bytes(signed))
         # Returns once durable in the ledger. Until then the group is in flight, so a
         # resubmission gets BACKPRESSURE, never a second judgement.
-        yield GroupWrite(records, samples, (a.prompt_digest, completions), submission)
+        yield GroupWrite(records, samples, (a.prompt_digest, a.assignment_id, completions), submission)
         return signed
 
     def write(self, writes: list[GroupWrite]) -> list[None]:
@@ -134,8 +134,7 @@ class Recorder:
         samples = [(w.submission[0], w.samples) for w in batch if w.samples]
         stored = None
         if samples:  # on disk while the ledger transaction is prepared; it commits after them
-            stored = self.state.store_samples(samples, [(w.completions[0], w.submission[0], w.completions[1])
-                                                        for w in batch if w.completions[1]])
+            stored = self.state.store_samples(samples, [w.completions for w in batch])
         self.ledger.append_many([r for w in batch for r in w.records],
                                 checkpoint=self._checkpoint_due(len(batch)), before_commit=stored)
         self.state.put_submissions([w.submission for w in batch])
