@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import pickle
@@ -49,7 +50,7 @@ import numpy as np
 
 from node.validator import affinity
 from rewards.base import Problem
-from rewards.registry import reward
+from rewards.registry import available, reward
 from verify.envelope import Limits, VerifiedRollout, decode_group, group_digest, verify_envelope
 from verify.errors import VerificationError
 from verify.hashing import COMPLETION, blake3_digest
@@ -309,6 +310,19 @@ class _Answers(asyncio.Protocol):
         self.worker._lost(exc or EOFError("the precheck worker closed its socket"))
 
 
+def _warm_up(codec: Any) -> None:
+    """Load what every check uses before the worker says it is ready, so that the first
+    submissions it checks do not pay for it: importing the built-in reward functions
+    alone took 13 ms, and a fresh worker's first check 20 ms against 1.2 ms for the next.
+    Then freeze what is alive (``gc.freeze``): the modules and the codec stay for the
+    worker's life, and a collection no longer walks them."""
+    available()
+    with contextlib.suppress(Exception):  # a codec that cannot decode this fails its checks later
+        codec.decode_batch([np.zeros(1, np.uint32)])
+    gc.collect()
+    gc.freeze()
+
+
 def _receive(sock: socket.socket) -> bytes:
     """One framed message from a blocking socket."""
     head = _exactly(sock, _FRAME)
@@ -341,6 +355,7 @@ def _send(sock: socket.socket, message: bytes) -> None:
 
 def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
     """A worker process: answer checks until its socket closes."""
+    _warm_up(codec)
     _send(sock, b"ready")
     while True:
         try:

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -335,3 +338,23 @@ def test_a_node_with_precheck_processes_over_http(make_validator, backend, codec
         metrics = httpx.get(f"{url}/metrics").text
         assert "prooftrain_verify_precheck_failures_total 0.0" in metrics
         assert "prooftrain_verify_prechecked_total 2.0" in metrics  # the resubmission needed none
+
+
+def test_a_worker_loads_the_reward_functions_and_freezes_its_heap_before_it_is_ready() -> None:
+    """A fresh interpreter, as a spawned worker is: the built-in rewards are not loaded until
+    the warm-up loads them, and a codec that cannot decode does not stop it."""
+    script = textwrap.dedent("""
+        import gc, sys
+        from node.validator.precheck import _warm_up
+        before = [m for m in ("rewards.code", "rewards.countdown", "rewards.numeric") if m in sys.modules]
+        class Broken:
+            calls = 0
+            def decode_batch(self, ids):
+                Broken.calls += 1
+                raise ValueError("no tokenizer")
+        _warm_up(Broken())
+        after = [m for m in ("rewards.code", "rewards.countdown", "rewards.numeric") if m in sys.modules]
+        print(before, after, Broken.calls, gc.get_freeze_count() > 0)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split("\n")[0] == "[] ['rewards.code', 'rewards.countdown', 'rewards.numeric'] 1 True"
