@@ -35,8 +35,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, Any, TypeVar
 
@@ -193,10 +194,13 @@ class Metrics:
         self.admitting_cpu.inc(cpu_s)
 
 
-def _unplace(validator: Validator, placement: affinity.Placement) -> None:
-    """The calling thread back on every CPU it had before ``placement`` pinned it."""
+def _unplace(validator: Validator, placement: affinity.Placement, threads: Sequence[int] = ()) -> None:
+    """The calling thread, and the threads ``threads`` names (native ids), back on every
+    CPU they had before ``placement`` pinned them."""
     validator.placement = None
     affinity.pin(placement.everything)
+    for thread in threads:
+        affinity.pin(placement.everything, thread)
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
@@ -205,7 +209,11 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
     ``node.admission_threads``) admit submissions."""
     cfg = validator.cfg
     clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validator")
+    # Its thread starts on first use, inheriting the CPUs of the thread that used it: while
+    # serving, the event loop's (pinned) one. Its id is kept to give it its CPUs back after.
+    executor_threads: list[int] = []
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="validator",
+                                  initializer=lambda: executor_threads.append(threading.get_native_id()))
     threads = validator.cfg.node.admission_threads if admission_threads is None else admission_threads
     buckets = TokenBuckets(cfg.limits.requests_per_s, cfg.limits.burst)
     metrics = Metrics()
@@ -224,7 +232,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
                          if cfg.node.cpu_affinity and before is not None else None)
             if placement is not None and affinity.pin(placement.node):
                 validator.placement = placement
-                undo.callback(_unplace, validator, placement)
+                undo.callback(_unplace, validator, placement, executor_threads)
             else:
                 placement = None
             undo.callback(lambda: running.pop("prechecks").close() if "prechecks" in running else None)

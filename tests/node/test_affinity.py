@@ -68,8 +68,11 @@ def test_a_serving_node_pins_its_worker_and_threads_apart_and_lets_go_when_done(
         admitting = [t for t in threading.enumerate() if t.name.startswith("admit-")]
         assert admitting and all(affinity.allowed(t.native_id) == placement.node for t in admitting)
         assert [affinity.allowed(pid) for pid in _children()] == [placement.workers[0]]
+        helper = next(t for t in threading.enumerate() if t.name.startswith("validator_"))
+        assert affinity.allowed(helper.native_id) == placement.node  # started the workers
         assert affinity.allowed() == frozenset(CPUS)  # the test's own thread is not the node's
     assert v.placement is None
+    assert affinity.allowed(helper.native_id) == frozenset(CPUS)  # it outlives the app: let go
 
 
 @pinnable
