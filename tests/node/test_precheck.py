@@ -230,14 +230,17 @@ def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator
     held: list[int] = []
 
     async def scenario() -> list[Prechecked]:
+        await worker.attach()
         checks = [asyncio.ensure_future(pool.check(*job)) for job in jobs * 2]
+        await asyncio.sleep(0)  # one turn: each check is sent or waits, and no answer is read yet
+        held.append(len(worker.pending))
         while not all(c.done() for c in checks):
             held.append(len(worker.pending))
             await asyncio.sleep(0.0005)
         return [c.result() for c in checks]
 
     answers = _run_then_close(pool, scenario)
-    assert max(held) == 3  # never more than depth, and the next check waits in the socket
+    assert held[0] == 3 and max(held) == 3  # three sent at once, never more than depth
     assert [a.digest for a in answers] == [group_digest(raw) for raw in raws] * 2
     assert isinstance(answers[3].error, SignatureError) and answers[7].error is not None
 
@@ -250,9 +253,10 @@ def test_closing_the_pool_fails_the_checks_it_still_holds(make_validator, backen
     (worker,) = pool.workers
 
     async def scenario() -> list:
+        await worker.attach()
         checks = [asyncio.ensure_future(pool.check(*job)) for _ in range(4)]
-        while len(worker.pending) < 4 and not any(c.done() for c in checks):  # all four queued
-            await asyncio.sleep(0.001)
+        await asyncio.sleep(0)  # one turn: all four are sent, and no answer can be read before the next
+        assert len(worker.pending) == 4 and not any(c.done() for c in checks)
         pool.close()
         return await asyncio.wait_for(asyncio.gather(*checks, return_exceptions=True), 10)
 
