@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import itertools
 import multiprocessing
 import pickle
@@ -49,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from node.validator import affinity
+from node.validator.server import settle_heap
 from rewards.base import Problem
 from rewards.registry import available, reward
 from verify.envelope import Limits, VerifiedRollout, decode_group, group_digest, verify_envelope
@@ -314,13 +314,12 @@ def _warm_up(codec: Any) -> None:
     """Load what every check uses before the worker says it is ready, so that the first
     submissions it checks do not pay for it: importing the built-in reward functions
     alone took 13 ms, and a fresh worker's first check 20 ms against 1.2 ms for the next.
-    Then freeze what is alive (``gc.freeze``): the modules and the codec stay for the
-    worker's life, and a collection no longer walks them."""
+    Then :func:`~node.validator.server.settle_heap`: the modules and the codec stay for
+    the worker's life, and a collection no longer walks them."""
     available()
     with contextlib.suppress(Exception):  # a codec that cannot decode this fails its checks later
         codec.decode_batch([np.zeros(1, np.uint32)])
-    gc.collect()  # ``server.settle_heap`` does the same, but importing that module (FastAPI,
-    gc.freeze()   # uvicorn) would add 0.2 s to every worker's start
+    settle_heap()
 
 
 def _receive(sock: socket.socket) -> bytes:

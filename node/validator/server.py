@@ -9,9 +9,11 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING
 
-import uvicorn
-from fastapi import FastAPI
+if TYPE_CHECKING:  # imported where used: a precheck worker takes settle_heap from here
+    import uvicorn
+    from fastapi import FastAPI
 
 SWITCH_INTERVAL_S = 0.001
 """How long a thread holding the interpreter lock may run while another waits for it."""
@@ -53,6 +55,8 @@ def server_config(app: FastAPI, host: str, port: int, log_level: str = "error") 
     asyncio's loop took 0.39 ms of CPU per 70 KB submission against 0.15 ms for
     the pair, and the event loop shares the node's interpreter with admission.
     """
+    import uvicorn
+
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                           http="httptools" if _installed("httptools") else "h11",
                           loop="uvloop" if _installed("uvloop") else "asyncio")
@@ -91,6 +95,8 @@ class BackgroundServer:
     """``with BackgroundServer(app) as url: ...`` serves ``app`` on 127.0.0.1."""
 
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        import uvicorn
+
         self.host, self.port = host, port or free_port(host)
         self.server = uvicorn.Server(server_config(app, self.host, self.port))
         self.thread = threading.Thread(target=self.server.run, name="validator-http", daemon=True)
