@@ -233,7 +233,6 @@ def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator
         await worker.attach()
         checks = [asyncio.ensure_future(pool.check(*job)) for job in jobs * 2]
         await asyncio.sleep(0)  # one turn: each check is sent or waits, and no answer is read yet
-        held.append(len(worker.pending))
         while not all(c.done() for c in checks):
             held.append(len(worker.pending))
             await asyncio.sleep(0.0005)
