@@ -130,6 +130,7 @@ def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_
     cfg = load(ValidatorConfig, None, {
         "assignment.group_size": group_size, "assignment.max_tokens": tokens,
         "audit.rate_override": audit_rate, "audit.queue": 64, "limits.requests_per_s": 1e6,
+        "assignment.max_outstanding": 1_024,  # groups are all assigned before any is sent
         "limits.burst": 1_000_000, "node.checkpoint_every": 1_000_000,
         **{f"node.{k}": value for k, value in (node or {}).items()},
     })

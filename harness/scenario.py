@@ -170,8 +170,8 @@ class PopulationSpec(_Section):
 class ValidatorSpec(_Section):
     audit_rate: float = Field(default=-1.0, ge=-1.0, le=1.0)
     """Fixed audit rate for every contributor; -1 lets reputation set it."""
-    chunks_per_audit: int = Field(default=2, ge=1, le=1_024)
-    """Chunks of an audited rollout recomputed and compared."""
+    chunks_per_audit: int = Field(default=0, ge=0, le=1_024)
+    """Chunks of an audited rollout the sampler is replayed on; 0 replays every token."""
     max_staleness: int = Field(default=4, ge=0, le=1_000)
     """Rollouts older than current version - max_staleness are rejected as stale."""
     group_size: int = Field(default=4, ge=1, le=64)

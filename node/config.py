@@ -78,11 +78,22 @@ class AssignmentSection(_Section):
     max_tokens: int = Field(default=16, ge=1, le=65_536)
     ttl_s: float = Field(default=600.0, gt=0)
     """An assignment not answered within this many seconds expires."""
+    chunk_size: int = Field(default=32, ge=1, le=1_024)
+    """Tokens per leaf of a rollout's logprob commitment. Fixed by the validator in every
+    assignment; a header with another chunk size is an ASSIGNMENT_MISMATCH."""
+    max_outstanding: int = Field(default=4, ge=1, le=1_024)
+    """Assignments one contributor may hold open at once (a contributor with ``--uploads N``
+    holds up to N + 1). An assignment it abandons (lets expire unanswered) keeps holding its
+    place for a further ``ttl_s``, so a contributor cannot draw many prompts and submit only
+    the groups it likes (assignment grinding): it can discard at most max_outstanding - 1
+    groups per 2 x ttl_s."""
 
 
 class AuditSection(_Section):
-    chunks_per_audit: int = Field(default=2, ge=1, le=1_024)
-    """How many chunks of an audited rollout are recomputed and compared."""
+    chunks_per_audit: int = Field(default=0, ge=0, le=1_024)
+    """Chunks of an audited rollout on which the sampler is replayed; 0 (the default) replays
+    every token. Logprobs are compared on every chunk either way. A positive value trades
+    coverage for cost at large vocabularies: a forged token outside the drawn chunks passes."""
     tolerance_file: Path | None = None
     """Calibrated tolerances written by `prooftrain calibrate`; None uses the built-in
     float32 tolerance."""

@@ -78,6 +78,9 @@ class GenerationBackend(Protocol):
     """Generates the G completions of one assignment."""
 
     name: str
+    precision: str
+    """The dtype it generates in (``float32``, ``bfloat16``, ``float16``): what a contributor
+    declares in its headers, and the tolerance its logprobs are held to."""
 
     def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
         """Completions ``0 .. group_size - 1``, in group order."""
@@ -163,6 +166,14 @@ def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
         raise ConfigError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
 
 
+def precision_name(dtype: torch.dtype) -> str:
+    """The declared name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    for name, value in _DTYPES.items():
+        if value == dtype:
+            return name
+    raise ConfigError(f"generation in {dtype} is not supported; use one of {sorted(_DTYPES)}")
+
+
 def load_causal_lm(
     model: torch.nn.Module | str | Path, device: str | torch.device, dtype: torch.dtype | None
 ) -> torch.nn.Module:
@@ -211,6 +222,7 @@ class TransformersBackend:
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model, self.device, resolve_dtype(dtype))
+        self.precision = precision_name(next(self.model.parameters()).dtype)
         self._cache_kw = cache_kwarg(self.model)
 
     @torch.inference_mode()

@@ -312,6 +312,8 @@ class VllmBackend:
         vllm = _import_vllm()
         self.model_path = path
         self.dtype = "auto" if resolved is None else _DTYPE_NAMES[resolved]
+        self.precision = "bfloat16" if self.dtype == "auto" else self.dtype
+        """The generation precision the contributor declares in its headers."""
         self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
         self._vllm = vllm
         self._llm = vllm.LLM(

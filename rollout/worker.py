@@ -18,7 +18,6 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
-from verify.commitment import DEFAULT_CHUNK_SIZE
 from verify.envelope import build_envelope
 from verify.errors import Reason, VerificationError
 from verify.keys import PublicKey, SigningKey
@@ -61,29 +60,36 @@ def generation_request(a: WorkAssignment, prompt_ids: Sequence[int], me: PublicK
 
 def honest_request(a: WorkAssignment, me: PublicKey, tokenizer: Tokenizer) -> GenerationRequest:
     """The request an honest contributor makes for ``a``: the prompt as ``tokenizer`` encodes
-    it, ending a completion at its end-of-sequence token."""
-    stops = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    return generation_request(a, tokenizer.encode(a.prompt), me, stops)
+    it, ending a completion at the assignment's stop tokens (its stopping rule)."""
+    return generation_request(a, tokenizer.encode(a.prompt), me, a.stop_token_ids)
 
 
-def header_fields(a: WorkAssignment, group_index: int, created_at_ms: int) -> dict:
-    """Every header field the assignment determines (the rest come from the body)."""
+def header_fields(a: WorkAssignment, group_index: int, created_at_ms: int, *,
+                  precision: str = "float32", backend: str = "transformers") -> dict:
+    """Every header field the assignment determines (the rest come from the body), and the
+    generation ``precision`` and ``backend`` the contributor declares."""
     return dict(
         policy_version=a.policy_version, manifest_digest=a.manifest_digest, task_id=a.task_id,
         prompt_id=a.prompt_id, prompt_digest=a.prompt_digest, assignment_id=a.assignment_id,
         nonce=a.nonce, sampling=a.sampling, group_index=group_index, group_size=a.group_size,
-        created_at_ms=created_at_ms,
+        created_at_ms=created_at_ms, chunk_size=a.chunk_size, precision=precision, backend=backend,
     )
+
+
+def declared(backend: GenerationBackend) -> dict:
+    """What a contributor declares about ``backend`` in its headers: precision and engine."""
+    return {"precision": getattr(backend, "precision", "float32"), "backend": backend.name}
 
 
 def sign_completions(
     key: SigningKey, a: WorkAssignment, completions: Sequence[GeneratedCompletion],
-    chunk_size: int = DEFAULT_CHUNK_SIZE, clock: Callable[[], int] = now_ms,
+    clock: Callable[[], int] = now_ms, *, precision: str = "float32", backend: str = "transformers",
 ) -> list[RolloutEnvelope]:
-    """Step 4."""
+    """Step 4, with the chunk size the assignment fixes."""
     return [
         build_envelope(
-            key, header_fields(a, c.group_index, clock()), c.token_ids, c.logprobs, chunk_size
+            key, header_fields(a, c.group_index, clock(), precision=precision, backend=backend),
+            c.token_ids, c.logprobs,
         )
         for c in completions
     ]
@@ -91,9 +97,10 @@ def sign_completions(
 
 def answer(
     key: SigningKey, sealed: SignedAssignment, validator: PublicKey, backend: GenerationBackend,
-    tokenizer: Tokenizer, chunk_size: int = DEFAULT_CHUNK_SIZE, clock: Callable[[], int] = now_ms,
+    tokenizer: Tokenizer, clock: Callable[[], int] = now_ms,
 ) -> GroupSubmission:
     """Steps 1-4: the honest contributor's whole job for one assignment."""
     a = open_assignment(sealed, validator, key.public)
     completions = backend.generate(honest_request(a, key.public, tokenizer))
-    return GroupSubmission(a.assignment_id, sign_completions(key, a, completions, chunk_size, clock))
+    return GroupSubmission(a.assignment_id,
+                           sign_completions(key, a, completions, clock, **declared(backend)))

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from verify.commitment import DEFAULT_CHUNK_SIZE, commitment_root, decode_arrays, encode_arrays
-from verify.errors import CommitmentError, DecodeError, Reason, SignatureError
+from verify.errors import CommitmentError, DecodeError, Reason, SignatureError, VerificationError
 from verify.hashing import (
     COMPLETION,
     ROLLOUT_HEADER,
@@ -38,7 +38,7 @@ from verify.types import (
     MAX_ENVELOPE_BYTES_HARD,
     MAX_GROUP_BYTES_HARD,
     MAX_TOKENS_HARD,
-    SCHEMA_VERSION,
+    ROLLOUT_SCHEMA_VERSION,
     GroupSubmission,
     RolloutBody,
     RolloutEnvelope,
@@ -105,6 +105,9 @@ def sign_header(key: SigningKey, header: RolloutHeader) -> tuple[bytes, bytes]:
     return header_bytes, key.sign(signing_message(SIG_ROLLOUT_HEADER, header_bytes))
 
 
+_HEADER_DEFAULTS = {"precision": "float32", "backend": "transformers"}
+
+
 def build_envelope(
     key: SigningKey,
     header_fields: dict,
@@ -115,17 +118,19 @@ def build_envelope(
     """Commit to a completion and sign its header.
 
     ``header_fields`` holds every ``RolloutHeader`` field except
-    ``contributor_key``, ``token_count``, ``commitment_root``, ``chunk_size``
-    and ``schema_version``, which are derived here.
+    ``contributor_key``, ``token_count``, ``commitment_root`` and
+    ``schema_version``, which are derived here. Its ``chunk_size`` (the
+    assignment's) wins over the ``chunk_size`` argument; ``precision`` and
+    ``backend`` default to ``float32`` and ``transformers``.
     """
+    fields = {**_HEADER_DEFAULTS, "chunk_size": chunk_size, **header_fields}
     token_bytes, logprob_bytes = encode_arrays(token_ids, logprobs)
     header = RolloutHeader(
-        schema_version=SCHEMA_VERSION,
+        schema_version=ROLLOUT_SCHEMA_VERSION,
         contributor_key=key.public.raw,
         token_count=len(token_bytes) // 4,
-        commitment_root=commitment_root(token_bytes, logprob_bytes, chunk_size),
-        chunk_size=chunk_size,
-        **header_fields,
+        commitment_root=commitment_root(token_bytes, logprob_bytes, fields["chunk_size"]),
+        **fields,
     )
     header_bytes, signature = sign_header(key, header)
     return RolloutEnvelope(header_bytes, signature, RolloutBody(token_bytes, logprob_bytes))
@@ -142,9 +147,9 @@ def verify_envelope(
         envelope = decode(RolloutEnvelope, bytes(envelope), max_bytes=limits.max_envelope_bytes)
     header = decode(RolloutHeader, envelope.header, max_bytes=len(envelope.header))
     # 3. schema version
-    if header.schema_version != SCHEMA_VERSION:
-        raise DecodeError("unsupported schema version", reason=Reason.SCHEMA_VERSION,
-                          expected=SCHEMA_VERSION, computed=header.schema_version)
+    if header.schema_version != ROLLOUT_SCHEMA_VERSION:
+        raise DecodeError("unsupported rollout schema version", reason=Reason.SCHEMA_VERSION,
+                          expected=ROLLOUT_SCHEMA_VERSION, computed=header.schema_version)
     # 4. limits and shape
     _check_shape(header, envelope.body, limits)
     # 5. signature
@@ -214,3 +219,28 @@ def decode_group(data: bytes, limits: Limits = Limits(), *, canonical: bool = Tr
         raise DecodeError("group too large", reason=Reason.LIMIT_GROUP,
                           expected=f"<= {limits.max_group_size}", computed=len(group.envelopes))
     return group
+
+
+def check_stopping_rule(token_ids: np.ndarray, max_tokens: int, stop_token_ids: Sequence[int]) -> None:
+    """The completion obeys its assignment's stopping rule; else ``STOPPING_RULE``.
+
+    A completion is generated until its first stop token (kept as its last token) or
+    until ``max_tokens`` tokens, whichever comes first. So it has at least one token and
+    at most ``max_tokens``, no stop token before its last position, and, when shorter than
+    ``max_tokens``, a stop token last. Every honest completion passes whatever the model
+    samples; an empty, truncated, padded or overlong one does not.
+    """
+    n = int(token_ids.size)
+    if not 1 <= n <= max_tokens:
+        raise VerificationError("completion length is outside the assignment's [1, max_tokens]",
+                                reason=Reason.STOPPING_RULE, expected=f"[1, {max_tokens}]", computed=n)
+    stops = np.isin(token_ids, np.asarray(list(stop_token_ids), dtype=np.int64))
+    early = np.flatnonzero(stops[:-1])
+    if early.size:
+        raise VerificationError("completion goes on past a stop token",
+                                reason=Reason.STOPPING_RULE, expected=f"end at position {int(early[0])}",
+                                computed=f"{n} tokens")
+    if n < max_tokens and not bool(stops[-1]):
+        raise VerificationError("completion ends before max_tokens without a stop token",
+                                reason=Reason.STOPPING_RULE, expected=f"a stop token or {max_tokens} tokens",
+                                computed=f"{n} tokens ending in {int(token_ids[-1])}")

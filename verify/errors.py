@@ -47,6 +47,9 @@ class Reason(enum.StrEnum):
     EXPIRED_ASSIGNMENT = "expired_assignment"
     STALE = "stale"
     FUTURE_VERSION = "future_version"
+    ASSIGNMENT_LIMIT = "assignment_limit"  # too many assignments open or abandoned at once
+    STOPPING_RULE = "stopping_rule"  # length or end of a completion breaks the assignment's rule
+    UNSUPPORTED_PRECISION = "unsupported_precision"  # no calibrated tolerance for the declared dtype
     WRONG_MANIFEST = "wrong_manifest"
     # -- commitments and proofs
     COMMITMENT_MISMATCH = "commitment_mismatch"

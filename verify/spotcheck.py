@@ -14,13 +14,13 @@ also carries ``chunk_index`` and ``position`` (token index in the completion).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from verify.errors import Reason, SpotCheckError
+from verify.errors import Reason, SpotCheckError, VerificationError
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,44 @@ FLOAT32_TOLERANCE = Tolerance(token_abs=1e-3, chunk_mean_abs=1e-4)
 # bfloat16 on either side. Measured: 0.095 max per token, 0.015 mean, 0.021 worst
 # 32-token chunk mean (9,461 tokens). Replay then needs eps ~0.2 (near-ties).
 BFLOAT16_TOLERANCE = Tolerance(token_abs=0.25, chunk_mean_abs=0.05)
+
+PRECISIONS = ("float32", "bfloat16", "float16")
+"""Generation precisions a rollout header may declare."""
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Honest-noise bounds per declared generation precision (the header's ``precision``).
+
+    A contributor that declares float32 is held to float32's bound: it cannot hide a
+    cheaper or substituted model inside the larger noise of a precision it does not use.
+    A precision with no entry is refused (UNSUPPORTED_PRECISION).
+    """
+
+    by_precision: Mapping[str, Tolerance] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.by_precision) - set(PRECISIONS)
+        if unknown or not self.by_precision:
+            raise ValueError(f"tolerances need one or more of {PRECISIONS}, got {sorted(self.by_precision)}")
+
+    def of(self, precision: str) -> Tolerance:
+        """The bound for ``precision``; VerificationError(UNSUPPORTED_PRECISION) without one."""
+        try:
+            return self.by_precision[precision]
+        except KeyError:
+            raise VerificationError("no calibrated tolerance for the declared precision",
+                                    reason=Reason.UNSUPPORTED_PRECISION,
+                                    expected=sorted(self.by_precision), computed=precision) from None
+
+    @classmethod
+    def coerce(cls, tolerance: Tolerance | Tolerances) -> Tolerances:
+        """A single :class:`Tolerance` holds float32 rollouts only."""
+        return tolerance if isinstance(tolerance, Tolerances) else cls({"float32": tolerance})
+
+
+DEFAULT_TOLERANCES = Tolerances({"float32": FLOAT32_TOLERANCE, "bfloat16": BFLOAT16_TOLERANCE})
+"""Built-in bounds for a float32 recomputation: each declared precision its own."""
 
 
 @dataclass(frozen=True)

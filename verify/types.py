@@ -30,6 +30,10 @@ from msgspec import Meta, Struct
 from verify.errors import DecodeError, Reason
 
 SCHEMA_VERSION = 1
+ROLLOUT_SCHEMA_VERSION = 2
+"""Schema of ``WorkAssignment`` and ``RolloutHeader``. Version 2 added the assignment's
+``chunk_size`` and ``stop_token_ids`` (the validator fixes both) and the header's declared
+``precision`` and ``backend``; a version-1 rollout is refused with SCHEMA_VERSION."""
 
 # Hard caps. Configurable limits (validator config) are lower and are checked
 # after decoding; these protect the decoder itself.
@@ -38,6 +42,7 @@ MAX_GROUP_HARD = 256
 MAX_SHARDS_HARD = 1_024
 MAX_STR = 256
 MAX_PROMPT_CHARS = 65_536
+MAX_STOP_TOKENS = 16
 MAX_ENVELOPE_BYTES_HARD = 8 * MAX_TOKENS_HARD + 4_096
 MAX_GROUP_BYTES_HARD = 64 * 1024 * 1024
 
@@ -75,7 +80,12 @@ class SamplingParams(_Wire, frozen=True):
 
 
 class WorkAssignment(_Wire, frozen=True):
-    """validator -> contributor: one prompt, G completions, a fresh nonce."""
+    """validator -> contributor: one prompt, G completions, a fresh nonce.
+
+    The validator fixes the stopping rule and the commitment's chunk size: a completion
+    ends at its first token in ``stop_token_ids`` (kept) or after ``sampling.max_tokens``
+    tokens, whichever comes first, and its header's ``chunk_size`` equals this one.
+    """
 
     schema_version: U32
     assignment_id: AssignmentId
@@ -92,6 +102,8 @@ class WorkAssignment(_Wire, frozen=True):
     nonce: Nonce
     issued_at_ms: U64
     expires_at_ms: U64
+    chunk_size: Annotated[int, Meta(ge=1, le=MAX_TOKENS_HARD)]
+    stop_token_ids: Annotated[list[U32], Meta(max_length=MAX_STOP_TOKENS)]
 
 
 class SignedAssignment(_Wire, frozen=True):
@@ -106,7 +118,10 @@ class RolloutHeader(_Wire, frozen=True):
 
     The header binds the body through ``commitment_root`` (a Merkle root over
     chunks of ``chunk_size`` tokens, each leaf binding token ids and float32
-    logprobs; see ``verify.commitment``).
+    logprobs; see ``verify.commitment``). ``precision`` declares the dtype the contributor
+    generated in (``float32``, ``bfloat16``, ``float16``); the validator compares its
+    logprobs under that precision's calibrated tolerance. ``backend`` names the generation
+    engine (``transformers``, ``vllm``), for the record.
     """
 
     schema_version: U32
@@ -125,6 +140,8 @@ class RolloutHeader(_Wire, frozen=True):
     commitment_root: Digest
     chunk_size: Annotated[int, Meta(ge=1, le=MAX_TOKENS_HARD)]
     created_at_ms: U64
+    precision: ShortStr
+    backend: ShortStr
 
 
 class RolloutBody(_Wire, frozen=True):

@@ -54,9 +54,13 @@ class FabricatedTokens:
     plain_generation: ClassVar[bool] = True
 
     def forge(self, ctx: Context, a, comps: list[GeneratedCompletion]) -> list[GeneratedCompletion]:  # type: ignore[no-untyped-def]
-        planted = ctx.tokenizer.encode(self.text)
+        """The planted text, cut to obey the assignment's stopping rule (it ends at a stop
+        token, within ``max_tokens``), so only the sampler replay can tell."""
+        stops = ctx.stops(a)
         bos = getattr(ctx.tokenizer, "bos_token_id", None)
-        planted = [t for t in planted if t != bos] + ctx.stops()
+        planted = [t for t in ctx.tokenizer.encode(self.text) if t != bos and t not in stops]
+        room = a.sampling.max_tokens - len(stops[:1])
+        planted = planted[:room] + stops[:1]
         return [completion(c.group_index, planted, ctx.honest_logprobs(a, planted)) for c in comps]
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
@@ -176,11 +180,11 @@ class Replay:
 @dataclass
 class CrossKeyCopy:
     """A Sybil identity copies the tokens and logprobs of a group its colluder generated (shared
-    memory) and signs them as its own answer. Expect LOGPROB_MISMATCH, SAMPLER_REPLAY_MISMATCH
-    (the noise is keyed by the signer) or DUPLICATE_COMPLETION."""
+    memory) and signs them as its own answer. A repeated completion is always audited: expect
+    LOGPROB_MISMATCH or SAMPLER_REPLAY_MISMATCH (the noise is keyed by the signer)."""
 
     name: ClassVar[str] = "cross-key-copy"
-    expect: ClassVar[frozenset[Reason]] = SPOT | {Reason.DUPLICATE_COMPLETION}
+    expect: ClassVar[frozenset[Reason]] = SPOT
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         pool: list[GroupSubmission] = ctx.shared.setdefault("groups", [])

@@ -10,7 +10,7 @@ from typing import Any, ClassVar, Protocol, TypeVar
 import numpy as np
 
 from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
-from rollout.worker import Tokenizer, honest_request, open_assignment, sign_completions
+from rollout.worker import Tokenizer, declared, honest_request, open_assignment, sign_completions
 from verify.errors import ConfigError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.spotcheck import LogprobOracle
@@ -54,7 +54,10 @@ class Context:
     def prompt_ids(self, a: WorkAssignment) -> list[int]:
         return self.tokenizer.encode(a.prompt)
 
-    def stops(self) -> list[int]:
+    def stops(self, a: WorkAssignment | None = None) -> list[int]:
+        """The stop tokens of ``a`` (the assignment fixes them), else the tokenizer's EOS."""
+        if a is not None:
+            return list(a.stop_token_ids)
         return [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
 
     def request(self, a: WorkAssignment, **changes: Any) -> GenerationRequest:
@@ -81,7 +84,7 @@ class Context:
                                     s.temperature, s.top_k, s.top_p)
 
     def sign(self, a: WorkAssignment, completions: list[GeneratedCompletion]) -> list[RolloutEnvelope]:
-        return sign_completions(self.key, a, completions)
+        return sign_completions(self.key, a, completions, **declared(self.backend))
 
     def remember(self, group: GroupSubmission) -> bytes:
         self.memory.append(group)

@@ -13,8 +13,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="measure honest generation-vs-recomputation noise and write a tolerance file",
         description="Generate honest rollouts in each generation precision, recompute them in the "
         "validator's precision with several batch sizes, groups packed and unpacked, and write the "
-        "per-token and per-chunk thresholds (margin x the largest honest difference) with the "
-        "statistics behind them. Point audit.tolerance_file at the result.",
+        "per-token and per-chunk thresholds (margin x the largest honest difference) for each "
+        "generation precision, with the statistics behind them: a rollout is held to the bound of "
+        "the precision its header declares. Point audit.tolerance_file at the result.",
     )
     p.add_argument("model_dir", type=Path, help="local Hugging Face model directory")
     p.add_argument("--out", type=Path, required=True, help="tolerance file to write (JSON)")
@@ -53,5 +54,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{s.generation_dtype:>10} {s.recompute_dtype:>9} {s.batch_size:>5} {s.layout:>8} {s.tokens:>7} "
               f"{s.token_max_abs:>10.3g} {s.chunk_mean_max:>10.3g}")
     print(json.dumps({"token_abs": cal.token_abs, "chunk_mean_abs": cal.chunk_mean_abs,
+                      "by_precision": {d: {k: v[k] for k in ("token_abs", "chunk_mean_abs")}
+                                       for d, v in cal.by_precision().items()},
                       "false_positive_rate_95ub": cal.false_positive_bound(), "out": str(args.out)}))
     return 0

@@ -17,7 +17,7 @@ from rollout.oracle import TransformersOracle
 from rollout.sync import PolicySync
 from verify.errors import ConfigError, Reason, VerificationError
 from verify.keys import PublicKey, SigningKey, load_public_key, load_signing_key
-from verify.spotcheck import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, Tolerance
+from verify.spotcheck import BFLOAT16_TOLERANCE, DEFAULT_TOLERANCES, Tolerances
 from verify.types import PolicyManifest, SignedManifest, decode
 
 PASSPHRASE_ENV = "PROOFTRAIN_KEY_PASSPHRASE"
@@ -29,9 +29,13 @@ def load_problems(cfg: ValidatorConfig) -> list[Problem]:
     return generate(cfg.task.name, "train", cfg.task.pool, seed=cfg.task.seed)
 
 
-def load_tolerance(cfg: ValidatorConfig) -> Tolerance:
+def load_tolerance(cfg: ValidatorConfig) -> Tolerances:
+    """Each declared precision's bound: the calibrated file's, else the built-in ones (a
+    bfloat16 recomputation holds every precision to bfloat16's)."""
     if cfg.audit.tolerance_file is None:
-        return BFLOAT16_TOLERANCE if cfg.policy.dtype == "bfloat16" else FLOAT32_TOLERANCE
+        if cfg.policy.dtype == "bfloat16":
+            return Tolerances({p: BFLOAT16_TOLERANCE for p in DEFAULT_TOLERANCES.by_precision})
+        return DEFAULT_TOLERANCES
     from node.validator.calibration import load_tolerance_file
 
     return load_tolerance_file(cfg.audit.tolerance_file)

@@ -10,7 +10,10 @@ and chooses
     token_abs      = margin * (largest honest |diff| at any token)
     chunk_mean_abs = margin * (largest honest mean |diff| over a chunk)
 
-(with small floors so a bit-exact setting still gets a usable threshold).
+(with small floors so a bit-exact setting still gets a usable threshold),
+overall and for each generation precision on its own (``by_precision``): a
+contributor is held to the bound of the precision its headers declare, so a
+float32 contributor cannot hide a substituted model in bfloat16's noise.
 The file records the observations, so a node can refuse a tolerance that
 would flag its own honest calibration runs (:func:`load_tolerance_file`).
 The implied false-positive rate is stated as the observed exceedance count
@@ -34,7 +37,7 @@ from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.errors import ConfigError
 from verify.sampling import SAMPLER_KEY_SIZE
-from verify.spotcheck import OracleRequest, Tolerance
+from verify.spotcheck import OracleRequest, Tolerance, Tolerances
 
 TOKEN_FLOOR = 1e-4
 CHUNK_FLOOR = 1e-5
@@ -68,7 +71,17 @@ class Calibration:
 
     @property
     def tolerance(self) -> Tolerance:
+        """The bound over every setting (the loosest precision's)."""
         return Tolerance(self.token_abs, self.chunk_mean_abs)
+
+    @property
+    def tolerances(self) -> Tolerances:
+        """Each generation precision's own bound, from its settings alone."""
+        return Tolerances({d: Tolerance(v["token_abs"], v["chunk_mean_abs"])
+                           for d, v in self.by_precision().items()})
+
+    def by_precision(self) -> dict[str, dict[str, float]]:
+        return _by_precision(self.settings, self.margin)
 
     def false_positive_bound(self) -> float:
         """95% upper bound on the per-chunk false-positive rate (none of the chunks exceeded)."""
@@ -77,7 +90,25 @@ class Calibration:
     def to_json(self) -> dict:
         out = asdict(self)
         out["false_positive_rate_95ub"] = self.false_positive_bound()
+        out["by_precision"] = self.by_precision()
         return out
+
+
+def _thresholds(tok_max: float, chunk_max: float, margin: float) -> tuple[float, float]:
+    token_abs = max(margin * tok_max, TOKEN_FLOOR)
+    return token_abs, min(max(margin * chunk_max, CHUNK_FLOOR), token_abs)
+
+
+def _by_precision(settings: Sequence[SettingStats], margin: float) -> dict[str, dict[str, float]]:
+    out: dict[str, dict[str, float]] = {}
+    for dtype in sorted({s.generation_dtype for s in settings}):
+        mine = [s for s in settings if s.generation_dtype == dtype]
+        tok = max(s.token_max_abs for s in mine)
+        chunk = max(s.chunk_mean_max for s in mine)
+        token_abs, chunk_abs = _thresholds(tok, chunk, margin)
+        out[dtype] = {"token_abs": token_abs, "chunk_mean_abs": chunk_abs,
+                      "observed_token_max": tok, "observed_chunk_mean_max": chunk}
+    return out
 
 
 def _diffs(claimed: np.ndarray, recomputed: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
@@ -139,8 +170,7 @@ def calibrate(
     bar.close()
     tok_max = float(max((s.token_max_abs for s in settings), default=0.0))
     chunk_max = float(max((s.chunk_mean_max for s in settings), default=0.0))
-    token_abs = max(margin * tok_max, TOKEN_FLOOR)
-    chunk_abs = min(max(margin * chunk_max, CHUNK_FLOOR), token_abs)
+    token_abs, chunk_abs = _thresholds(tok_max, chunk_max, margin)
     return Calibration(token_abs, chunk_abs, margin, tok_max, chunk_max,
                        int(sum(t.size for t in all_tok)), int(sum(c.size for c in all_chunk)), settings)
 
@@ -171,23 +201,40 @@ def write_tolerance_file(cal: Calibration, path: str | Path) -> Path:
     return target
 
 
-def load_tolerance_file(path: str | Path) -> Tolerance:
-    """Read a tolerance file; refuse thresholds that its own honest runs would exceed."""
+def load_tolerance_file(path: str | Path) -> Tolerances:
+    """Read a tolerance file: each generation precision's bound (``by_precision``, or rebuilt
+    from the recorded settings of a file written before it had one); refuse thresholds that
+    its own honest runs would exceed."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-        token_abs, chunk_abs = float(data["token_abs"]), float(data["chunk_mean_abs"])
-        seen_tok, seen_chunk = float(data["observed_token_max"]), float(data["observed_chunk_mean_max"])
+        if "by_precision" in data:
+            table = {str(d): {k: float(v[k]) for k in _FIELDS} for d, v in data["by_precision"].items()}
+        else:
+            settings = [SettingStats(**s) for s in data["settings"]]
+            table = _by_precision(settings, float(data["margin"]))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"tolerance file {p} is unreadable: {exc}") from None
-    if token_abs < seen_tok or chunk_abs < seen_chunk:
-        raise ConfigError(
-            f"tolerance file {p} would flag its own honest calibration runs: token_abs {token_abs:g} "
-            f"< observed {seen_tok:g} or chunk_mean_abs {chunk_abs:g} < observed {seen_chunk:g}")
+    if not table:
+        raise ConfigError(f"tolerance file {p} holds no calibrated precision")
+    out: dict[str, Tolerance] = {}
+    for dtype, v in table.items():
+        if v["token_abs"] < v["observed_token_max"] or v["chunk_mean_abs"] < v["observed_chunk_mean_max"]:
+            raise ConfigError(
+                f"tolerance file {p} would flag its own honest calibration runs ({dtype}): token_abs "
+                f"{v['token_abs']:g} < observed {v['observed_token_max']:g} or chunk_mean_abs "
+                f"{v['chunk_mean_abs']:g} < observed {v['observed_chunk_mean_max']:g}")
+        try:
+            out[dtype] = Tolerance(v["token_abs"], v["chunk_mean_abs"])
+        except ValueError as exc:
+            raise ConfigError(f"tolerance file {p} ({dtype}): {exc}") from None
     try:
-        return Tolerance(token_abs, chunk_abs)
+        return Tolerances(out)
     except ValueError as exc:
         raise ConfigError(f"tolerance file {p}: {exc}") from None
+
+
+_FIELDS = ("token_abs", "chunk_mean_abs", "observed_token_max", "observed_chunk_mean_max")
 
 
 def honest_audit(

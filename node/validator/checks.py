@@ -6,26 +6,38 @@ checks run in this order and stop at the first failing member:
 
 1. completeness: group indices are exactly ``0..G-1`` with no repeats
    (DUPLICATE_GROUP_MEMBER / MISSING_GROUP_MEMBER);
-2. every header matches the signed assignment (its own reason, with evidence);
+2. every header matches the signed assignment, chunk size included (its own
+   reason, with evidence), and every completion obeys the assignment's stopping
+   rule (STOPPING_RULE, with evidence: at least one token, at most
+   ``max_tokens``, ending at its first stop token or at ``max_tokens``);
+   the declared generation precision has a calibrated tolerance
+   (UNSUPPORTED_PRECISION, not slashed);
 3. the assignment has not expired; the policy version is within
    ``policy.max_staleness`` of the current one;
-4. token ids lie in the vocabulary (MALFORMED); no completion was recorded
-   before (DUPLICATE_COMPLETION);
+4. token ids lie in the vocabulary (MALFORMED);
 5. the validator's own reward for every member;
 6. the keyed audit draw at the contributor's audit rate, then spot checks of
-   the drawn members (one shared forward pass per batch of groups);
-7. the pooled PIT uniformity test over the contributor's audited tokens.
+   the drawn members (one shared forward pass per batch of groups). A member
+   whose tokens repeat a completion already recorded (or being recorded) for the
+   same prompt text is always audited: a copy fails the sampler replay, which is
+   keyed by this assignment's nonce and this contributor's key, while an honest
+   repeat (a short answer, the same text under two prompt ids, a version with
+   unchanged weights) passes it;
+7. the pooled PIT uniformity test over the contributor's audited tokens. A
+   failure is a recorded, audited rejection (SAMPLING_DISTRIBUTION, with its
+   statistics as evidence) that counts against reputation; it is not slashed,
+   since an honest contributor fails it with probability ``audit.pit_alpha``.
 
 When a member fails, every other member of the group is GROUP_REJECTED.
 
 Invariants:
 - Completion digests of a group are reserved (in memory) before the store is
-  read for duplicates, and stay reserved until :meth:`GroupChecks.release`,
-  which the caller runs only after the group is recorded or abandoned: two
-  concurrent copies of one completion cannot both pass.
+  read for repeats, and stay reserved until :meth:`GroupChecks.release`,
+  which the caller runs only after the group is recorded or abandoned: of two
+  concurrent copies of one completion, at least one is audited.
 - At most ``audit.queue`` groups wait for spot checks at once; one more is
-  refused with BACKPRESSURE, as is a group whose completion another group is
-  recording: nothing about it is recorded and its assignment stays open.
+  refused with BACKPRESSURE: nothing about it is recorded and its assignment
+  stays open.
 - PIT values are pooled per contributor in non-overlapping windows of at least
   ``audit.pit_min_tokens`` tokens: one test per window.
 """
@@ -55,10 +67,10 @@ from node.validator.spot import (
 from node.validator.state import StateStore
 from rewards.base import Problem
 from verify.challenge import should_audit
-from verify.envelope import VerifiedRollout
+from verify.envelope import VerifiedRollout, check_stopping_rule
 from verify.errors import AdmissionError, Reason, VerificationError
-from verify.sampling import pit_uniformity_test
-from verify.spotcheck import DistributionOracle, Tolerance
+from verify.sampling import ks_uniform
+from verify.spotcheck import DistributionOracle, Tolerance, Tolerances
 from verify.types import RolloutEnvelope, SignedAssignment, WorkAssignment, canonical_bytes
 
 AuditResults = list[SpotCheckResult | SpotCheckFailed]
@@ -105,11 +117,12 @@ class GroupChecks:
     """Judges groups; holds the completion reservations, audit slots and PIT pools."""
 
     def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore, codec: TextCodec,
-                 oracle: DistributionOracle, versions: PolicyVersions, tolerance: Tolerance,
-                 lock: threading.RLock, clock: Callable[[], int],
-                 metrics: dict[str, float]) -> None:
+                 oracle: DistributionOracle, versions: PolicyVersions,
+                 tolerance: Tolerance | Tolerances, lock: threading.RLock,
+                 clock: Callable[[], int], metrics: dict[str, float]) -> None:
         self.cfg, self.ledger, self.state = cfg, ledger, state
-        self.codec, self.oracle, self.versions, self.tolerance = codec, oracle, versions, tolerance
+        self.codec, self.oracle, self.versions = codec, oracle, versions
+        self.tolerances = Tolerances.coerce(tolerance)
         self.clock, self.metrics = clock, metrics
         self._lock = lock
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
@@ -131,9 +144,10 @@ class GroupChecks:
         when the group needs an audit slot and none is free, or one of its
         completions is reserved by another group.
         """
-        failed = self._group_checks(issued, members, reserved)
+        failed, repeats = self._group_checks(issued, members, reserved)
         audit_rate = self._audit_rate(issued.wire.contributor_key)
-        drawn = [m for m in members if should_audit(secret, m.rollout.digest, audit_rate)]
+        drawn = [m for m in members
+                 if m.completion in repeats or should_audit(secret, m.rollout.digest, audit_rate)]
         needs_audit = failed is None and bool(drawn)
         if needs_audit and not self._audit_slots.acquire(blocking=False):
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
@@ -155,43 +169,52 @@ class GroupChecks:
                 self._pending_completions.difference_update(reserved)
 
     def _group_checks(self, issued: Issued, members: list[Member],
-                      reserved: set[bytes]) -> Member | None:
+                      reserved: set[bytes]) -> tuple[Member | None, set[bytes]]:
+        """(the first failing member or None, completion digests seen before: audit those)."""
         a = issued.wire
         indices = [m.rollout.header.group_index for m in members]
         if len(set(indices)) != len(indices):
-            return fail(members[0], Reason.DUPLICATE_GROUP_MEMBER)
+            return fail(members[0], Reason.DUPLICATE_GROUP_MEMBER), set()
         if sorted(indices) != list(range(a.group_size)):
-            return fail(members[0], Reason.MISSING_GROUP_MEMBER)
+            return fail(members[0], Reason.MISSING_GROUP_MEMBER), set()
         members.sort(key=lambda m: m.rollout.header.group_index)
         for m in members:
             try:
                 header_matches(m.rollout, a)
+                check_stopping_rule(m.rollout.token_ids, a.sampling.max_tokens, a.stop_token_ids)
             except VerificationError as exc:
                 m.evidence = build_evidence(exc.reason, m.raw, issued.sealed, issued.prompt_ids, [],
-                                            None, self.tolerance, str(exc))
-                return fail(m, exc.reason)
+                                            None, self._tolerance(m), str(exc))
+                return fail(m, exc.reason), set()
+            try:
+                self.tolerances.of(m.rollout.header.precision)
+            except VerificationError:
+                return fail(m, Reason.UNSUPPORTED_PRECISION), set()
         if self.clock() > a.expires_at_ms:
-            return fail(members[0], Reason.EXPIRED_ASSIGNMENT)
+            return fail(members[0], Reason.EXPIRED_ASSIGNMENT), set()
         current = self.versions.current
         if current - a.policy_version > self.cfg.policy.max_staleness:
-            return fail(members[0], Reason.STALE)
+            return fail(members[0], Reason.STALE), set()
         vocab = self.codec.vocab_size
         for m in members:
+            if int(m.rollout.token_ids.max()) >= vocab:
+                return fail(m, Reason.MALFORMED), set()
             m.completion = m.completion or completion_digest(m.rollout)
         digests = {m.completion for m in members}
         with self._lock:  # reserve, then read the store: a racing copy sees one or the other
-            if not digests.isdisjoint(self._pending_completions):
-                raise AdmissionError("a group with the same completion is being recorded",
-                                     reason=Reason.BACKPRESSURE)
-            self._pending_completions.update(digests)
-            reserved.update(digests)
+            racing = digests & self._pending_completions
+            self._pending_completions.update(digests - racing)
+            reserved.update(digests - racing)
         seen = self.state.seen_completions(a.prompt_digest, list(digests), a.assignment_id)
-        for m in members:
-            if m.rollout.token_ids.size and int(m.rollout.token_ids.max()) >= vocab:
-                return fail(m, Reason.MALFORMED)
-            if m.completion in seen:
-                return fail(m, Reason.DUPLICATE_COMPLETION)
-        return None
+        return None, seen | racing
+
+    def _tolerance(self, m: Member) -> Tolerance:
+        """The tolerance of ``m``'s declared precision (float32's for evidence of an offence
+        that does not depend on it)."""
+        try:
+            return self.tolerances.of(m.rollout.header.precision)
+        except VerificationError:
+            return next(iter(self.tolerances.by_precision.values()))
 
     def _audit_rate(self, contributor: bytes) -> float:
         override = self.cfg.audit.rate_override
@@ -216,24 +239,27 @@ class GroupChecks:
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
                     m.evidence = build_evidence(result.reason, m.raw, issued.sealed, issued.prompt_ids,
-                                                result.chunks, result.recomputed, self.tolerance,
+                                                result.chunks, result.recomputed, self._tolerance(m),
                                                 str(result))
                     return fail(m, result.reason)
                 m.pit = result.pit
-        return self._pit_check(issued.wire.contributor_key, members)
+        return self._pit_check(issued, members)
 
     def _spot_batch(self, jobs: list[SpotJob]) -> list[AuditResults]:
         with spread(self.placement):
-            results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerance)
+            results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerances)
         self.metrics["audit/batch_groups"] = float(len(jobs))
         self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)
         self.metrics["audit/batches"] = self.metrics.get("audit/batches", 0.0) + 1
         return results
 
-    def _pit_check(self, contributor: bytes, members: list[Member]) -> Member | None:
+    def _pit_check(self, issued: Issued, members: list[Member]) -> Member | None:
+        """Pool the audited members' PIT values; at a full window, test it. A failure is the
+        last audited member's, with the window's statistics as evidence."""
         audited = [m for m in members if m.pit is not None]
         if not audited:
             return None
+        contributor = issued.wire.contributor_key
         with self._lock:
             pool = self._pit.setdefault(contributor, [])
             pool.extend(m.pit for m in audited if m.pit is not None)
@@ -241,8 +267,15 @@ class GroupChecks:
             if pooled.size < self.cfg.audit.pit_min_tokens:
                 return None
             self._pit[contributor] = []  # non-overlapping windows: one test per window
-        result = pit_uniformity_test(pooled, alpha=self.cfg.audit.pit_alpha)
+        alpha = self.cfg.audit.pit_alpha
+        result = ks_uniform(pooled)
         self.metrics["verify/pit_last_p"] = result.p_value
-        if result.p_value < self.cfg.audit.pit_alpha:
-            return fail(audited[-1], Reason.SAMPLING_DISTRIBUTION)
-        return None
+        if result.p_value >= alpha:
+            return None
+        m = audited[-1]
+        detail = (f"sampled tokens are not distributed as claimed: KS D={result.statistic:.6f} over "
+                  f"{result.n} pooled PIT values of this contributor's audited tokens, "
+                  f"p={result.p_value:.3g} < alpha={alpha:g}")
+        m.evidence = build_evidence(Reason.SAMPLING_DISTRIBUTION, m.raw, issued.sealed, issued.prompt_ids,
+                                    [], None, self._tolerance(m), detail)
+        return fail(m, Reason.SAMPLING_DISTRIBUTION)

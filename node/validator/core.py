@@ -11,11 +11,13 @@ A. Unattributed checks. Nothing is recorded and the assignment stays open, so
 B. Attributed checks. The group is now provably the contributor's; any failure
    rejects the whole group (the failing member gets its reason, the others
    GROUP_REJECTED) and is recorded: group completeness, header vs signed
-   assignment (WRONG_PROMPT / ASSIGNMENT_MISMATCH, slashed), expiry, staleness,
-   token ids in the vocabulary, no copied completion (DUPLICATE_COMPLETION,
-   slashed), the validator's own reward, the keyed audit draw at the
-   contributor's reputation-driven rate, spot checks (slashed on failure) and
-   the pooled sampling-distribution test (``node.validator.checks``).
+   assignment (WRONG_PROMPT / ASSIGNMENT_MISMATCH, slashed), the stopping
+   rule (STOPPING_RULE, slashed), a declared precision with a tolerance,
+   expiry, staleness, token ids in the vocabulary, the validator's own reward,
+   the keyed audit draw at the contributor's reputation-driven rate (a
+   completion repeating a recorded one is always audited), spot checks
+   (slashed on failure) and the pooled sampling-distribution test
+   (``node.validator.checks``).
 C. Record. Accepted sample bodies go to the state store, then verdicts and
    slashes to the ledger in one transaction, then the signed verdicts are
    kept for idempotent resubmission. The group's verdicts are signed once,
@@ -40,6 +42,7 @@ its reward was computed here, and its accepted verdict is in the ledger.
 
 from __future__ import annotations
 
+import heapq
 import os
 import threading
 from collections.abc import Callable, Sequence
@@ -71,9 +74,9 @@ from verify.envelope import Limits, already_verified, decode_group, group_digest
 from verify.errors import AdmissionError, DecodeError, LedgerError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.signed import open_sealed, seal
-from verify.spotcheck import DistributionOracle, Tolerance
+from verify.spotcheck import DistributionOracle, Tolerance, Tolerances
 from verify.types import (
-    SCHEMA_VERSION,
+    ROLLOUT_SCHEMA_VERSION,
     GroupVerdict,
     RolloutEnvelope,
     SampleBatch,
@@ -116,13 +119,15 @@ class Validator:
     def __init__(
         self, cfg: ValidatorConfig, key: SigningKey, ledger: Ledger, state: StateStore,
         codec: TextCodec, oracle: DistributionOracle, problems: Sequence[Problem],
-        versions: PolicyVersions, tolerance: Tolerance, *, clock: Callable[[], int] = now_ms,
+        versions: PolicyVersions, tolerance: Tolerance | Tolerances, *, clock: Callable[[], int] = now_ms,
         entropy: Callable[[int], bytes] = os.urandom,
     ) -> None:
         if not problems:
             raise ValueError("the validator needs a non-empty problem pool")
         self.cfg, self.key, self.ledger, self.state = cfg, key, ledger, state
-        self.codec, self.versions, self.tolerance = codec, versions, tolerance
+        self.codec, self.versions = codec, versions
+        self.tolerances = Tolerances.coerce(tolerance)
+        """Each declared generation precision's bound (a lone Tolerance: float32 only)."""
         self.problems = list(problems)
         self.clock, self.entropy = clock, entropy
         self.limits = Limits(max_tokens=cfg.limits.max_tokens, max_group_size=cfg.limits.max_group_size,
@@ -130,10 +135,15 @@ class Validator:
         self.metrics: dict[str, float] = {}
         self._lock = threading.RLock()
         self._epochs = EpochSecrets(cfg, ledger, state, self._lock, clock, entropy)
-        self._checks = GroupChecks(cfg, ledger, state, codec, oracle, versions, tolerance,
+        self._checks = GroupChecks(cfg, ledger, state, codec, oracle, versions, self.tolerances,
                                    self._lock, clock, self.metrics)
         self._recorder = Recorder(cfg, key, ledger, state, self._lock, clock)
         self._issued: dict[bytes, Issued] = {}
+        self._open: dict[bytes, set[bytes]] = {}
+        """Contributor -> its assignments that count against ``assignment.max_outstanding``."""
+        self._expiries: list[tuple[int, bytes, bool]] = []
+        """A heap of (when, assignment id, place freed): each open assignment's expiry, then
+        the end of its abandonment penalty (``_sweep``)."""
         self._inflight: set[bytes] = set()
         self._registered: set[bytes] = set()
         self._used_prompts: set[tuple[str, int]] = set()
@@ -183,7 +193,7 @@ class Validator:
             sealed = self._load_assignment(aid)
             if sealed is not None and (p := by_id.get(pending[aid].prompt_id)) is not None:
                 wire = decode(WorkAssignment, sealed.assignment, max_bytes=len(sealed.assignment))
-                self._issued[aid] = Issued(sealed, wire, p, tuple(self.codec.encode(p.prompt)))
+                self._track(Issued(sealed, wire, p, tuple(self.codec.encode(p.prompt))))
         self._epochs.resume(last_epoch)
         self.ledger.checkpoint()  # a signed tree head from the start, for auditors and proofs
 
@@ -219,11 +229,50 @@ class Validator:
                              reason=Reason.BACKPRESSURE)
 
     def assign(self, contributor: bytes) -> SignedAssignment:
-        """Issue one prompt, G completions, a fresh nonce and seed; recorded in the ledger."""
+        """Issue one prompt, G completions, a fresh nonce and seed, the stopping rule and chunk
+        size; recorded in the ledger. A contributor holding ``assignment.max_outstanding`` open
+        (or recently abandoned) assignments is refused with ASSIGNMENT_LIMIT."""
         out = self.assign_many([contributor])[0]
         if isinstance(out, AdmissionError):
             raise out
         return out
+
+    def _track(self, item: Issued) -> None:
+        """Hold ``item`` open: answerable, and counted against its contributor's limit."""
+        aid = item.wire.assignment_id
+        self._issued[aid] = item
+        self._open.setdefault(item.wire.contributor_key, set()).add(aid)
+        heapq.heappush(self._expiries, (item.wire.expires_at_ms, aid, False))
+
+    def _close(self, aid: bytes) -> None:
+        """``aid`` was answered: it no longer counts against its contributor."""
+        item = self._issued.pop(aid, None)
+        if item is not None:
+            self._open.get(item.wire.contributor_key, set()).discard(aid)
+
+    def _sweep(self, now: int) -> None:
+        """Expired, unanswered assignments give their prompt back to the pool (abandoning a
+        prompt does not keep it from training) and, one ``ttl_s`` later, their contributor's
+        place (abandoning costs that long). A late answer still gets EXPIRED_ASSIGNMENT."""
+        while self._expiries and self._expiries[0][0] < now:
+            when, aid, freed = heapq.heappop(self._expiries)
+            item = self._issued.get(aid)
+            if item is None:
+                continue  # answered
+            if freed:
+                self._open.get(item.wire.contributor_key, set()).discard(aid)
+                continue
+            self._used_prompts.discard((item.problem.id, item.wire.policy_version))
+            heapq.heappush(self._expiries, (when + int(self.cfg.assignment.ttl_s * 1000), aid, True))
+
+    def _check_outstanding(self, contributor: bytes) -> None:
+        held = len(self._open.get(contributor, ()))
+        limit = self.cfg.assignment.max_outstanding
+        if held >= limit:
+            raise AdmissionError(
+                f"{held} assignments are open or recently abandoned (assignment.max_outstanding); "
+                "answer one, or wait for an abandoned one's place to free",
+                reason=Reason.ASSIGNMENT_LIMIT, expected=f"< {limit}", computed=held)
 
     def assign_many(self, contributors: Sequence[bytes]) -> list[SignedAssignment | AdmissionError]:
         """:meth:`assign` for several contributors at once, each one's assignment or refusal in
@@ -231,14 +280,17 @@ class Validator:
         out: list[SignedAssignment | AdmissionError] = []
         issued: list[Issued] = []
         with self._lock:
+            self._sweep(self.clock())
             for contributor in contributors:
                 try:
                     self._check_key(contributor)
+                    self._check_outstanding(contributor)
                     item = self._issue(contributor)
                 except AdmissionError as exc:
                     out.append(exc)
                     continue
                 self._used_prompts.add((item.problem.id, item.wire.policy_version))
+                self._open.setdefault(contributor, set()).add(item.wire.assignment_id)  # in-batch
                 issued.append(item)
                 out.append(item.sealed)
             if issued:
@@ -249,7 +301,7 @@ class Validator:
                     w.policy_version, w.group_size, w.nonce, w.issued_at_ms)
                     for w in (i.wire for i in issued)])
                 for i in issued:
-                    self._issued[i.wire.assignment_id] = i
+                    self._track(i)
         return out
 
     def _issue(self, contributor: bytes) -> Issued:
@@ -258,7 +310,7 @@ class Validator:
         problem = self._next_problem(version)
         now = self.clock()
         wire = WorkAssignment(
-            schema_version=SCHEMA_VERSION, assignment_id=self.entropy(16),
+            schema_version=ROLLOUT_SCHEMA_VERSION, assignment_id=self.entropy(16),
             validator_key=self.key.public.raw, contributor_key=contributor,
             task_id=problem.task, prompt_id=problem.id,
             prompt_digest=bytes.fromhex(problem.prompt_digest), prompt=problem.prompt,
@@ -267,6 +319,8 @@ class Validator:
             sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
                                     int.from_bytes(self.entropy(8), "little") >> 1),
             nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
+            chunk_size=a_cfg.chunk_size,
+            stop_token_ids=[] if self.codec.eos_token_id is None else [int(self.codec.eos_token_id)],
         )
         sealed = seal(self.key, wire)
         return Issued(sealed, wire, problem, tuple(self.codec.encode(problem.prompt)))
@@ -367,7 +421,7 @@ class Validator:
             finally:
                 self._epochs.release(recorded)
             with self._lock:
-                self._issued.pop(aid, None)  # answered: its verdicts are stored
+                self._close(aid)  # answered: its verdicts are stored
         finally:
             with self._lock:
                 self._inflight.discard(aid)

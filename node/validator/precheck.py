@@ -59,10 +59,10 @@ __all__ = ["PrecheckPool", "Prechecked", "completion_digest", "precheck", "score
 
 
 def completion_digest(rollout: VerifiedRollout) -> bytes:
-    """A completion's identity under its prompt, whoever signed it (copies share it)."""
+    """A completion's identity under its prompt text, whoever signed it: its token ids alone,
+    so a copy with retouched logprobs still shares it (and is audited as a repeat)."""
     h = rollout.header
-    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.tobytes(),
-                         rollout.logprobs.tobytes())
+    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.astype("<u4").tobytes())
 
 
 def score(codec: Any, problem: Problem, token_ids: Sequence[np.ndarray]) -> list[float]:

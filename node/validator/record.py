@@ -51,9 +51,13 @@ from verify.types import (
     canonical_bytes,
 )
 
-SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.DUPLICATE_COMPLETION,
+SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.STOPPING_RULE,
                      Reason.LOGPROB_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT,
                      Reason.SAMPLER_REPLAY_MISMATCH})
+"""Offences an honest contributor cannot commit, each proven by its evidence: slashed (and
+banned). A copied completion is no offence of its own: it is always audited and fails the
+sampler replay. SAMPLING_DISTRIBUTION, a statistical test an honest contributor fails with
+probability ``audit.pit_alpha``, is a recorded failure against reputation instead."""
 _U32 = np.dtype("<u4")
 
 
@@ -103,6 +107,8 @@ class Recorder:
                                            audited, ev_digest, now))
             if m.reason in SLASHED:
                 records.append(slash_record(self.ledger, a.contributor_key, m, now))
+            elif m.evidence and self.ledger.blobs is not None:
+                self.ledger.blobs.put(m.evidence)  # the verdict names it by digest
             if accepted:
                 samples.append((m.rollout.digest, canonical_bytes(accepted_sample(m, prompt_ids))))
                 completions.append(m.completion or completion_digest(m.rollout))

@@ -76,7 +76,7 @@ MSGPACK_BYTES = MSGPACK.encode()
 _STATUS = {
     Reason.UNAUTHORIZED: 401, Reason.UNKNOWN_KEY: 403, Reason.BANNED_KEY: 403,
     Reason.UNKNOWN_ASSIGNMENT: 404, Reason.NOT_FOUND: 404, Reason.REPLAY: 409, Reason.TOO_LARGE: 413,
-    Reason.RATE_LIMITED: 429, Reason.BACKPRESSURE: 429,
+    Reason.RATE_LIMITED: 429, Reason.BACKPRESSURE: 429, Reason.ASSIGNMENT_LIMIT: 429,
 }
 T = TypeVar("T")
 INT64_MAX = 2**63 - 1  # SQLite INTEGER range: a larger version or cursor cannot be looked up

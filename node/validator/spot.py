@@ -5,8 +5,9 @@ the claimed policy version over prompt + completion, then, in order:
 
 1. logprob comparison on every completion token, chunk by chunk
    (``verify.spotcheck.compare_chunk``; LOGPROB_MISMATCH);
-2. on the drawn chunks only (keyed draw, ``verify.challenge.chunks_to_open``):
-   the support check (TOKEN_OUTSIDE_SUPPORT) and the verifiable-sampler replay
+2. on every token (``audit.chunks_per_audit = 0``, the default), or on k drawn
+   chunks (keyed draw, ``verify.challenge.chunks_to_open``): the support check
+   (TOKEN_OUTSIDE_SUPPORT) and the verifiable-sampler replay
    (SAMPLER_REPLAY_MISMATCH), which costs O(V) blake3 output per token;
 3. randomised PIT values of every token, pooled per contributor by the caller
    for the sampling-distribution test.
@@ -27,7 +28,7 @@ import torch
 
 from verify.challenge import chunks_to_open
 from verify.commitment import n_chunks
-from verify.envelope import Limits, VerifiedRollout, verify_envelope
+from verify.envelope import Limits, VerifiedRollout, check_stopping_rule, verify_envelope
 from verify.errors import Reason, SpotCheckError, VerificationError
 from verify.keys import PublicKey
 from verify.sampling import (
@@ -41,7 +42,7 @@ from verify.sampling import (
     support_check,
 )
 from verify.signed import open_sealed
-from verify.spotcheck import DistributionOracle, Tolerance, compare_chunk, token_diffs
+from verify.spotcheck import DistributionOracle, Tolerance, Tolerances, compare_chunk, token_diffs
 from verify.types import SignedAssignment, SlashEvidence, WorkAssignment, canonical_bytes, decode
 
 _F32 = np.dtype("<f4")
@@ -94,7 +95,7 @@ def _check(
 
 def spot_check(
     rollout: VerifiedRollout, prompt_ids: Sequence[int], oracle: DistributionOracle, secret: bytes,
-    chunks_per_audit: int, tolerance: Tolerance,
+    chunks_per_audit: int, tolerance: Tolerance | Tolerances,
 ) -> SpotCheckResult:
     """Run checks 1-3 on one rollout; raise :class:`SpotCheckFailed` on the first failure."""
     result = spot_check_group([rollout], prompt_ids, oracle, secret, chunks_per_audit, tolerance)[0]
@@ -114,7 +115,7 @@ class SpotJob:
 
 def spot_check_group(
     rollouts: Sequence[VerifiedRollout], prompt_ids: Sequence[int], oracle: DistributionOracle,
-    secret: bytes, chunks_per_audit: int, tolerance: Tolerance,
+    secret: bytes, chunks_per_audit: int, tolerance: Tolerance | Tolerances,
 ) -> list[SpotCheckResult | SpotCheckFailed]:
     """Checks 1-3 for rollouts of one assignment (one prompt, version and sampling parameters)."""
     return spot_check_jobs([SpotJob(rollouts, prompt_ids, secret)], oracle, chunks_per_audit,
@@ -122,9 +123,14 @@ def spot_check_group(
 
 
 def spot_check_jobs(
-    jobs: Sequence[SpotJob], oracle: DistributionOracle, chunks_per_audit: int, tolerance: Tolerance,
+    jobs: Sequence[SpotJob], oracle: DistributionOracle, chunks_per_audit: int,
+    tolerance: Tolerance | Tolerances,
 ) -> list[list[SpotCheckResult | SpotCheckFailed]]:
     """Checks 1-3 for several assignments at once; one result list per job, in order.
+
+    ``chunks_per_audit`` 0 replays the sampler on every chunk; k > 0 on k drawn ones.
+    Each rollout is held to the tolerance of the precision its header declares (the
+    caller has checked that there is one).
 
     One batched forward pass per policy version over every rollout of every
     job, then each check runs once over the stacked rows of all rollouts that
@@ -132,9 +138,9 @@ def spot_check_jobs(
     fails are those rollouts re-checked one by one to attribute the failure.
     A job's results do not depend on which other jobs share its batch.
     """
+    tolerances = Tolerances.coerce(tolerance)
     flat = [(j, r, job) for j, job in enumerate(jobs) for r in job.rollouts]
-    drawn = [chunks_to_open(job.secret, r.digest, n_chunks(r.header.token_count, r.header.chunk_size),
-                            chunks_per_audit) for _, r, job in flat]
+    drawn = [_replayed_chunks(job.secret, r, chunks_per_audit) for _, r, job in flat]
     out: list[SpotCheckResult | SpotCheckFailed] = [
         SpotCheckResult(d, np.zeros(0, np.float32), np.zeros(0), 0.0) for d in drawn]
     live = [i for i, (_, r, _) in enumerate(flat) if r.header.token_count]
@@ -147,18 +153,29 @@ def spot_check_jobs(
             logits[i] = np.asarray(lg, dtype=np.float32)
     parts: dict[tuple, list[int]] = {}
     for i in live:
-        s = flat[i][1].header.sampling
-        parts.setdefault((s.temperature, s.top_k, s.top_p, flat[i][2].secret), []).append(i)
-    for (*_, secret), idx in parts.items():
+        h = flat[i][1].header
+        s = h.sampling
+        parts.setdefault((s.temperature, s.top_k, s.top_p, h.precision, flat[i][2].secret),
+                         []).append(i)
+    for (*_, precision, secret), idx in parts.items():
+        tolerance_ = tolerances.of(precision)
         fast = _stacked([flat[i][1] for i in idx], [logits[i] for i in idx], [drawn[i] for i in idx],
-                        tolerance, secret)
+                        tolerance_, secret)
         for j, i in enumerate(idx):
             out[i] = fast[j] if fast is not None else _one(flat[i][1], logits[i], drawn[i],
-                                                           tolerance, secret)
+                                                           tolerance_, secret)
     results: list[list[SpotCheckResult | SpotCheckFailed]] = [[] for _ in jobs]
     for (j, _, _), result in zip(flat, out, strict=True):
         results[j].append(result)
     return results
+
+
+def _replayed_chunks(secret: bytes, r: VerifiedRollout, chunks_per_audit: int) -> list[int]:
+    """The chunks of ``r`` the sampler is replayed on: all of them, or k drawn under the secret."""
+    total = n_chunks(r.header.token_count, r.header.chunk_size)
+    if chunks_per_audit == 0:
+        return list(range(total))
+    return chunks_to_open(secret, r.digest, total, chunks_per_audit)
 
 
 def _one(r: VerifiedRollout, logits: np.ndarray, chunks: list[int],
@@ -258,8 +275,8 @@ def recheck_evidence(
 
     1. the assignment is signed by the validator and the envelope by the
        contributor it was assigned to;
-    2. for header offences (WRONG_PROMPT, ASSIGNMENT_MISMATCH) the signed header
-       contradicts the signed assignment;
+    2. for header offences (WRONG_PROMPT, ASSIGNMENT_MISMATCH, STOPPING_RULE) the
+       signed header or body contradicts the signed assignment;
     3. for spot-check offences, recomputation with ``oracle`` (the claimed
        policy version's weights) reproduces the failure at the stated tolerance.
 
@@ -270,9 +287,11 @@ def recheck_evidence(
     sealed = decode(SignedAssignment, ev.assignment, max_bytes=len(ev.assignment))
     assignment = open_sealed(WorkAssignment, sealed, validator)
     rollout = verify_envelope(ev.envelope, limits, expected_key=assignment.contributor_key)
-    if reason in (Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH):
+    if reason in (Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.STOPPING_RULE):
         try:
             header_matches(rollout, assignment)
+            check_stopping_rule(rollout.token_ids, assignment.sampling.max_tokens,
+                                assignment.stop_token_ids)
         except VerificationError as exc:
             if exc.reason is reason:
                 return reason
@@ -311,6 +330,7 @@ def header_matches(rollout: VerifiedRollout, a: WorkAssignment) -> None:
         "policy_version": (a.policy_version, h.policy_version),
         "manifest_digest": (a.manifest_digest, h.manifest_digest),
         "sampling": (a.sampling, h.sampling),
+        "chunk_size": (a.chunk_size, h.chunk_size),
     }
     for name, (want, got) in pairs.items():
         if want != got:

@@ -50,7 +50,8 @@ def _verdicts(v, signed) -> list[Verdict]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def node(make_validator):
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000})
+    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
+                        "assignment.max_outstanding": 64})  # the flood leaves its assignments open
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         yield v, url
 

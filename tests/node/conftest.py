@@ -48,17 +48,19 @@ def make_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec) -> Vali
     made: list[Validator] = []
 
     def make(overrides: dict | None = None, key: SigningKey | None = None, pool: int = 64,
-             name: str = "v") -> Validator:
+             name: str = "v", *, problems=None, clock=None, tolerance=FLOAT32_TOLERANCE,
+             oracle=None) -> Validator:
         base = {"assignment.max_tokens": 12, "assignment.group_size": 4,
                 "audit.rate_override": 1.0, "audit.pit_min_tokens": 100_000}
         cfg = load(ValidatorConfig, None, {**base, **(overrides or {})})
         key = key or SigningKey.from_seed(b"\x05" * 32)
         ledger = Ledger.open(tmp_path / f"{name}.sqlite", signing_key=key, origin="test/validator")
         state = StateStore(tmp_path / f"{name}.state.sqlite")
-        oracle = TransformersOracle({0: tiny_model})
+        oracle = oracle or TransformersOracle({0: tiny_model})
         versions = PolicyVersions(model_dir_digest(tiny_model))
-        v = Validator(cfg, key, ledger, state, codec, oracle, generate("arithmetic", "train", pool),
-                      versions, FLOAT32_TOLERANCE)
+        extra = {} if clock is None else {"clock": clock}
+        v = Validator(cfg, key, ledger, state, codec, oracle,
+                      problems or generate("arithmetic", "train", pool), versions, tolerance, **extra)
         made.append(v)
         return v
 

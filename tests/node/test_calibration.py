@@ -77,10 +77,12 @@ def test_mixed_precision_catches_any_shift_beyond_its_tolerance(tiny_model, code
 def test_tolerance_file_round_trip_and_refusal(tmp_path: Path, mixed) -> None:
     path = write_tolerance_file(mixed, tmp_path / "tol.json")
     tol = load_tolerance_file(path)
-    assert tol.token_abs == pytest.approx(mixed.token_abs)
+    assert max(t.token_abs for t in tol.by_precision.values()) == pytest.approx(mixed.token_abs)
+    assert tol.of("float32").token_abs < tol.of("bfloat16").token_abs  # each precision its own bound
     data = json.loads(path.read_text())
-    data["token_abs"] = data["observed_token_max"] / 2
-    data["chunk_mean_abs"] = min(data["chunk_mean_abs"], data["token_abs"])
+    bf16 = data["by_precision"]["bfloat16"]
+    bf16["token_abs"] = bf16["observed_token_max"] / 2
+    bf16["chunk_mean_abs"] = min(bf16["chunk_mean_abs"], bf16["token_abs"])
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="would flag its own honest calibration runs"):
         load_tolerance_file(path)

@@ -216,7 +216,8 @@ def test_fabricated_tokens_with_honest_logprobs_fail_replay(make_validator, back
     target = codec.encode("123")[1:]  # the answer the cheat wants to plant
     forged = []
     for c in comps:
-        toks = list(target) + list(c.token_ids[len(target):])
+        rest = list(c.token_ids[len(target):]) or [codec.eos_token_id]  # within the stopping rule
+        toks = (list(target) + rest)[: a.sampling.max_tokens]
         s = a.sampling
         lps = oracle.logprobs(0, prompt + toks, len(prompt), s.temperature, s.top_k, s.top_p)
         forged.append((toks, lps))

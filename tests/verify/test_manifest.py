@@ -86,7 +86,7 @@ def test_manifest_stage_layout_is_checked() -> None:
 def test_assignments_and_verdicts_round_trip_through_seal() -> None:
     a = WorkAssignment(1, b"\x01" * 16, TRAINER.public.raw, OTHER.public.raw, "arithmetic", "p/1",
                        b"\x02" * 32, "12+30=", 4, 3, b"\x03" * 32, SamplingParams(1.0, 1.0, 0, 8, 1),
-                       b"\x04" * 32, 10, 20)
+                       b"\x04" * 32, 10, 20, 32, [2])
     sealed = seal(TRAINER, a)
     assert open_sealed(WorkAssignment, sealed, TRAINER.public) == a
     with pytest.raises(SignatureError):

@@ -33,6 +33,7 @@ def rollout_header(draw: st.DrawFn) -> T.RolloutHeader:
         group_index=draw(st.integers(0, size - 1)), group_size=size,
         token_count=draw(st.integers(0, T.MAX_TOKENS_HARD)), commitment_root=draw(d32),
         chunk_size=draw(st.integers(1, T.MAX_TOKENS_HARD)), created_at_ms=draw(u63),
+        precision=draw(short), backend=draw(short),
     )
 
 
@@ -50,6 +51,8 @@ assignment = st.builds(
     task_id=short, prompt_id=short, prompt_digest=d32, prompt=st.text(max_size=200),
     group_size=st.integers(1, T.MAX_GROUP_HARD), policy_version=u63, manifest_digest=d32,
     sampling=sampling, nonce=d32, issued_at_ms=u63, expires_at_ms=u63,
+    chunk_size=st.integers(1, T.MAX_TOKENS_HARD),
+    stop_token_ids=st.lists(u32, max_size=T.MAX_STOP_TOKENS),
 )
 signed_assignment = st.builds(T.SignedAssignment, assignment=st.binary(max_size=300), signature=sig)
 verdict = st.builds(
