@@ -42,7 +42,7 @@ from bench._util import emit  # noqa: E402
 from rollout.backends import GenerationRequest, TransformersBackend  # noqa: E402
 from rollout.oracle import TransformersOracle  # noqa: E402
 from verify.errors import SpotCheckError  # noqa: E402
-from verify.sampling import noise_for_positions, replay_check  # noqa: E402
+from verify.samplers import sampler_named  # noqa: E402
 from verify.spotcheck import (  # noqa: E402
     BFLOAT16_TOLERANCE,
     FLOAT32_TOLERANCE,
@@ -110,12 +110,12 @@ def check_against_oracle(groups, requests, oracle, args, tolerance, eps) -> dict
             0, [OracleRequest(request.prompt_ids + c.token_ids, plen, *params) for c in group])
         for c, r in zip(group, recomputed, strict=True):
             logits = oracle.completion_logits(0, request.prompt_ids + c.token_ids, plen)
-            noise = noise_for_positions(KEY, request.nonce, request.seed,
-                                        range(len(c.token_ids)), args.vocab,
-                                        sample_index=c.group_index)
+            sampler = sampler_named(request.sampler)
+            randomness = sampler.randomness([(KEY, request.nonce, request.seed, c.group_index,
+                                              range(len(c.token_ids)))], args.vocab)
             tokens += len(c.token_ids)
             try:
-                stats = replay_check(c.token_ids, logits, *params, noise, eps=eps)
+                stats = sampler.replay(c.token_ids, logits, *params, randomness, slack=eps)
             except SpotCheckError as exc:
                 log(f"replay failed: {exc}")
             else:
@@ -182,7 +182,7 @@ def main() -> int:
     from rollout.vllm_backend import VllmBackend
 
     tolerance, eps = ((FLOAT32_TOLERANCE, 1e-4) if args.dtype == "float32"
-                      else (BFLOAT16_TOLERANCE, 0.2))
+                      else (BFLOAT16_TOLERANCE, BFLOAT16_TOLERANCE.cdf_slack))
     requests = make_requests(args)
     warm = [GenerationRequest(requests[0].prompt_ids, 2, 1.0, 0, 1.0, 4, KEY, b"w", 0)]
     with tempfile.TemporaryDirectory() as tmp:

@@ -28,6 +28,15 @@ class NodeSection(_Section):
     """The validator's Ed25519 key (signs assignments, verdicts and checkpoints)."""
     ledger: str = "runs/validator/ledger.sqlite"
     """SQLite file path, or a postgresql:// URL for a shared log."""
+    state_file: Path | None = None
+    """The node's own SQLite database beside the ledger (sample bodies, in ``<state_file>.bodies``,
+    submission answers, assignments, manifests, unrevealed epoch secrets; mode 0600). Default:
+    ``<ledger>.state`` for a SQLite ledger, ``runs/validator/node.state`` for a postgresql:// one.
+    Each validator sharing one PostgreSQL log needs its own."""
+    blob_dir: Path | None = None
+    """The content-addressed blob store (policy updates and manifests, eval statements, large
+    slash evidence; what `prooftrain release` and `audit verify --blobs` read). Default:
+    ``<ledger>.blobs`` for a SQLite ledger, ``runs/validator/blobs`` for a postgresql:// one."""
     origin: str = "prooftrain/validator"
     """Checkpoint origin line: the log's name."""
     trainer_key: str = ""
@@ -48,6 +57,26 @@ class NodeSection(_Section):
     """With precheck workers and a CPU to spare for each, run each worker on a CPU of its own
     and the node's own threads on the others, so they never preempt a worker (Linux;
     ``node.validator.affinity``). Spot checks' forward passes still use every CPU."""
+
+
+    def is_postgres(self) -> bool:
+        return self.ledger.startswith(("postgresql://", "postgres://"))
+
+    def state_path(self) -> Path:
+        """Where the node's state database is (``state_file`` or its default)."""
+        if self.state_file is not None:
+            return self.state_file
+        return POSTGRES_STATE if self.is_postgres() else Path(self.ledger + ".state")
+
+    def blob_path(self) -> Path:
+        """Where the blob store is (``blob_dir`` or its default)."""
+        if self.blob_dir is not None:
+            return self.blob_dir
+        return POSTGRES_BLOBS if self.is_postgres() else Path(self.ledger.removeprefix("sqlite:") + ".blobs")
+
+
+POSTGRES_STATE = Path("runs/validator/node.state")
+POSTGRES_BLOBS = Path("runs/validator/blobs")
 
 
 class PolicySection(_Section):
@@ -76,6 +105,10 @@ class AssignmentSection(_Section):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
     max_tokens: int = Field(default=16, ge=1, le=65_536)
+    sampler: Literal["icdf-v1", "gumbel-v1"] = "icdf-v1"
+    """The verifiable sampler contributors draw with (``verify.samplers``): inverse-CDF, one
+    keyed uniform per token (default), or Gumbel-max, keyed noise per vocabulary entry
+    (about 30 times the cost per token at a 49k vocabulary)."""
     ttl_s: float = Field(default=600.0, gt=0)
     """An assignment not answered within this many seconds expires."""
     chunk_size: int = Field(default=32, ge=1, le=1_024)

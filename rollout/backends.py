@@ -3,9 +3,10 @@
 Every backend returns, per completion, the sampled token ids and the committed
 float32 logprobs, where ``logprobs[t]`` is exactly the processed logprob
 (``verify.sampling.process_logits``) of ``token_ids[t]`` under the distribution
-it was sampled from, and ``token_ids[t]`` is the Gumbel-max sample with noise
-``gumbel_noise(sampler_key, nonce, seed, t, V, sample_index=g)``. A validator
-that recomputes the same distribution replays every token exactly.
+it was sampled from, and ``token_ids[t]`` is the draw of the request's
+verifiable sampler (``verify.samplers``; by default the inverse-CDF sample at
+``icdf_uniform(sampler_key, nonce, seed, t, sample_index=g)``). A validator
+that recomputes the same distribution replays every token.
 
 Backends are registered by name (:func:`register_backend`, :func:`make_backend`).
 """
@@ -24,13 +25,8 @@ import torch
 
 from rollout.loading import load_pretrained_lm
 from verify.errors import ConfigError
-from verify.sampling import (
-    SAMPLER_KEY_SIZE,
-    check_params,
-    noise_for_streams,
-    process_logits,
-    sample_verifiable,
-)
+from verify.samplers import DEFAULT_SAMPLER, sampler_named
+from verify.sampling import SAMPLER_KEY_SIZE, check_params, process_logits
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -51,9 +47,12 @@ class GenerationRequest:
     seed: int
     stop_token_ids: tuple[int, ...] = ()
     """Generation of a completion ends after it samples one of these (included)."""
+    sampler: str = DEFAULT_SAMPLER
+    """The verifiable sampler the assignment names (``verify.samplers``)."""
 
     def __post_init__(self) -> None:
         check_params(self.temperature, self.top_k, self.top_p)
+        sampler_named(self.sampler)
         if not self.prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         if self.group_size < 1 or self.max_tokens < 1:
@@ -90,7 +89,7 @@ class GenerationBackend(Protocol):
 def batch_key(request: GenerationRequest) -> tuple:
     """What requests batched into one pass share: group size, sampling, length limit, stops."""
     return (request.group_size, request.temperature, request.top_k, request.top_p,
-            request.max_tokens, tuple(sorted(set(request.stop_token_ids))))
+            request.max_tokens, tuple(sorted(set(request.stop_token_ids))), request.sampler)
 
 
 def generate_grouped(
@@ -312,13 +311,16 @@ class TransformersBackend:
                 done: torch.Tensor, temperature: float) -> torch.Tensor:
         if temperature == 0.0:
             return lp.argmax(dim=-1)  # point mass: the noise cannot change the argmax
-        noise = torch.zeros(lp.shape, dtype=torch.float64)
         live = [i for i in range(lp.shape[0]) if not bool(done[i])]
-        if live:
-            noise[live] = noise_for_streams(
+        out = torch.zeros(lp.shape[0], dtype=torch.long, device=lp.device)
+        if live:  # finished rows are overwritten by the caller; they draw nothing
+            sampler = sampler_named(rows[0][0].sampler)
+            randomness = sampler.randomness(
                 [(r.sampler_key, r.nonce, r.seed, g, [t]) for r, g in (rows[i] for i in live)],
                 lp.shape[-1])
-        return sample_verifiable(lp, noise)
+            index = torch.tensor(live, dtype=torch.long, device=lp.device)
+            out[index] = sampler.draw(lp.index_select(0, index), randomness).to(lp.device)
+        return out
 
     @staticmethod
     def _completion(g: int, tokens: torch.Tensor, chosen: torch.Tensor, length: int,

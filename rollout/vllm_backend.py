@@ -1,10 +1,11 @@
 """vLLM generation backend with the verifiable sampler (GPU; ``pip install 'prooftrain[vllm]'``).
 
 It returns what :class:`rollout.backends.TransformersBackend` returns: token t
-of completion g is ``argmax(process_logits(row) + gumbel_noise(key, nonce,
-seed, t, V, sample_index=g))`` and its committed logprob is
-``process_logits(row)[token]``, both computed by ``verify.sampling`` on the
-float32 logits row vLLM's model produced.
+of completion g is the draw of the request's verifiable sampler
+(``verify.samplers``; by default the inverse-CDF sample of
+``process_logits(row)`` at ``icdf_uniform(key, nonce, seed, t,
+sample_index=g)``) and its committed logprob is ``process_logits(row)[token]``,
+both computed on the float32 logits row vLLM's model produced.
 
 How vLLM is made to emit that token
 -----------------------------------
@@ -12,8 +13,9 @@ A custom logits processor, :func:`processor_class`, runs inside vLLM's sampler
 on every step. For each row of one of our requests it
 
 1. processes the row with ``process_logits`` (temperature, top-k, top-p);
-2. draws the project's Gumbel noise for (completion g, position t) and takes
-   the Gumbel-max token with ``sample_verifiable``;
+2. draws the named sampler's keyed randomness for (completion g, position t)
+   and takes its token (one uniform per row for inverse-CDF, computed on the
+   CPU; the draw itself runs on the row's device);
 3. records ``(token, logprob)`` under the completion's tag;
 4. overwrites the row with ``-inf`` everywhere but that token (``0.0``).
 
@@ -65,7 +67,8 @@ from rollout.backends import (
     resolve_dtype,
 )
 from verify.errors import ConfigError, ProofTrainError
-from verify.sampling import noise_for_streams, process_logits, sample_verifiable
+from verify.samplers import DEFAULT_SAMPLER, sampler_named
+from verify.sampling import process_logits
 
 EXTRA_ARGS_KEY = "prooftrain_sampler"
 """Key of the per-request sampler description in ``SamplingParams.extra_args``."""
@@ -93,12 +96,14 @@ class RowSpec:
     top_k: int
     top_p: float
     prompt_len: int
+    sampler: str = DEFAULT_SAMPLER
 
     def to_extra_args(self) -> dict[str, Any]:
         return {EXTRA_ARGS_KEY: {
             "tag": self.tag, "key": self.sampler_key.hex(), "nonce": self.nonce.hex(),
             "seed": self.seed, "g": self.sample_index, "temperature": self.temperature,
             "top_k": self.top_k, "top_p": self.top_p, "prompt_len": self.prompt_len,
+            "sampler": self.sampler,
         }}
 
     @classmethod
@@ -111,7 +116,7 @@ class RowSpec:
             return cls(str(entry["tag"]), bytes.fromhex(entry["key"]),
                        bytes.fromhex(entry["nonce"]), int(entry["seed"]), int(entry["g"]),
                        float(entry["temperature"]), int(entry["top_k"]), float(entry["top_p"]),
-                       int(entry["prompt_len"]))
+                       int(entry["prompt_len"]), str(entry.get("sampler", DEFAULT_SAMPLER)))
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed {EXTRA_ARGS_KEY} entry: {exc}") from None
 
@@ -125,19 +130,21 @@ def force_verifiable_samples(
     Rows sharing sampling parameters are processed as one batch. Afterwards
     row ``rows[i]`` has exactly one finite entry, its verifiable sample.
     """
-    groups: dict[tuple[float, int, float], list[int]] = {}
+    groups: dict[tuple[float, int, float, str], list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault((spec.temperature, spec.top_k, spec.top_p), []).append(i)
+        groups.setdefault((spec.temperature, spec.top_k, spec.top_p, spec.sampler), []).append(i)
     vocab = logits.shape[-1]
-    for (temperature, top_k, top_p), members in groups.items():
+    for (temperature, top_k, top_p, name), members in groups.items():
         index = torch.tensor([rows[i] for i in members], dtype=torch.long, device=logits.device)
         lp = process_logits(logits.index_select(0, index), temperature, top_k, top_p)  # (R, V)
-        if temperature == 0.0:  # greedy: a point mass, the noise cannot move the argmax
-            noise = torch.zeros(lp.shape, dtype=torch.float64)
+        if temperature == 0.0:  # greedy: a point mass, no randomness can move the argmax
+            tokens = lp.argmax(dim=-1)
         else:
-            noise = noise_for_streams([(specs[i].sampler_key, specs[i].nonce, specs[i].seed,
-                                        specs[i].sample_index, [positions[i]]) for i in members], vocab)
-        tokens = sample_verifiable(lp, noise)  # (R,)
+            sampler = sampler_named(name)
+            randomness = sampler.randomness([(specs[i].sampler_key, specs[i].nonce, specs[i].seed,
+                                              specs[i].sample_index, [positions[i]]) for i in members],
+                                            vocab)
+            tokens = sampler.draw(lp, randomness).to(lp.device)  # (R,)
         chosen = lp.gather(-1, tokens[:, None])  # (R, 1)
         forced = torch.full_like(lp, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
         logits.index_copy_(0, index, forced.to(logits.dtype))
@@ -336,7 +343,7 @@ class VllmBackend:
             for g in range(request.group_size):
                 spec = RowSpec(uuid.uuid4().hex, request.sampler_key, request.nonce,
                                request.seed, g, request.temperature, request.top_k,
-                               request.top_p, len(request.prompt_ids))
+                               request.top_p, len(request.prompt_ids), request.sampler)
                 prompts.append({"prompt_token_ids": list(request.prompt_ids)})
                 params.append(self._sampling_params(request, spec))
                 tags.append(spec.tag)

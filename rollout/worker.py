@@ -54,7 +54,7 @@ def generation_request(a: WorkAssignment, prompt_ids: Sequence[int], me: PublicK
     return GenerationRequest(
         prompt_ids=tuple(prompt_ids), group_size=a.group_size, temperature=s.temperature,
         top_k=s.top_k, top_p=s.top_p, max_tokens=s.max_tokens, sampler_key=me.raw, nonce=a.nonce,
-        seed=s.seed, stop_token_ids=tuple(stop_token_ids),
+        seed=s.seed, stop_token_ids=tuple(stop_token_ids), sampler=s.sampler,
     )
 
 

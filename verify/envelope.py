@@ -148,7 +148,10 @@ def verify_envelope(
     header = decode(RolloutHeader, envelope.header, max_bytes=len(envelope.header))
     # 3. schema version
     if header.schema_version != ROLLOUT_SCHEMA_VERSION:
-        raise DecodeError("unsupported rollout schema version", reason=Reason.SCHEMA_VERSION,
+        raise DecodeError("unsupported rollout schema version (version 1 rollouts carry no chunk "
+                          "size, stopping rule or sampler name, and were drawn with the Gumbel-max "
+                          "sampler, gumbel-v1; version 2 names its sampler in its sampling "
+                          "parameters)", reason=Reason.SCHEMA_VERSION,
                           expected=ROLLOUT_SCHEMA_VERSION, computed=header.schema_version)
     # 4. limits and shape
     _check_shape(header, envelope.body, limits)

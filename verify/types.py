@@ -32,8 +32,9 @@ from verify.errors import DecodeError, Reason
 SCHEMA_VERSION = 1
 ROLLOUT_SCHEMA_VERSION = 2
 """Schema of ``WorkAssignment`` and ``RolloutHeader``. Version 2 added the assignment's
-``chunk_size`` and ``stop_token_ids`` (the validator fixes both) and the header's declared
-``precision`` and ``backend``; a version-1 rollout is refused with SCHEMA_VERSION."""
+``chunk_size`` and ``stop_token_ids`` (the validator fixes both), the sampler's name in
+``SamplingParams`` and the header's declared ``precision`` and ``backend``; a version-1
+rollout (drawn with the Gumbel-max sampler, unnamed) is refused with SCHEMA_VERSION."""
 
 # Hard caps. Configurable limits (validator config) are lower and are checked
 # after decoding; these protect the decoder itself.
@@ -70,6 +71,8 @@ class SamplingParams(_Wire, frozen=True):
     """Claimed sampling parameters; part of the signed header.
 
     temperature == 0 means greedy. top_k == 0 and top_p == 1.0 disable those filters.
+    ``sampler`` names the verifiable sampler (``verify.samplers``: ``icdf-v1``,
+    ``gumbel-v1``); the validator chooses it in the assignment.
     """
 
     temperature: Annotated[float, Meta(ge=0.0, le=16.0)]
@@ -77,6 +80,7 @@ class SamplingParams(_Wire, frozen=True):
     top_k: U32
     max_tokens: Annotated[int, Meta(ge=1, le=MAX_TOKENS_HARD)]
     seed: U64
+    sampler: ShortStr = "icdf-v1"
 
 
 class WorkAssignment(_Wire, frozen=True):
@@ -286,6 +290,7 @@ class SlashEvidence(_Wire, frozen=True):
     token_abs: float
     chunk_mean_abs: float
     detail: Annotated[str, Meta(max_length=1_024)]
+    replay_slack: float = 0.0
 
 
 MAX_EVAL_METRICS = 64

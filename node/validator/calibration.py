@@ -31,16 +31,20 @@ from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import torch
 
 from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.errors import ConfigError
+from verify.icdf import icdf_gaps, icdf_uniforms
+from verify.logprobs import process_logits
 from verify.sampling import SAMPLER_KEY_SIZE
-from verify.spotcheck import OracleRequest, Tolerance, Tolerances
+from verify.spotcheck import MIN_MEAN_TOKENS, OracleRequest, Tolerance, Tolerances
 
 TOKEN_FLOOR = 1e-4
 CHUNK_FLOOR = 1e-5
+REPLAY_FLOOR = 1e-4
 Layout = Literal["packed", "unpacked"]
 LAYOUTS: tuple[Layout, ...] = ("packed", "unpacked")
 
@@ -56,6 +60,9 @@ class SettingStats:
     token_p999_abs: float
     chunk_mean_max: float
     layout: str = "unpacked"
+    replay_gap_max: float = 0.0
+    """Largest probability mass by which an honest token's keyed uniform fell outside its
+    recomputed inverse-CDF interval (``verify.icdf.icdf_gaps``)."""
 
 
 @dataclass
@@ -77,7 +84,7 @@ class Calibration:
     @property
     def tolerances(self) -> Tolerances:
         """Each generation precision's own bound, from its settings alone."""
-        return Tolerances({d: Tolerance(v["token_abs"], v["chunk_mean_abs"])
+        return Tolerances({d: Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
                            for d, v in self.by_precision().items()})
 
     def by_precision(self) -> dict[str, dict[str, float]]:
@@ -106,15 +113,23 @@ def _by_precision(settings: Sequence[SettingStats], margin: float) -> dict[str, 
         tok = max(s.token_max_abs for s in mine)
         chunk = max(s.chunk_mean_max for s in mine)
         token_abs, chunk_abs = _thresholds(tok, chunk, margin)
+        gap = max(s.replay_gap_max for s in mine)
         out[dtype] = {"token_abs": token_abs, "chunk_mean_abs": chunk_abs,
-                      "observed_token_max": tok, "observed_chunk_mean_max": chunk}
+                      # A calibration run sees few near-boundary draws, so its largest
+                      # shift understates the tail: never below the mean |diff| bound, which
+                      # bounds the L1 distance that moves every boundary.
+                      "replay_slack": min(max(margin * gap, chunk_abs, REPLAY_FLOOR), 0.5),
+                      "observed_token_max": tok, "observed_chunk_mean_max": chunk,
+                      "observed_replay_gap_max": gap}
     return out
 
 
 def _diffs(claimed: np.ndarray, recomputed: np.ndarray, chunk: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per-token |diff|, and the mean of each chunk the comparison judges a mean on."""
     d = np.abs(claimed.astype(np.float64) - recomputed.astype(np.float64))
-    means = np.array([d[i : i + chunk].mean() for i in range(0, len(d), chunk)]) if len(d) else np.zeros(0)
-    return d, means
+    means = [d[i : i + chunk].mean() for i in range(0, len(d), chunk)
+             if len(d[i : i + chunk]) >= MIN_MEAN_TOKENS]
+    return d, np.asarray(means, dtype=np.float64)
 
 
 def calibrate(
@@ -140,6 +155,7 @@ def calibrate(
         backend = TransformersBackend(model_dir, dtype=gen_dtype)
         requests: list[OracleRequest] = []
         claimed: list[np.ndarray] = []
+        uniforms: list[torch.Tensor] = []
         from rollout.backends import GenerationRequest
 
         for i, prompt in enumerate(prompts):
@@ -150,20 +166,28 @@ def calibrate(
                 requests.append(OracleRequest(tuple(prompt) + c.token_ids, len(prompt), temperature,
                                               top_k, top_p))
                 claimed.append(np.asarray(c.logprobs))
+                uniforms.append(icdf_uniforms([(req.sampler_key, req.nonce, req.seed, c.group_index,
+                                                range(len(c.token_ids)))]))
         for b in batch_sizes:
             for layout in used:
-                tok, chk = [], []
+                tok, chk, gaps = [], [], [0.0]
                 for start in range(0, len(requests), b):
-                    got = oracles[layout].logprobs_batch(0, requests[start : start + b])
-                    for cl, rc in zip(claimed[start : start + b], got, strict=True):
-                        d, m = _diffs(cl, rc, chunk_size)
+                    batch = requests[start : start + b]
+                    logits = oracles[layout].logits_batch(0, [(r.input_ids, r.prompt_len) for r in batch])
+                    for j, (r, lg) in enumerate(zip(batch, logits, strict=True)):
+                        lp = process_logits(torch.as_tensor(lg), temperature, top_k, top_p)  # (T, V)
+                        ids = torch.tensor(r.input_ids[r.prompt_len:], dtype=torch.long)
+                        rc = lp.gather(-1, ids[:, None])[:, 0].numpy().astype(np.float32)
+                        d, m = _diffs(claimed[start + j], rc, chunk_size)
                         tok.append(d)
                         chk.append(m)
+                        if temperature > 0 and len(ids):
+                            gaps.append(float(icdf_gaps(ids, lp, uniforms[start + j]).max()))
                 t, ch = np.concatenate(tok), np.concatenate(chk)
                 settings.append(SettingStats(gen_dtype, recompute_dtype, b, int(t.size), int(ch.size),
                                              float(t.max(initial=0.0)),
                                              float(np.quantile(t, 0.999)) if t.size else 0.0,
-                                             float(ch.max(initial=0.0)), layout))
+                                             float(ch.max(initial=0.0)), layout, max(gaps)))
                 all_tok.append(t)
                 all_chunk.append(ch)
                 bar.update(1)
@@ -209,7 +233,8 @@ def load_tolerance_file(path: str | Path) -> Tolerances:
     try:
         data = json.loads(p.read_text())
         if "by_precision" in data:
-            table = {str(d): {k: float(v[k]) for k in _FIELDS} for d, v in data["by_precision"].items()}
+            table = {str(d): {k: float(v.get(k, 0.0)) for k in _FIELDS}
+                     for d, v in data["by_precision"].items()}
         else:
             settings = [SettingStats(**s) for s in data["settings"]]
             table = _by_precision(settings, float(data["margin"]))
@@ -219,13 +244,14 @@ def load_tolerance_file(path: str | Path) -> Tolerances:
         raise ConfigError(f"tolerance file {p} holds no calibrated precision")
     out: dict[str, Tolerance] = {}
     for dtype, v in table.items():
-        if v["token_abs"] < v["observed_token_max"] or v["chunk_mean_abs"] < v["observed_chunk_mean_max"]:
+        if (v["token_abs"] < v["observed_token_max"] or v["chunk_mean_abs"] < v["observed_chunk_mean_max"]
+                or 0 < v["replay_slack"] < v["observed_replay_gap_max"]):
             raise ConfigError(
                 f"tolerance file {p} would flag its own honest calibration runs ({dtype}): token_abs "
                 f"{v['token_abs']:g} < observed {v['observed_token_max']:g} or chunk_mean_abs "
                 f"{v['chunk_mean_abs']:g} < observed {v['observed_chunk_mean_max']:g}")
         try:
-            out[dtype] = Tolerance(v["token_abs"], v["chunk_mean_abs"])
+            out[dtype] = Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
         except ValueError as exc:
             raise ConfigError(f"tolerance file {p} ({dtype}): {exc}") from None
     try:
@@ -234,7 +260,8 @@ def load_tolerance_file(path: str | Path) -> Tolerances:
         raise ConfigError(f"tolerance file {p}: {exc}") from None
 
 
-_FIELDS = ("token_abs", "chunk_mean_abs", "observed_token_max", "observed_chunk_mean_max")
+_FIELDS = ("token_abs", "chunk_mean_abs", "replay_slack", "observed_token_max",
+           "observed_chunk_mean_max", "observed_replay_gap_max")
 
 
 def honest_audit(

@@ -141,8 +141,9 @@ class GroupChecks:
 
         Steps: yields the group's ``SpotJob`` when members are drawn for audit and
         is sent its results (:meth:`spot`). Raises AdmissionError(BACKPRESSURE)
-        when the group needs an audit slot and none is free, or one of its
-        completions is reserved by another group.
+        when the group needs an audit slot and none is free. A member repeating a
+        completion recorded, or being recorded, for the same prompt text is audited
+        whatever the draw.
         """
         failed, repeats = self._group_checks(issued, members, reserved)
         audit_rate = self._audit_rate(issued.wire.contributor_key)

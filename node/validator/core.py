@@ -317,7 +317,7 @@ class Validator:
             group_size=a_cfg.group_size, policy_version=version,
             manifest_digest=self.versions.digest(version) or b"\x00" * 32,
             sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
-                                    int.from_bytes(self.entropy(8), "little") >> 1),
+                                    int.from_bytes(self.entropy(8), "little") >> 1, a_cfg.sampler),
             nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
             chunk_size=a_cfg.chunk_size,
             stop_token_ids=[] if self.codec.eos_token_id is None else [int(self.codec.eos_token_id)],

@@ -8,7 +8,9 @@ the claimed policy version over prompt + completion, then, in order:
 2. on every token (``audit.chunks_per_audit = 0``, the default), or on k drawn
    chunks (keyed draw, ``verify.challenge.chunks_to_open``): the support check
    (TOKEN_OUTSIDE_SUPPORT) and the verifiable-sampler replay
-   (SAMPLER_REPLAY_MISMATCH), which costs O(V) blake3 output per token;
+   (SAMPLER_REPLAY_MISMATCH) of the sampler the assignment names
+   (``verify.samplers``: one hash and a pass over the vocabulary per token for
+   the inverse-CDF sampler, O(V) hash output for Gumbel-max);
 3. randomised PIT values of every token, pooled per contributor by the caller
    for the sampling-distribution test.
 
@@ -31,18 +33,17 @@ from verify.commitment import n_chunks
 from verify.envelope import Limits, VerifiedRollout, check_stopping_rule, verify_envelope
 from verify.errors import Reason, SpotCheckError, VerificationError
 from verify.keys import PublicKey
-from verify.sampling import (
-    NoiseSpec,
-    noise_for_positions,
-    noise_for_streams,
-    pit_randomizer,
-    pit_values,
-    process_logits,
-    replay_check,
-    support_check,
-)
+from verify.samplers import sampler_named
+from verify.sampling import NoiseSpec, pit_randomizer, pit_values, process_logits, support_check
 from verify.signed import open_sealed
-from verify.spotcheck import DistributionOracle, Tolerance, Tolerances, compare_chunk, token_diffs
+from verify.spotcheck import (
+    MIN_MEAN_TOKENS,
+    DistributionOracle,
+    Tolerance,
+    Tolerances,
+    compare_chunk,
+    token_diffs,
+)
 from verify.types import SignedAssignment, SlashEvidence, WorkAssignment, canonical_bytes, decode
 
 _F32 = np.dtype("<f4")
@@ -83,13 +84,14 @@ def _check(
         stats = compare_chunk(rollout.logprobs[lo:hi], recomputed[lo:hi], tolerance, c, position_offset=lo)
         worst = max(worst, stats.max_abs_diff)
     vocab = logits.shape[-1]
+    sampler = sampler_named(s.sampler)
     for c in chunks:
         lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
         support_check(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, position_offset=lo)
-        noise = noise_for_positions(h.contributor_key, h.nonce, s.seed, range(lo, hi), vocab,
-                                    sample_index=h.group_index)
-        replay_check(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, noise,
-                     eps=2 * tolerance.token_abs, position_offset=lo)
+        randomness = sampler.randomness(
+            [(h.contributor_key, h.nonce, s.seed, h.group_index, range(lo, hi))], vocab)
+        sampler.replay(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, randomness,
+                       slack=sampler.slack(tolerance), position_offset=lo, processed=processed[lo:hi])
     return recomputed, worst
 
 
@@ -155,7 +157,7 @@ def spot_check_jobs(
     for i in live:
         h = flat[i][1].header
         s = h.sampling
-        parts.setdefault((s.temperature, s.top_k, s.top_p, h.precision, flat[i][2].secret),
+        parts.setdefault((s.temperature, s.top_k, s.top_p, s.sampler, h.precision, flat[i][2].secret),
                          []).append(i)
     for (*_, precision, secret), idx in parts.items():
         tolerance_ = tolerances.of(precision)
@@ -214,9 +216,11 @@ def _stacked(rollouts: list[VerifiedRollout], logits: list[np.ndarray], drawn: l
     try:
         if rows:
             sel = np.asarray(rows)
+            sampler = sampler_named(s.sampler)
             support_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p)
-            replay_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p,
-                         noise_for_streams(specs, stacked.shape[-1]), eps=2 * tolerance.token_abs)
+            sampler.replay(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p,
+                           sampler.randomness(specs, stacked.shape[-1]), slack=sampler.slack(tolerance),
+                           processed=processed if len(rows) == len(tokens) else processed[sel])
     except SpotCheckError:
         return None
     randomizer = np.concatenate([pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts])
@@ -237,8 +241,10 @@ def _chunk_worst(rollouts: list[VerifiedRollout], recomputed: np.ndarray, starts
               for lo in range(0, r.header.token_count, r.header.chunk_size)]
     edges = np.asarray(bounds + [claimed.size])
     chunk_max = np.maximum.reduceat(diff, edges[:-1])
-    chunk_mean = np.add.reduceat(diff, edges[:-1]) / np.diff(edges)
-    if bool((chunk_max > tolerance.token_abs).any() | (chunk_mean > tolerance.chunk_mean_abs).any()):
+    sizes = np.diff(edges)
+    chunk_mean = np.add.reduceat(diff, edges[:-1]) / sizes
+    judged = sizes >= MIN_MEAN_TOKENS
+    if bool((chunk_max > tolerance.token_abs).any() | (judged & (chunk_mean > tolerance.chunk_mean_abs)).any()):
         return None
     return [float(diff[starts[k]:starts[k + 1]].max()) if starts[k + 1] > starts[k] else 0.0
             for k in range(len(rollouts))]
@@ -263,6 +269,7 @@ def build_evidence(
         token_abs=tolerance.token_abs,
         chunk_mean_abs=tolerance.chunk_mean_abs,
         detail=detail[:1_024],
+        replay_slack=tolerance.replay_slack,
     )
     return canonical_bytes(ev)
 
@@ -282,7 +289,9 @@ def recheck_evidence(
 
     Raises :class:`VerificationError` when the evidence does not prove its claim.
     """
-    ev = decode(SlashEvidence, evidence, max_bytes=len(evidence))
+    # Its bytes are fixed by the digest the ledger holds; evidence written before
+    # ``replay_slack`` existed lacks that trailing field.
+    ev = decode(SlashEvidence, evidence, max_bytes=len(evidence), canonical=False)
     reason = Reason(ev.reason)
     sealed = decode(SignedAssignment, ev.assignment, max_bytes=len(ev.assignment))
     assignment = open_sealed(WorkAssignment, sealed, validator)
@@ -301,7 +310,7 @@ def recheck_evidence(
         raise VerificationError("re-checking a spot-check offence needs the policy's weights",
                                 reason=Reason.INCONSISTENT)
     prompt_ids = np.frombuffer(ev.prompt_ids, _U32).tolist()
-    tolerance = Tolerance(ev.token_abs, ev.chunk_mean_abs)
+    tolerance = Tolerance(ev.token_abs, ev.chunk_mean_abs, ev.replay_slack)
     logits = oracle.completion_logits(rollout.header.policy_version,
                                       [*prompt_ids, *rollout.token_ids.tolist()], len(prompt_ids))
     try:

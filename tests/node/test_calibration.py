@@ -68,7 +68,10 @@ def test_same_precision_catches_a_005_nat_shift(tiny_model, codec, prompts) -> N
 
 
 def test_mixed_precision_catches_any_shift_beyond_its_tolerance(tiny_model, codec, prompts, mixed) -> None:
-    shift = mixed.token_abs * 1.05 + 1e-4
+    # Honest noise is at most token_abs / margin (margin 2) and may pull a shift back towards
+    # the claim, so a shift is caught for sure from 1.5 x token_abs; a chunk mean is judged
+    # only over chunks of MIN_MEAN_TOKENS or more, and these completions have up to 12.
+    shift = mixed.token_abs * 1.5 + 1e-4
     result = honest_audit(tiny_model, prompts[40:60], mixed.tolerance, stop_token_ids=[codec.eos_token_id],
                           max_tokens=12, shifts=(shift,))
     assert result["rejected"] == 0 and result["caught"][shift] == 1.0

@@ -229,7 +229,7 @@ def test_an_honest_bfloat16_contributor_declaring_it_is_accepted(make_validator,
     for i in range(8):
         key = SigningKey.from_seed(bytes([0x50 + i]) * 32)
         out = verdicts(v, v.submit(canonical_bytes(honest_group(v, bf16, codec, key=key))))
-        assert all(x.accepted and x.audited for x in out)
+        assert all(x.accepted and x.audited for x in out), [x.reason for x in out]
 
 
 def test_a_precision_without_a_tolerance_is_refused_not_slashed(make_validator, codec, tiny_model) -> None:

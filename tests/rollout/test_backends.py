@@ -17,13 +17,12 @@ from rollout.backends import (
 )
 from rollout.oracle import TransformersOracle, UnknownPolicyVersion
 from verify.errors import ConfigError, Reason, SpotCheckError
+from verify.samplers import sampler_named
 from verify.sampling import (
-    noise_for_positions,
     pit_randomizer,
     pit_uniformity_test,
     pit_values,
     process_logits,
-    replay_check,
     support_check,
 )
 from verify.spotcheck import (
@@ -67,7 +66,7 @@ def backend(model_dir):
     return TransformersBackend(model_dir, dtype="float32")
 
 
-def _request(temperature=1.0, top_k=0, top_p=1.0, group=8, max_tokens=64, seed=11):
+def _request(temperature=1.0, top_k=0, top_p=1.0, group=8, max_tokens=64, seed=13):
     return GenerationRequest(PROMPT, group, temperature, top_k, top_p, max_tokens, KEY, NONCE,
                              seed, stop_token_ids=(EOS,))
 
@@ -176,9 +175,10 @@ def test_replay_and_support_accept_every_honest_token(backend, model_dir, params
     oracle = TransformersOracle({0: model_dir}, dtype="float32")
     for c in backend.generate(request):
         logits = oracle.completion_logits(0, request.prompt_ids + c.token_ids, len(PROMPT))
-        noise = noise_for_positions(KEY, NONCE, request.seed, range(len(c.token_ids)), VOCAB,
-                                    sample_index=c.group_index)
-        stats = replay_check(c.token_ids, logits, *params, noise, eps=1e-4)
+        sampler = sampler_named(request.sampler)
+        uniforms = sampler.randomness([(KEY, NONCE, request.seed, c.group_index, range(len(c.token_ids)))],
+                                      VOCAB)
+        stats = sampler.replay(c.token_ids, logits, *params, uniforms, slack=1e-4)
         assert stats.tokens == len(c.token_ids)
         support_check(c.token_ids, logits, *params)
 
@@ -188,20 +188,19 @@ def test_replay_rejects_a_substituted_token(backend, model_dir):
     c = backend.generate(request)[2]
     oracle = TransformersOracle({0: model_dir}, dtype="float32")
     logits = oracle.completion_logits(0, request.prompt_ids + c.token_ids, len(PROMPT))
-    noise = noise_for_positions(KEY, NONCE, request.seed, range(len(c.token_ids)), VOCAB,
-                                sample_index=2)
+    sampler = sampler_named(request.sampler)
+    uniforms = sampler.randomness([(KEY, NONCE, request.seed, 2, range(len(c.token_ids)))], VOCAB)
     forged = list(c.token_ids)
     t = len(forged) // 2
     forged[t] = int(np.argsort(logits[t])[-2]) if forged[t] == int(np.argmax(logits[t])) else int(
         np.argmax(logits[t]))
     with pytest.raises(SpotCheckError) as info:
-        replay_check(forged, logits, 1.0, 0, 1.0, noise)
+        sampler.replay(forged, logits, 1.0, 0, 1.0, uniforms, slack=1e-4)
     assert info.value.reason is Reason.SAMPLER_REPLAY_MISMATCH and info.value.position == t
-    # Noise of another group member does not replay this completion either.
-    wrong = noise_for_positions(KEY, NONCE, request.seed, range(len(c.token_ids)), VOCAB,
-                                sample_index=3)
+    # The uniforms of another group member do not replay this completion either.
+    wrong = sampler.randomness([(KEY, NONCE, request.seed, 3, range(len(c.token_ids)))], VOCAB)
     with pytest.raises(SpotCheckError):
-        replay_check(c.token_ids, logits, 1.0, 0, 1.0, wrong)
+        sampler.replay(c.token_ids, logits, 1.0, 0, 1.0, wrong, slack=1e-4)
 
 
 def test_wrong_policy_version_fails_the_spot_check(backend, model_dir):

@@ -25,7 +25,7 @@ from rollout.backends import GenerationRequest, TransformersBackend, available_b
 from rollout.oracle import TransformersOracle
 from rollout.vllm_backend import RowSpec, VllmSamplerError, collect_logprobs
 from verify.errors import ConfigError
-from verify.sampling import noise_for_positions, replay_check
+from verify.samplers import sampler_named
 from verify.spotcheck import BFLOAT16_TOLERANCE, FLOAT32_TOLERANCE, OracleRequest, compare_chunk
 
 torch.set_num_threads(1)
@@ -298,9 +298,11 @@ def test_vllm_tokens_replay_and_logprobs_match_recomputation(vllm_run, model_dir
     exact = total = 0
     worst = max_gap = 0.0
     for c, r in zip(completions, recomputed, strict=True):
-        noise = noise_for_positions(KEY, NONCE, request.seed, range(len(c.token_ids)), VOCAB,
-                                    sample_index=c.group_index)
-        stats = replay_check(c.token_ids, _oracle_logits(oracle, c), *params, noise, eps=eps)
+        sampler = sampler_named(request.sampler)
+        uniforms = sampler.randomness([(KEY, NONCE, request.seed, c.group_index,
+                                        range(len(c.token_ids)))], VOCAB)
+        stats = sampler.replay(c.token_ids, _oracle_logits(oracle, c), *params, uniforms,
+                               slack=sampler.slack(tolerance) if eps > 1e-4 else 1e-4)
         exact, total, max_gap = exact + stats.exact, total + stats.tokens, max(max_gap,
                                                                                stats.max_gap)
         for start in range(0, len(c.token_ids), 32):

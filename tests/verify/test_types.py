@@ -65,13 +65,14 @@ def test_non_canonical_encoding_is_rejected() -> None:
     params = T.SamplingParams(1.0, 0.5, 3, 64, 9)
     raw = T.canonical_bytes(params)
     # Same values, temperature as a float32 instead of float64, top_k as a 32-bit int.
-    variant = msgspec.msgpack.Encoder().encode([1.0, 0.5, 3, 64, 9])
+    variant = msgspec.msgpack.Encoder().encode([1.0, 0.5, 3, 64, 9, "icdf-v1"])
     assert variant == raw
-    f32 = bytes([0x95, 0xCA]) + bytes.fromhex("3f800000") + raw[10:]
+    f32 = bytes([0x96, 0xCA]) + bytes.fromhex("3f800000") + raw[10:]
     assert T.decode(T.SamplingParams, f32, max_bytes=BIG, canonical=False) == params
     with pytest.raises(DecodeError, match="not canonical"):
         T.decode(T.SamplingParams, f32, max_bytes=BIG)
-    wide_int = raw[:-1] + bytes([0xCE]) + (9).to_bytes(4, "big")
+    tail = T.canonical_bytes("icdf-v1")
+    wide_int = raw[:-1 - len(tail)] + bytes([0xCE]) + (9).to_bytes(4, "big") + tail
     with pytest.raises(DecodeError, match="not canonical"):
         T.decode(T.SamplingParams, wide_int, max_bytes=BIG)
 
@@ -112,5 +113,6 @@ def test_to_builtins_is_json_friendly() -> None:
     shard = T.ShardEntry(1, b"\xab" * 32, "int8-block", 10, "delta")
     assert T.to_builtins(params) == {
         "temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_tokens": 128, "seed": 5,
+        "sampler": "icdf-v1",
     }
     assert T.to_builtins(shard)["digest"] == "ab" * 32
