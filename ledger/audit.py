@@ -119,8 +119,13 @@ def _audit(store: LedgerStore, report: AuditReport, log_key: Verifier | None,
         report.warnings.append("no --key given: trusting the log key that entry 0 names")
         log_key = trusted
     elif log_key.public != trusted.public or log_key.name != trusted.name:
-        report.add(Finding("entry 0", "the log key differs from the key the auditor trusts",
-                           Reason.WRONG_SIGNER, 0, log_key.vkey(), trusted.vkey()))
+        # One finding, not one per checkpoint: none can verify under a key that is not the log's.
+        count = sum(1 for _ in store.checkpoints())
+        report.add(Finding("entry 0", f"the log key differs from the key the auditor trusts (--key), "
+                           f"so none of the ledger's {count} checkpoints can verify under it; they "
+                           "are checked against the key entry 0 names", Reason.WRONG_SIGNER, 0,
+                           log_key.vkey(), trusted.vkey()))
+        log_key = trusted
     _check_checkpoints(store, report, levels, size, genesis.origin, log_key, witnesses)
     _check_reputation(store, report, replay)
     meta = store.meta()
@@ -269,7 +274,8 @@ def _check_checkpoints(store: LedgerStore, report: AuditReport, levels: list[lis
                                    Reason.CHECKPOINT_INCONSISTENT))
         previous = cp
     if previous is None and size:
-        report.warnings.append("the ledger has no checkpoint")
+        report.warnings.append(f"none of the ledger's {report.checkpoints} checkpoints verified"
+                               if report.checkpoints else "the ledger has no checkpoint")
     elif previous is not None and previous.size < size:
         report.warnings.append(f"{size - previous.size} entries are after the latest checkpoint")
 

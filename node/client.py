@@ -105,6 +105,10 @@ class ValidatorClient:
         body = canonical_bytes(sealed)
         return int(self._request("POST", "/v1/trainer/eval", body, signed=True).json()["index"])
 
+    def recorded_evals(self) -> list[int]:
+        """The versions the validator's ledger holds an eval of by its trainer key."""
+        return [int(v) for v in self._request("GET", "/v1/trainer/evals").json()["versions"]]
+
     def manifest(self, version: int) -> SignedManifest:
         data = self._request("GET", f"/v1/policy/{version}").content
         return decode(SignedManifest, data, max_bytes=len(data))

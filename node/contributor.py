@@ -17,7 +17,8 @@ Loop:
 
 Crash-safety invariant: a group is in the state file (written to a temporary
 name, flushed, renamed over the old file) before any byte of it is submitted,
-and leaves it only after the validator has answered it.
+and leaves it only after the validator has answered it. The state directory is
+locked while a process uses it (``node.contributor_state``).
 
 With ``uploads`` = 1 each group is submitted and answered before the next
 assignment is taken. With ``uploads`` = N > 1 submissions run on a pool of N
@@ -39,7 +40,6 @@ or banned) stops the loop.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import threading
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from node.client import ServiceError, ValidatorClient
+from node.contributor_state import PendingFile, lock_state_dir
 from node.validator.policy import HFTextCodec
 from rollout.backends import loads_from_directory, make_backend
 from rollout.sync import PolicySync, write_model_dir
@@ -89,8 +90,10 @@ class Contributor:
             raise ConfigError(f"uploads must be at least 1, got {uploads}")
         self.client, self.key, self.base = client, key, Path(base_model_dir)
         self.uploads = uploads
-        self.state_path = Path(state_dir) / "contributor-state.json"
-        self.state_path.parent.mkdir(parents=True, exist_ok=True)
+        lock_state_dir(Path(state_dir))  # one process per state directory
+        self._pending_file = PendingFile(Path(state_dir), key.public)
+        self.state_path = self._pending_file.path
+        self._pending_file.read()  # a corrupt or foreign state file is reported before any work
         self.backend_name, self.device, self.dtype = backend, device, dtype
         self.codec = HFTextCodec(self.base)
         self.log = log
@@ -104,25 +107,13 @@ class Contributor:
         self._version: int | None = None
         self._backend: Any = None
 
-    # -- persistent state: {"pending": [{"assignment": hex, "group": hex}, ...]}, oldest first
+    # -- persistent state (``node.contributor_state``): the pending groups, oldest first
     def pending(self) -> list[dict[str, str]]:
-        """Groups generated but not yet answered, oldest first. Also reads the
-        single-group format of earlier versions (``{"assignment": ..., "group": ...}``)."""
-        try:
-            state = json.loads(self.state_path.read_text())
-        except FileNotFoundError:
-            return []
-        if "pending" in state:
-            return list(state["pending"])
-        return [state] if "group" in state else []
+        """Groups generated but not yet answered, oldest first."""
+        return self._pending_file.read()
 
     def _save_pending(self, pending: list[dict[str, str]]) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
-        with open(tmp, "w") as f:
-            f.write(json.dumps({"pending": pending}))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.state_path)
+        self._pending_file.write(pending)
 
     def _add_pending(self, entry: dict[str, str]) -> None:
         with self._state_lock:

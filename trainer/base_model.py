@@ -11,8 +11,8 @@ Determinism: the same config and seed give the same weights on the same
 software and CPU kind — fixed thread count, ``torch.manual_seed``,
 ``torch.use_deterministic_algorithms(True)``, seeded data order, and a
 stopping rule that depends only on greedy (argmax) decoding. The digest of
-the weights (:func:`weights_digest`) is printed and stored in
-``build.json``. ``ensure_base_model`` caches builds under
+the weights (:func:`weights_digest`, the base digest every policy manifest
+and release card names) is printed and stored in ``build.json``. ``ensure_base_model`` caches builds under
 ``~/.cache/prooftrain/base-models/<task>-<seed>-<config hash>``.
 """
 
@@ -29,7 +29,6 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from safetensors.torch import load_file
 from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -39,8 +38,8 @@ from rewards.tasks import get_task
 from rollout.loading import MODEL_BUILD_LOCK
 from trainer.generate import SamplingParams, generate
 from trainer.tokenizer import build_char_tokenizer
+from verify.manifest import base_model_digest
 
-WEIGHTS_DIGEST_DOMAIN = b"prooftrain/weights/v1\x00"
 BUILD_INFO = "build.json"
 DEV_SEED_OFFSET = 1_000_003
 
@@ -95,14 +94,9 @@ class BuildResult:
 
 
 def weights_digest(model_dir: str | Path) -> str:
-    """Hex sha256 over every tensor of ``model.safetensors``: name, dtype, shape, raw bytes."""
-    tensors = load_file(str(Path(model_dir) / "model.safetensors"))
-    h = hashlib.sha256(WEIGHTS_DIGEST_DOMAIN)
-    for name in sorted(tensors):
-        t = tensors[name].contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\n".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
+    """Hex ``verify.manifest.base_model_digest`` of the built directory: the one base digest that
+    policy manifests, the validator (``/v1/info``) and a release's card name for these weights."""
+    return base_model_digest(model_dir).hex()
 
 
 def default_cache_dir() -> Path:

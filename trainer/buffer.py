@@ -74,6 +74,8 @@ class SampleBuffer:
         self.cursor = cursor
         self.skip_uniform = skip_uniform
         self.sync = sync
+        self.filling: Taken | None = None
+        """What the ``fill`` in progress (or the last one) has released and dropped so far."""
         # assignment id -> members seen so far, in arrival (ledger) order of first member
         self._pending: dict[bytes, list[AcceptedSample]] = {}
         self._held = 0
@@ -143,6 +145,7 @@ class SampleBuffer:
         """
         deadline = time.monotonic() + timeout_s
         got = Taken(groups=[])
+        self.filling = got  # progress so far, for a ``wait`` that reports it
         while True:
             arrived = self.poll()
             part = self.take(n_groups - len(got.groups), version)

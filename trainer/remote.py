@@ -12,7 +12,9 @@ The trainer holds the trainer key; the validator holds the ledger. Each step:
 3. when an eval is due, the *published* copy (what contributors hold, not the
    trainer's float32 master weights) is evaluated on the held-out split and the
    signed :class:`verify.types.EvalStatement` goes to ``POST /v1/trainer/eval``,
-   which records it in the ledger.
+   which records it in the ledger; a version the ledger already holds an eval
+   of by this trainer key (``GET /v1/trainer/evals``, read at start: an earlier
+   start that failed) is not evaluated again.
 
 One stage (S = 1) only: a pipeline job publishes from several processes and
 needs rank 0 to gather their shard digests (``trainer.publish.gather_distributed``).
@@ -38,6 +40,7 @@ from trainer.loop import History, TrainerLoop, ensure_process_group
 from trainer.losses import Metrics
 from trainer.pipeline import PipelineRunner
 from trainer.publish import PublishHook, StagePublisher
+from trainer.remote_network import adopt_network, check_base_model, describe, waiting_reporter
 from trainer.stages import load_stage
 from verify.errors import ConfigError
 from verify.keys import SigningKey
@@ -72,16 +75,20 @@ def run_remote(
     """
     if cfg.stages != 1:
         raise ConfigError("remote mode trains a one-stage policy (stages = 1)")
-    model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
     client = ValidatorClient(url, key)
     info = client.info()
     if info.get("trainer_key") != key.public.hex():
-        raise ConfigError(f"the validator at {url} expects trainer key "
-                          f"{info.get('trainer_key')}, not {key.public.hex()}")
+        raise ConfigError(f"the validator at {url} expects trainer key {info.get('trainer_key')} "
+                          f"(node.trainer_key), not this --trainer-key's {key.public.hex()}")
+    cfg = adopt_network(cfg, info, url)
+    model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
+    check_base_model(model_dir, base_model_digest(model_dir), info, url)
     published = int(info["policy_version"])
     if published and not resume:
         raise ConfigError(f"the validator is at policy version {published}; start from a "
                           "checkpoint of that run with --resume")
+    if progress:
+        print(describe(cfg, model_dir), flush=True)
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     ensure_process_group()
@@ -93,7 +100,11 @@ def run_remote(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
 
-    def evaluate_version(version: int) -> EvalReport:
+    recorded = set(client.recorded_evals())  # by an earlier start of this run (one that failed)
+
+    def evaluate_version(version: int) -> EvalReport | None:
+        if version in recorded:  # recorded once per version, however often the trainer starts
+            return None
         if publisher.version != version:
             raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
         model = copy.deepcopy(template)
@@ -104,13 +115,14 @@ def run_remote(
         client.record_eval(eval_statement(
             report, version=version, manifest_digest=digest, task=cfg.task, split="heldout",
             seed=cfg.seed, key=key, created_at_ms=int(time.time() * 1000)))
+        recorded.add(version)
         return report
 
     runner = PipelineRunner(stage, 0, 1, num_microbatches=cfg.microbatches,
                             temperature=cfg.local.temperature, seed=cfg.seed)
     loop = TrainerLoop(cfg, runner, ClientSource(client), publish=hook,
-                       evaluate=evaluate_version, on_metrics=on_metrics, progress=progress,
-                       wait=lambda: time.sleep(poll_s))
+                       evaluate=evaluate_version, on_metrics=on_metrics, progress=progress)
+    loop.wait = waiting_reporter(loop.buffer, cfg, poll_s) if progress else (lambda: time.sleep(poll_s))
     try:
         if resume and cfg.checkpoint_dir is not None:
             loop.resume(Path(cfg.checkpoint_dir), published=published)

@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "entry named by DIGEST (its leaf hash, or an envelope, manifest or "
                         "evidence digest it records).")
     pr.add_argument("ledger")
-    pr.add_argument("digest", help="64 hex digits, or #INDEX")
+    pr.add_argument("digest", help="64 hex digits, or #INDEX (#-1: the last entry)")
     pr.add_argument("--out", required=True, help="proof file to write")
     pr.set_defaults(func=run_prove)
 
@@ -178,7 +178,12 @@ def run_prove(args: argparse.Namespace) -> int:
     store = open_store(args.ledger, readonly=True)
     try:
         if args.digest.startswith("#"):
-            index = int(args.digest[1:])
+            try:
+                index = int(args.digest[1:])
+            except ValueError:
+                raise ProofTrainError("DIGEST must be 64 hex digits or #INDEX") from None
+            if index < 0:  # counted from the end, as Python does: #-1 is the last entry
+                index += store.size()
         else:
             try:
                 digest = bytes.fromhex(args.digest)

@@ -67,6 +67,7 @@ def run_build(args: argparse.Namespace) -> int:
         BUILD_INFO,
         build_base_model,
         cache_path,
+        weights_digest,
     )
 
     hf_logging.disable_progress_bar()  # keep the output to our own table and bar
@@ -83,11 +84,13 @@ def run_build(args: argparse.Namespace) -> int:
         cached = False
     info["path"] = str(out)
     info["cached"] = cached
+    # Computed, not read from build.json: a build cached by an older version recorded another digest.
+    info["weights_digest"] = weights_digest(out)
     if args.json:
         print(json.dumps(info, indent=2, sort_keys=True))
     else:
         print(f"base model: {out}{' (cached)' if cached else ''}")
-        print(f"weights sha256: {info['weights_digest']}")
+        print(f"base digest: {info['weights_digest']} (as manifests and release cards name it)")
         print(
             f"parameters: {info['parameters']:,}  steps: {info['steps']}  "
             f"dev pass@1: {info['dev_accuracy']:.3f}  build time: {info['seconds']:.1f}s"

@@ -20,7 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--validator", required=True, help="validator URL, e.g. http://127.0.0.1:8470")
     p.add_argument("--key", type=Path, required=True, help="contributor key file (prooftrain keys new)")
     p.add_argument("--model", type=Path, required=True, help="local base model directory (policy version 0)")
-    p.add_argument("--state-dir", type=Path, default=Path("runs/contributor"), help="where progress is kept")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="where progress is kept; one process per directory (default: "
+                   "runs/contributor/<key fingerprint>)")
     p.add_argument("--name", default="", help="a name recorded with the registration")
     p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run forever)")
     p.add_argument("--backend", default="transformers", help="generation backend (transformers, vllm)")
@@ -47,13 +49,17 @@ def run(args: argparse.Namespace) -> int:
     from node.client import ValidatorClient
     from node.commands.keys import load_key_file
     from node.contributor import Contributor
+    from node.contributor_state import default_state_dir, lock_state_dir
 
     key = load_key_file(args.key)
+    state_dir = args.state_dir or default_state_dir(key.public)
+    lock_state_dir(state_dir)  # before registering: a second process on it stops here
     client = ValidatorClient(args.validator, key)
     try:
         added = client.register(args.name)
-        print(f"{'registered' if added else 'already registered'} as {key.public.fingerprint}")
-        contributor = Contributor(client, key, args.model, args.state_dir, backend=args.backend,
+        print(f"{'registered' if added else 'already registered'} as {key.public.fingerprint}; "
+              f"state in {state_dir}")
+        contributor = Contributor(client, key, args.model, state_dir, backend=args.backend,
                                   device=args.device, dtype=args.dtype, uploads=args.uploads)
         stats = contributor.run(args.groups)
     finally:

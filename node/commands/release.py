@@ -18,8 +18,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "manifest, ledger inclusion proofs, the delta chain, the eval table and a model card. "
         "`prooftrain release verify DIR` checks such a directory offline.",
     )
-    p.add_argument("--ledger", help="the validator's ledger (SQLite file)")
-    p.add_argument("--blobs", type=Path, help="its blob store (default: LEDGER.blobs)")
+    p.add_argument("--ledger", help="the validator's ledger (SQLite file or postgresql:// DSN)")
+    p.add_argument("--blobs", type=Path, help="its blob store, node.blob_dir (default: LEDGER.blobs; "
+                   "required for a PostgreSQL ledger)")
     p.add_argument("--version", type=int, help="policy version (default: the latest published)")
     p.add_argument("--out", type=Path, help="release directory to create")
     p.add_argument("--base-model", type=Path, help="the base model directory")
@@ -73,7 +74,10 @@ def run_build(args: argparse.Namespace) -> int:
                if getattr(args, n) is None]
     if missing:
         raise ConfigError(f"release needs {', '.join(missing)} (or: prooftrain release verify DIR)")
-    out = build_release(ledger=Path(args.ledger), out=args.out, base_model=args.base_model,
+    if "://" in args.ledger and args.blobs is None:
+        raise ConfigError("a PostgreSQL ledger needs --blobs (the validator's node.blob_dir)")
+    ledger = args.ledger if "://" in args.ledger else Path(args.ledger)  # a DSN is not a path
+    out = build_release(ledger=ledger, out=args.out, base_model=args.base_model,
                         trainer_key=load_key_file(args.trainer_key), version=args.version,
                         eval_problems=args.eval_problems, k=args.k, blobs=args.blobs,
                         tasks=args.task, seed=args.seed, ship_chain=not args.no_chain)

@@ -33,8 +33,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", type=Path, help="trainer TOML (default: built-in defaults)")
     p.add_argument("--validator", help="validator URL (remote mode; the node must trust "
-                   "--trainer-key, and local.temperature must match its assignments)")
+                   "--trainer-key; task, max_staleness and the sampling temperature are read from it)")
     p.add_argument("--trainer-key", type=Path, help="trainer signing key file (remote mode)")
+    p.add_argument("--model", type=Path, help="base model directory (overrides model_dir; remote "
+                   "mode: the validator's policy.model_dir)")
     p.add_argument("--steps", type=int, help="override the number of optimizer steps")
     p.add_argument("--checkpoint-dir", type=Path, help="override checkpoint_dir")
     p.add_argument("--resume", action="store_true", help="resume from checkpoint_dir/latest")
@@ -88,6 +90,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         out["steps"] = args.steps
     if args.checkpoint_dir is not None:
         out["checkpoint_dir"] = str(args.checkpoint_dir)
+    if args.model is not None:
+        out["model_dir"] = str(args.model)
     return out
 
 
@@ -176,7 +180,7 @@ def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
 def _forward(args: argparse.Namespace) -> list[str]:
     """The same command line for each torchrun worker."""
     out = ["trainer"]
-    for flag, value in (("--config", args.config), ("--steps", args.steps),
+    for flag, value in (("--config", args.config), ("--steps", args.steps), ("--model", args.model),
                         ("--checkpoint-dir", args.checkpoint_dir), ("--metrics", args.metrics)):
         if value is not None:
             out += [flag, str(value)]

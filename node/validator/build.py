@@ -59,10 +59,10 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
     if not (Path(model_dir) / "config.json").exists():
         raise ConfigError(f"policy.model_dir {model_dir} is not a model directory; build one with "
                           "`prooftrain base-model build`")
-    ledger = Ledger.open(cfg.node.ledger, signing_key=key, origin=cfg.node.origin)
-    state_path = (str(cfg.node.ledger) + ".state") if "://" not in cfg.node.ledger else "validator.state"
+    ledger = Ledger.open(cfg.node.ledger, signing_key=key, origin=cfg.node.origin,
+                         blobs=cfg.node.blob_path())
     codec = HFTextCodec(model_dir)
-    state = StateStore(state_path)
+    state = StateStore(cfg.node.state_path())
     trainer = trainer_key(cfg)
     versions = PolicyVersions(model_dir_digest(model_dir), trainer)
     oracle = TransformersOracle(policy_loader(model_dir, trainer, state, ledger), dtype=cfg.policy.dtype,

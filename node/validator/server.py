@@ -1,9 +1,12 @@
-"""Running the validator app: in a background thread with uvicorn (tests, harness,
-benchmarks), and the process and server settings a node starts with."""
+"""Running the validator app: as the node's process until a signal stops it (``serve_node``),
+in a background thread with uvicorn (tests, harness, benchmarks), and the process and server
+settings a node starts with."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -14,6 +17,11 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # imported where used: a precheck worker takes settle_heap from here
     import uvicorn
     from fastapi import FastAPI
+
+    from node.config import ValidatorConfig
+    from node.validator.core import Validator
+
+LOG = logging.getLogger("prooftrain.validator")
 
 SWITCH_INTERVAL_S = 0.001
 """How long a thread holding the interpreter lock may run while another waits for it."""
@@ -117,3 +125,47 @@ class BackgroundServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+
+
+def serve_node(cfg: ValidatorConfig, validator: Validator, *, summary_s: float = 30.0) -> int:
+    """Serve ``validator`` until SIGTERM or SIGINT, then stop cleanly; the process's exit code.
+
+    A clean stop: uvicorn stops accepting connections and lets requests in flight finish,
+    the admission queue admits what it holds, and then a final checkpoint is signed, so every
+    entry the node appended can be proven (``audit prove``) once it has stopped.
+    """
+    import uvicorn
+
+    from node.validator.build import trainer_key
+    from node.validator.service import create_app
+
+    app = create_app(validator, trainer_key(cfg), summary_s=summary_s)
+    settle_heap()  # the model and libraries stay loaded: keep full collections off them
+    share_the_interpreter()
+    server = uvicorn.Server(server_config(app, cfg.node.host, cfg.node.port, log_level="warning"))
+    # uvicorn handles SIGTERM itself, then raises it again once it has shut down: with the
+    # default handler that would end the process before the final checkpoint.
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    print(f"listening on http://{cfg.node.host}:{cfg.node.port}", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # SIGINT, raised again by uvicorn after its shutdown
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        started = server.started
+        final = _final_checkpoint(validator)
+    if not started:  # the port was taken, or the app failed to start (uvicorn said why)
+        print("the validator did not start")
+        return 1
+    print(f"stopped; final checkpoint covers all {final} entries", flush=True)
+    return 0
+
+
+def _final_checkpoint(validator: Validator) -> int:
+    """Sign a checkpoint over the whole ledger, close it and the state store; the ledger size."""
+    size = validator.ledger.checkpoint().checkpoint.size
+    LOG.info("stopped: final checkpoint at size %d", size, extra={"event": "stop", "size": size})
+    validator.ledger.close()
+    validator.state.close()
+    return int(size)

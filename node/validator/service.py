@@ -11,6 +11,7 @@ Endpoints (OpenAPI at /openapi.json):
     GET  /v1/policy/{version}        msgpack SignedManifest
     POST /v1/policy          trainer msgpack SignedManifest -> {"version": v}
     POST /v1/trainer/eval    trainer msgpack SignedEvalStatement -> {"index": ledger index}
+    GET  /v1/trainer/evals           {"versions": [...]}: versions the trainer key has evals recorded for
     GET  /v1/blobs/{digest}          a content-addressed blob (weight updates, evidence)
     POST /v1/blobs           trainer store a blob -> {"digest": hex}
     GET  /v1/samples         trainer accepted samples from ?cursor=N&limit=M (msgpack SampleBatch)
@@ -57,7 +58,8 @@ from pydantic import BaseModel
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
-from node.validator import affinity
+from node.validator import affinity, trainer_side
+from node.validator.activity import ActivityLog
 from node.validator.auth import verify_request
 from node.validator.core import SubmitResult, Validator
 from node.validator.intake import AdmissionQueue
@@ -160,8 +162,8 @@ class TokenBuckets:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("prooftrain_http_requests_total", "HTTP requests",
-                                ["endpoint", "status"], registry=self.registry)
+        self.requests = Counter("prooftrain_http_requests_total", "HTTP requests answered, by route "
+                                "and status", ["endpoint", "status"], registry=self.registry)
         self.verdicts = Counter("prooftrain_verify_verdicts_total", "rollout verdicts",
                                 ["accepted", "reason"], registry=self.registry)
         self.latency = Histogram("prooftrain_verify_admission_seconds", "submit latency",
@@ -169,6 +171,11 @@ class Metrics:
         self.queue = Gauge("prooftrain_verify_queue_depth", "validator calls waiting",
                            registry=self.registry)
         self.ledger_size = Gauge("prooftrain_ledger_size", "ledger entries", registry=self.registry)
+        self.policy_version = Gauge("prooftrain_policy_version", "current policy version",
+                                    registry=self.registry)
+        self.audit_rate = Gauge("prooftrain_verify_audit_rate", "fraction of the rollouts judged since "
+                                "the node started that were audited", registry=self.registry)
+        self.banned = Gauge("prooftrain_reputation_banned", "contributors banned", registry=self.registry)
         self.prechecked = Counter("prooftrain_verify_prechecked_total",
                                   "submissions verified and scored by a precheck worker process",
                                   registry=self.registry)
@@ -204,9 +211,11 @@ def _unplace(validator: Validator, placement: affinity.Placement, threads: Seque
 
 
 def create_app(validator: Validator, trainer: PublicKey | None = None,
-               clock_ms: Callable[[], int] | None = None, admission_threads: int | None = None) -> FastAPI:
+               clock_ms: Callable[[], int] | None = None, admission_threads: int | None = None,
+               summary_s: float = 30.0) -> FastAPI:
     """The FastAPI app around one validator; ``admission_threads`` (default: the validator's
-    ``node.admission_threads``) admit submissions."""
+    ``node.admission_threads``) admit submissions. While it serves, events and an admission
+    summary every ``summary_s`` seconds are logged (``node.validator.activity``)."""
     cfg = validator.cfg
     clock_ms = clock_ms or (lambda: time.time_ns() // 1_000_000)
     # Its thread starts on first use, inheriting the CPUs of the thread that used it: while
@@ -235,6 +244,9 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
                 undo.callback(_unplace, validator, placement, executor_threads)
             else:
                 placement = None
+            activity = ActivityLog(validator.ledger, metrics, lambda: state["waiting"], summary_s)
+            activity.start()
+            undo.callback(activity.stop)  # after the intake closes: its last entries are logged too
             undo.callback(lambda: running.pop("prechecks").close() if "prechecks" in running else None)
             running["intake"] = AdmissionQueue(
                 lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
@@ -335,7 +347,16 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
              responses={200: {"description": "Prometheus text exposition",
                               "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
+        metrics.ledger_size.set(await call(validator.ledger.size))  # what /healthz says, now
+        metrics.policy_version.set(validator.versions.current)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    a = cfg.assignment
+    network = {  # what the node fixes for everyone: trainers and contributors read it, never repeat it
+        "base_model_digest": validator.versions.base_digest.hex(), "task": cfg.task.name,
+        "max_staleness": cfg.policy.max_staleness, "group_size": a.group_size,
+        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "max_tokens": a.max_tokens,
+        "chunk_size": a.chunk_size, "max_outstanding": a.max_outstanding}
 
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
@@ -343,7 +364,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         return {"validator_key": validator.key.public.hex(), "origin": validator.ledger.origin,
                 "policy_version": validator.versions.current,
                 "trainer_key": trainer.hex() if trainer else None,
-                "checkpoint": cp.to_text() if cp else None}
+                "checkpoint": cp.to_text() if cp else None, "network": network}
 
     @app.post("/v1/register", responses=_errors(400, 401, 403, 413, 429), openapi_extra={
         "security": SIGNED, "requestBody": {"required": False, "content": {"application/json": {"schema": {
@@ -412,6 +433,11 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         sealed = decode(SignedEvalStatement, body, max_bytes=len(body))
         return {"index": await call(lambda: validator.record_eval(sealed))}
 
+    @app.get("/v1/trainer/evals")
+    async def get_evals() -> dict[str, list[int]]:
+        """Versions with an eval recorded by the trainer key (the ledger is public: no signature)."""
+        return {"versions": await call(lambda: trainer_side.recorded_evals(validator.ledger, trainer))}
+
     @app.get("/v1/blobs/{digest}", response_class=Response,
              responses={**_ok_binary("application/octet-stream", "the blob's bytes"), **_errors(400, 404)})
     async def get_blob(digest: Annotated[str, Path(min_length=64, max_length=64,
@@ -465,6 +491,7 @@ def create_app(validator: Validator, trainer: PublicKey | None = None,
         await send({"type": "http.response.body", "body": data})
 
     app.direct[("POST", "/v1/submit")] = submit_direct
+    app.count = lambda path, status: metrics.requests.labels(_route(path), str(status)).inc()
     app.state.validator = validator
     app.state.metrics = metrics
     return app
@@ -483,12 +510,38 @@ class _ValidatorApp(FastAPI):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.direct: dict[tuple[str, str], Callable[[Scope, Receive, Send], Awaitable[None]]] = {}
+        self.count: Callable[[str, int], None] = lambda path, status: None
+        """Called once per answered request with its path and status (the request counter)."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and (route := self.direct.get((scope["method"], scope["path"]))):
-            await route(scope, receive, send)
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
             return
-        await super().__call__(scope, receive, send)
+        path = scope["path"]
+
+        async def counted(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                self.count(path, message["status"])
+            await send(message)
+
+        if route := self.direct.get((scope["method"], path)):
+            await route(scope, receive, counted)
+            return
+        await super().__call__(scope, receive, counted)
+
+
+_ROUTES = ("/healthz", "/metrics", "/openapi.json", "/docs", "/v1/info", "/v1/register", "/v1/assign",
+           "/v1/submit", "/v1/policy", "/v1/trainer/evals", "/v1/trainer/eval", "/v1/blobs",
+           "/v1/samples")
+
+
+def _route(path: str) -> str:
+    """The route a path belongs to (``/v1/policy/3`` -> ``/v1/policy``); "other" for any
+    path the node does not serve, so unknown paths cannot grow the label set."""
+    for route in _ROUTES:
+        if path == route or path.startswith(route + "/"):
+            return route
+    return "other"
 
 
 async def _asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
@@ -513,8 +566,6 @@ async def _asgi_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 def _error(reason: Reason, message: str, request: Request, metrics: Metrics) -> JSONResponse:
     status = _STATUS.get(reason, 400)
-    metrics.requests.labels(request.url.path.split("/")[2] if request.url.path.count("/") > 1 else "root",
-                            str(status)).inc()
     headers = {"Retry-After": "1"} if status == 429 else None
     return JSONResponse({"reason": reason.value, "message": message[:1_000]}, status_code=status,
                         headers=headers)

@@ -11,6 +11,9 @@ Invariants:
   size and digest it states, so contributors can always rebuild that version.
 - :func:`record_eval` records only a statement that verifies under the trainer
   key, names that key, and names a published version with its manifest digest.
+- :func:`recorded_evals` only reads the ledger: a trainer that starts again
+  asks it which versions it has already evaluated, so a failed start does not
+  record another eval of the same version.
 - ``PolicyPublished`` and ``EvalRecorded`` are each appended, under the lock
   shared with the validator, with a fresh checkpoint (signed tree head), after
   the sealed bytes they commit to are in the blob store.
@@ -145,3 +148,14 @@ def record_eval(sealed: SignedEvalStatement, *, versions: PolicyVersions, ledger
                           clock())
     with lock:
         return ledger.append_many([record], checkpoint=True)[0]
+
+
+def recorded_evals(ledger: Ledger, trainer: PublicKey | None) -> list[int]:
+    """The policy versions with an ``EvalRecorded`` by ``trainer`` in the ledger, ascending.
+
+    Read-only, one pass over the ledger: a trainer asks once, at start.
+    """
+    if trainer is None:
+        return []
+    return sorted({rec.version for _, rec in ledger.entries()
+                   if isinstance(rec, EvalRecorded) and rec.trainer_key == trainer.raw})

@@ -26,6 +26,7 @@ from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from rollout.sync import PolicySync
 from tests.integration.test_policy_flow import ALICE, TRAINER, _validator
+from trainer.buffer import StarvedError
 from trainer.config import load_trainer_config
 from trainer.remote import run_remote
 from verify.errors import ConfigError
@@ -122,3 +123,19 @@ def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
         assert done.returncode == 0, done.stderr[-2000:]
         assert v.versions.current == 1
         assert "pass@1" in done.stdout
+
+
+def test_failed_starts_record_the_base_eval_once(tmp_path: Path, tiny_model: Path) -> None:
+    """Issue 37: each trainer start that failed (here: no samples come) had recorded another
+    version-0 eval. The validator's ledger says which versions are evaluated; a new start skips them."""
+    v = _validator(tmp_path, tiny_model)
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        assert ValidatorClient(url, TRAINER).recorded_evals() == []
+        for attempt in range(2):
+            cfg = _config(tiny_model, tmp_path / str(attempt), eval_every=1, eval_problems=2,
+                          starve_timeout_s=0.2)
+            with pytest.raises(StarvedError):
+                run_remote(cfg, url, TRAINER, progress=False, poll_s=0.05)
+        assert ValidatorClient(url, TRAINER).recorded_evals() == [0]
+    evals = [r.version for _, r in v.ledger.entries() if isinstance(r, EvalRecorded)]
+    assert evals == [0]

@@ -16,6 +16,7 @@ from trainer.base_model import (
     ensure_base_model,
     weights_digest,
 )
+from verify.manifest import base_model_digest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = BaseModelConfig(
@@ -50,6 +51,14 @@ def test_same_seed_same_weights_digest(tiny_builds):
     ).read_bytes()
     info = json.loads((a.path / BUILD_INFO).read_text())
     assert info["weights_digest"] == a.weights_digest and info["seed"] == 0 and info["steps"] == 40
+
+
+def test_the_build_digest_is_the_one_manifests_and_release_cards_name(tiny_builds):
+    """Issue 37: the build printed a sha256 of its tensors while manifests, /v1/info and the
+    release card name ``base_model_digest`` (trainer/release.py); one digest for the base."""
+    a = tiny_builds[0]
+    assert a.weights_digest == base_model_digest(a.path).hex()
+    assert json.loads((a.path / BUILD_INFO).read_text())["weights_digest"] == base_model_digest(a.path).hex()
 
 
 def test_loads_with_auto_classes(tiny_builds):
@@ -116,11 +125,12 @@ def test_cli_build_smoke(tmp_path):
     ]
     first = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stderr
-    assert "weights sha256:" in first.stdout and (out / "model.safetensors").is_file()
+    assert "base digest:" in first.stdout and (out / "model.safetensors").is_file()
     again = subprocess.run([*cmd, "--json"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     info = json.loads(again.stdout)
     assert info["cached"] is True and info["weights_digest"] in first.stdout
+    assert info["weights_digest"] == base_model_digest(out).hex()
     bad = subprocess.run(
         [
             sys.executable,
