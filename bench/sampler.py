@@ -21,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,9 +33,10 @@ from verify.samplers import SAMPLERS  # noqa: E402
 
 VOCABS = (101, 49_152, 151_936)
 KEY, NONCE = bytes(range(32)), b"\x07" * 32
-SMOLLM2_SHAPE = dict(vocab_size=49_152, hidden_size=576, intermediate_size=1_536, num_hidden_layers=30,
-                     num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2_048,
-                     tie_word_embeddings=True, rope_theta=10_000.0)
+SMOLLM2_SHAPE: dict[str, Any] = dict(
+    vocab_size=49_152, hidden_size=576, intermediate_size=1_536, num_hidden_layers=30,
+    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2_048,
+    tie_word_embeddings=True)
 
 
 def log(msg: str) -> None:
@@ -86,7 +88,7 @@ def forward_ms(model: torch.nn.Module, batch: int, seq: int, vocab: int, rounds:
         return best_ms(lambda: model(input_ids=ids), batch * seq, rounds)
 
 
-def demo_model() -> torch.nn.Module:
+def demo_model() -> Any:
     from transformers import AutoModelForCausalLM
 
     try:
