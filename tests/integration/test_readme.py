@@ -7,22 +7,45 @@ tiny configuration changes, and nothing else:
 * the base model is the cached demo build copied into ``runs/base-model``
   (the build command then reports it cached instead of training again);
 * the scenarios are replaced by a two-step, three-contributor scenario;
-* the contributor talks to a validator this test starts on a free
-  127.0.0.1 port, and placeholders (``CONTRIBUTOR_KEY_HEX``, ``VALIDATOR_KEY_HEX``)
-  get the keys made by the earlier blocks;
+* the validator the README starts listens on a free 127.0.0.1 port instead of
+  8470, with eight-token completions, no precheck worker and a deeper audit
+  queue; ``configs/trainer.toml`` keeps all-equal-reward groups and evaluates
+  on four problems, and the trainer against the validator runs three steps of
+  one group each (as ``tests/integration/test_deployment.py``); placeholders
+  (``CONTRIBUTOR_KEY_HEX``, ``VALIDATOR_KEY_HEX``) get the keys made by the
+  earlier blocks;
 * the quickstart (``make demo``, ``make test``) is what CI itself runs and is
   not run again from inside the suite;
-* the campaigns run with short bounds (``--seconds 5``, fewer kills).
+* the campaigns run with short bounds (``--seconds 5``, fewer kills);
+* ``$PROOFTRAIN_PG_DSN`` is a fresh database on the suite's private PostgreSQL
+  server (``pg_server`` of ``tests/ledger/conftest.py``), and the second node the
+  PostgreSQL section starts listens on another free port instead of 8471. Without
+  the server binaries that section is skipped (with a warning) where the other
+  PostgreSQL tests skip: only when ``CI`` is not set.
+
+Background processes run as a shell runs them: a command ending in `` &`` is
+started and left running, ``kill $(jobs -p)`` sends SIGTERM to every one still
+running, and ``wait`` waits for them all: each must exit with 0, or by that SIGTERM,
+and print no traceback; ``kill $!`` and ``wait $!`` do the same for the last one
+started only. ``> FILE`` at the end of a command writes its output to FILE.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import warnings
 from pathlib import Path
+from typing import IO
+
+import pytest
+
+from tests.ledger.conftest import _pg_bin, pg_server  # noqa: F401  (fixture: a private PostgreSQL server)
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_SCENARIO = """
@@ -65,70 +88,194 @@ def test_readme_blocks_are_found() -> None:
     assert len(blocks) >= 6
 
 
-def _prepare(work: Path) -> None:
+def _set(text: str, section: str, key: str, value: str) -> str:
+    """``text`` (TOML) with ``key = value`` in ``[section]``, replacing any line setting it."""
+    head = f"[{section}]\n"
+    start = text.index(head) + len(head)
+    end = text.find("\n[", start)
+    end = len(text) if end < 0 else end + 1
+    body = re.sub(rf"^#? ?{key} = .*\n", "", text[start:end], flags=re.M)
+    return text[:start] + f"{key} = {value}\n" + body + text[end:]
+
+
+def _prepare(work: Path, port: int) -> None:
     from trainer.base_model import ensure_base_model
 
     shutil.copytree(ROOT / "configs", work / "configs")
     for scenario in (work / "configs" / "scenarios").glob("*.toml"):
         scenario.write_text(TINY_SCENARIO.format(name=scenario.stem))
+    node = (work / "configs" / "validator.toml").read_text()
+    for section, key, value in (("node", "port", str(port)), ("node", "admission_processes", "0"),
+                                ("assignment", "max_tokens", "8"), ("audit", "queue", "32")):
+        node = _set(node, section, key, value)
+    (work / "configs" / "validator.toml").write_text(node)
+    trainer = (work / "configs" / "trainer.toml").read_text()
+    for key, value in (("skip_uniform_groups", "false"), ("eval_problems", "4")):
+        trainer = _set(trainer, "trainer", key, value)
+    (work / "configs" / "trainer.toml").write_text(trainer)
     shutil.copytree(ensure_base_model("arithmetic", progress=False), work / "runs" / "base-model")
 
 
 SHORTER = {"--seconds 30": "--seconds 5", "--kills 5": "--kills 2", "--groups 5": "--groups 2"}
+SMALLER = {"--steps 10": "--steps 3", "batch_groups=4": "batch_groups=1"}  # the remote trainer
 
 
-def _run(cmd: str, work: Path, subs: dict[str, str]) -> subprocess.CompletedProcess:
+class Jobs:
+    """The background processes of the README's shell (`` &``), each logging to a file."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.running: list[tuple[str, subprocess.Popen, IO[str]]] = []
+        self.killed: set[int] = set()
+
+    def start(self, cmd: str, argv: list[str]) -> None:
+        log = open(self.work / f"job{len(self.running)}.log", "w+")  # noqa: SIM115  (closed in wait)
+        proc = subprocess.Popen(argv, cwd=self.work, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env=_env())
+        self.running.append((cmd, proc, log))
+
+    def kill(self, last: bool = False) -> None:
+        """SIGTERM to every job still running (``kill $(jobs -p)``), or to the last one (``kill $!``)."""
+        for _, proc, _ in self.running[-1:] if last else self.running:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                self.killed.add(proc.pid)
+
+    def wait(self, last: bool = False) -> None:
+        """Wait for every job (``wait``), or for the last one (``wait $!``); each must have exited
+        with 0 (or, if ``kill`` stopped it, by the SIGTERM itself, as a contributor does) and
+        without a traceback."""
+        failures = []
+        waited, self.running = (self.running[-1:], self.running[:-1]) if last else (self.running, [])
+        for cmd, proc, log in waited:
+            rc = proc.wait(timeout=120)
+            log.seek(0)
+            out = log.read()
+            log.close()
+            ok = {0, -signal.SIGTERM} if proc.pid in self.killed else {0}
+            if rc not in ok or "Traceback" in out:
+                failures.append(f"{cmd} exited with {rc}\n{out[-3000:]}")
+        assert not failures, "\n".join(failures)
+
+
+def _run(cmd: str, work: Path, subs: dict[str, str], jobs: Jobs) -> subprocess.CompletedProcess | None:
     if "harness." in cmd:
         for old, new in SHORTER.items():
             cmd = cmd.replace(old, new)
+    if "--validator" in cmd and " trainer " in cmd:
+        for old, new in SMALLER.items():
+            cmd = cmd.replace(old, new)
     for old, new in subs.items():
         cmd = cmd.replace(old, new)
-    argv = shlex.split(cmd)
+    if cmd in ("kill $(jobs -p)", "kill $!"):
+        jobs.kill(last=cmd.endswith("$!"))
+        return None
+    if cmd in ("wait", "wait $!"):
+        jobs.wait(last=cmd.endswith("$!"))
+        return None
+    background = cmd.endswith(" &")
+    argv = shlex.split(cmd.removesuffix(" &"))
+    out = None
+    if not background and len(argv) > 2 and argv[-2] == ">":
+        argv, out = argv[:-2], work / argv[-1]
     if argv[0] == ".venv/bin/prooftrain":
         argv = [sys.executable, "-m", "node.cli", *argv[1:]]
     elif argv[0] == ".venv/bin/python":
         argv = [sys.executable, *argv[1:]]
+    if background:
+        jobs.start(cmd, argv)
+        return None
     result = subprocess.run(argv, cwd=work, capture_output=True, text=True, timeout=900, env=_env())
     assert result.returncode == 0, f"{cmd}\n{result.stdout[-1500:]}\n{result.stderr[-3000:]}"
+    if out is not None:
+        out.write_text(result.stdout)
     return result
 
 
-def test_every_readme_block_runs(tmp_path: Path) -> None:
-    from node.validator.server import free_port, wait_healthy
+def _pg_dsn(request: pytest.FixtureRequest) -> str | None:
+    """A fresh database on the suite's PostgreSQL server; ``None`` where the PostgreSQL tests
+    skip (no server binaries and ``CI`` unset; with ``CI`` set, ``pg_server`` fails instead)."""
+    if _pg_bin() is None and not os.environ.get("CI"):
+        warnings.warn("PostgreSQL server binaries (initdb) are not installed: the README's "
+                      "PostgreSQL block is not run", stacklevel=2)
+        return None
+    return request.getfixturevalue("pg_server").create_db()
+
+
+def test_every_readme_block_runs(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    from node.validator.server import free_port
     from verify.keys import load_public_key
 
     work = tmp_path / "work"
     work.mkdir()
-    _prepare(work)
-    port = free_port()
-    subs = {"http://127.0.0.1:8470": f"http://127.0.0.1:{port}"}
-    server = None
+    port, pg_port = free_port(), free_port()
+    _prepare(work, port)
+    dsn = _pg_dsn(request)
+    subs = {"http://127.0.0.1:8470": f"http://127.0.0.1:{port}",
+            "http://127.0.0.1:8471": f"http://127.0.0.1:{pg_port}", "--port 8471": f"--port {pg_port}",
+            "$PROOFTRAIN_PG_DSN": dsn or ""}
+    jobs = Jobs(work)
+    pg_verified = False
     try:
         for block in readme_blocks()[1:]:
+            if dsn is None and any("$PROOFTRAIN_PG_DSN" in cmd for cmd in block):
+                continue
             for cmd in block:
-                if cmd.startswith(".venv/bin/prooftrain contributor") and server is None:
-                    pub = load_public_key(work / "keys" / "alice.key.pub")  # made by the block
-                    server = subprocess.Popen(
-                        [sys.executable, "-m", "node.cli", "validator", "--config",
-                         "configs/validator.toml", "--port", str(port)],
-                        cwd=work, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                        env=_env())
-                    wait_healthy(port, server)
-                    subs["CONTRIBUTOR_KEY_HEX"] = pub.hex()
+                if "CONTRIBUTOR_KEY_HEX" in cmd:
+                    subs["CONTRIBUTOR_KEY_HEX"] = load_public_key(work / "keys" / "alice.key.pub").hex()
                 if "VALIDATOR_KEY_HEX" in cmd:
                     subs["VALIDATOR_KEY_HEX"] = load_public_key(work / "keys" / "validator.key.pub").hex()
-                result = _run(cmd, work, subs)
-                if cmd.startswith(".venv/bin/prooftrain contributor"):
-                    assert "submitted 10 groups" in result.stdout
+                result = _run(cmd, work, subs, jobs)
+                groups = re.search(r"--groups (\d+)", cmd)
+                if cmd.startswith(".venv/bin/prooftrain contributor") and groups:
+                    assert result is not None and f"submitted {groups[1]} groups" in result.stdout
+                if cmd.startswith(".venv/bin/prooftrain audit verify") and "$PROOFTRAIN_PG_DSN" in cmd:
+                    pg_verified = True
+        assert not jobs.running, f"the README leaves {[c for c, _, _ in jobs.running]} running"
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+        jobs.kill()
+        for _, proc, _ in jobs.running:
+            proc.wait(timeout=60)
     assert (work / "runs" / "demo" / "report.md").is_file()
     assert (work / "entry0.proof").is_file()
+    _assert_the_network_trained(work, pg_ran=dsn is not None)
+    if dsn is not None:
+        assert pg_verified
+        _assert_the_postgres_node_admitted(dsn)
+
+
+def _assert_the_network_trained(work: Path, pg_ran: bool) -> None:
+    """Three contributors, each with its own state directory, fed a trainer that published three
+    versions; the last entry is provable (the clean stop signed a checkpoint covering it). The
+    PostgreSQL section's contributor, when it ran, has a fourth state directory."""
+    from ledger.records import PolicyPublished, decode_record
+    from ledger.storage import open_store
+
+    states = list((work / "runs" / "contributor").iterdir())
+    assert len(states) == (4 if pg_ran else 3)
+    store = open_store(str(work / "runs" / "validator" / "ledger.sqlite"), readonly=True)
+    try:
+        records = [decode_record(data) for _, _, data in store.entries()]
+    finally:
+        store.close()
+    assert max(r.version for r in records if isinstance(r, PolicyPublished)) == 3
+    assert (work / "last.proof").is_file()
+
+
+def _assert_the_postgres_node_admitted(dsn: str) -> None:
+    """The PostgreSQL section's node put the contributor's registration and verdicts in that
+    database, not in the SQLite ledger of the other node."""
+    from ledger.records import ContributorRegistered, VerdictRecorded, decode_record
+    from ledger.storage import open_store
+
+    store = open_store(dsn, readonly=True)
+    try:
+        records = [decode_record(data) for _, _, data in store.entries()]
+    finally:
+        store.close()
+    assert any(isinstance(r, ContributorRegistered) for r in records)
+    assert any(isinstance(r, VerdictRecorded) for r in records)
 
 
 def _env() -> dict[str, str]:
-    import os
-
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
