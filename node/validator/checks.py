@@ -117,12 +117,11 @@ class GroupChecks:
     """Judges groups; holds the completion reservations, audit slots and PIT pools."""
 
     def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore, codec: TextCodec,
-                 oracle: DistributionOracle, versions: PolicyVersions,
-                 tolerance: Tolerance | Tolerances, lock: threading.RLock,
-                 clock: Callable[[], int], metrics: dict[str, float]) -> None:
+                 oracle: DistributionOracle, versions: PolicyVersions, tolerances: Tolerances,
+                 lock: threading.RLock, clock: Callable[[], int],
+                 metrics: dict[str, float]) -> None:
         self.cfg, self.ledger, self.state = cfg, ledger, state
-        self.codec, self.oracle, self.versions = codec, oracle, versions
-        self.tolerances = Tolerances.coerce(tolerance)
+        self.codec, self.oracle, self.versions, self.tolerances = codec, oracle, versions, tolerances
         self.clock, self.metrics = clock, metrics
         self._lock = lock
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
