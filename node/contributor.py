@@ -35,7 +35,9 @@ Transient failures (connection errors, 429) are retried with exponential
 backoff by the client; a group the validator is still too busy to take is sent
 again after a pause, until it is answered (its assignment's expiry ends this);
 a refused submission is counted, reported and dropped; a refused key (unknown
-or banned) stops the loop.
+or banned) stops the loop. Setting ``stop`` (SIGTERM or SIGINT in
+``prooftrain contributor``) ends it cleanly: no new assignment is taken, the
+uploads in flight are answered, and ``run`` returns.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class Contributor:
         self.codec = HFTextCodec(self.base)
         self.log = log
         self.stats = ContributorStats()
+        self.stop = threading.Event()
+        """Set (a SIGTERM or SIGINT does) to take no new assignment: :meth:`run` waits for the
+        uploads in flight and returns; anything generated stays pending on disk."""
         self._state_lock = threading.Lock()  # every read-modify-write of the state file
         self._stats_lock = threading.Lock()  # stats and the refusal log line
         info = client.info()
@@ -230,7 +235,7 @@ class Contributor:
         inflight: set[Future[list[Verdict]]] = set()
         answered: list[list[Verdict]] = []
         try:
-            while groups is None or len(answered) < groups:
+            while (groups is None or len(answered) < groups) and not self.stop.is_set():
                 if len(inflight) >= self.uploads or (groups is not None
                                                      and len(answered) + len(inflight) >= groups):
                     finished, inflight = wait(inflight, return_when=FIRST_COMPLETED)

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import signal
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from node.contributor import Contributor
 from pathlib import Path
 
 
@@ -45,6 +50,19 @@ def _at_least_one(text: str) -> int:
     return n
 
 
+def _stop_on_signals(contributor: Contributor) -> None:
+    """The first SIGTERM or SIGINT asks for a clean stop (the uploads in flight are answered,
+    nothing generated is lost); a second one stops at once."""
+    def handler(signum: int, _frame: object) -> None:
+        contributor.log(f"{signal.Signals(signum).name}: stopping after the uploads in flight "
+                        "(send it again to stop at once)")
+        contributor.stop.set()
+        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     from node.client import ValidatorClient
     from node.commands.keys import load_key_file
@@ -61,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
               f"state in {state_dir}")
         contributor = Contributor(client, key, args.model, state_dir, backend=args.backend,
                                   device=args.device, dtype=args.dtype, uploads=args.uploads)
+        _stop_on_signals(contributor)
         stats = contributor.run(args.groups)
     finally:
         client.close()

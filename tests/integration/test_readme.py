@@ -143,8 +143,8 @@ class Jobs:
 
     def wait(self, last: bool = False) -> None:
         """Wait for every job (``wait``), or for the last one (``wait $!``); each must have exited
-        with 0 (or, if ``kill`` stopped it, by the SIGTERM itself, as a contributor does) and
-        without a traceback."""
+        with 0 (or, if ``kill`` reached it before it set up its clean stop, by the SIGTERM
+        itself) and without a traceback."""
         failures = []
         waited, self.running = (self.running[-1:], self.running[:-1]) if last else (self.running, [])
         for cmd, proc, log in waited:

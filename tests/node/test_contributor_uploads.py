@@ -10,6 +10,7 @@ key raised on a submitter thread stops ``run``; the CLI refuses ``--uploads 0``.
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ledger.records import VerdictRecorded
 from node.client import ServiceError, ValidatorClient
 from node.contributor import Contributor
 from node.validator.core import Validator
@@ -164,6 +166,51 @@ def test_one_upload_waits_for_each_verdict(node, tmp_path: Path, tiny_model: Pat
     stats = _contributor(client, tmp_path, tiny_model, uploads=1).run(groups=3)
     assert stats.submitted == 3 and client.assigns_while_uploading == 0
     assert client.pending_at_submit == [1, 1, 1] and client.pending_at_assign == [0, 0, 0]
+
+
+@pytest.mark.parametrize("uploads", [1, 2])
+def test_a_stop_takes_no_new_assignment_and_answers_the_uploads_in_flight(
+        node, tmp_path: Path, tiny_model: Path, uploads: int) -> None:  # type: ignore[no-untyped-def]
+    _, url = node
+    worker: list[Contributor] = []
+
+    def stop_after_first(n: int, raw: bytes, answer: object) -> None:
+        if n == 0:
+            worker[0].stop.set()  # what SIGTERM does in `prooftrain contributor`
+
+    client = Probe(url, _state(tmp_path), on_submit=stop_after_first)
+    client.register("alice")
+    worker.append(_contributor(client, tmp_path, tiny_model, uploads=uploads))
+    stats = worker[0].run()  # no group limit: only the stop ends it
+    assert 1 <= stats.submitted <= uploads and client.assigns == stats.submitted
+    assert stats.accepted == 4 * stats.submitted and worker[0].pending() == []
+    assert not _upload_threads()
+
+
+def test_sigterm_stops_the_contributor_process_cleanly(node, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+    v, url = node
+    key = tmp_path / "alice.key"
+    subprocess.run([sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)], check=True,
+                   capture_output=True)
+    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "contributor", "--validator", url,
+                             "--key", str(key), "--model", str(tiny_model),
+                             "--state-dir", str(tmp_path / "state")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not any(isinstance(rec, VerdictRecorded) for _, rec in v.ledger.entries()):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "SIGTERM: stopping after the uploads in flight" in out and "Traceback" not in out
+    assert "submitted " in out.splitlines()[-1]
+    pending = json.loads((tmp_path / "state" / "contributor-state.json").read_text())["pending"]
+    assert pending == []  # every generated group was answered before it stopped
 
 
 def test_crash_leaves_groups_pending_and_restart_resubmits_them(node, tmp_path: Path,
