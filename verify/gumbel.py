@@ -46,15 +46,25 @@ def gumbel_noise(
     return _gumbel(_gumbel_stream(key, nonce, seed, position, vocab, sample_index), 1, vocab)[0]
 
 
-def _gumbel_stream(key: bytes, nonce: bytes, seed: int, position: int, vocab: int,
-                   sample_index: int) -> bytes:
+def sampler_stream(domain: bytes, key: bytes, nonce: bytes, seed: int, position: int,
+                   sample_index: int, length: int) -> bytes:
+    """``length`` bytes of a verifiable sampler's randomness for one token: blake3 keyed by
+    ``key`` over ``domain || 0x00 || u32 len(nonce) || nonce || u64 seed || u32 sample_index
+    || u64 position`` (little-endian). Every sampler (``verify.samplers``) draws from it."""
     if len(key) != SAMPLER_KEY_SIZE:
         raise ValueError(f"sampler key must be {SAMPLER_KEY_SIZE} bytes, got {len(key)}")
-    if vocab <= 0 or position < 0 or sample_index < 0 or not 0 <= seed < 2**64:
-        raise ValueError("vocab must be > 0 and seed, position, sample_index non-negative")
+    if position < 0 or sample_index < 0 or not 0 <= seed < 2**64:
+        raise ValueError("seed, position and sample_index must be non-negative")
     head = struct.pack("<I", len(nonce)) + nonce
     tail = struct.pack("<QIQ", seed, sample_index, position)
-    return blake3_keyed_stream(key, SAMPLER_GUMBEL, head, tail, length=8 * vocab)
+    return blake3_keyed_stream(key, domain, head, tail, length=length)
+
+
+def _gumbel_stream(key: bytes, nonce: bytes, seed: int, position: int, vocab: int,
+                   sample_index: int) -> bytes:
+    if vocab <= 0:
+        raise ValueError(f"vocab must be > 0, got {vocab}")
+    return sampler_stream(SAMPLER_GUMBEL, key, nonce, seed, position, sample_index, 8 * vocab)
 
 
 def _gumbel(raw: bytes, rows: int, vocab: int) -> torch.Tensor:

@@ -37,17 +37,15 @@ the support have empty intervals and are never drawn or accepted. Pure: no I/O.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
-from verify.hashing import blake3_keyed_stream
+from verify.gumbel import sampler_stream
 from verify.logprobs import process_logits
 
 SAMPLER_ICDF = b"prooftrain/v1/sampler/icdf"
-ICDF_KEY_SIZE = 32
 
 IcdfSpec = tuple[bytes, bytes, int, int, "range | Sequence[int]"]
 """``(key, nonce, seed, sample_index, positions)`` of one completion."""
@@ -61,13 +59,8 @@ def icdf_uniform(key: bytes, nonce: bytes, seed: int, position: int, *, sample_i
     || u64 position`` (little-endian); its first 8 output bytes read as a
     little-endian uint64 w give ``u = ((w >> 11) + 0.5) / 2**53``, exact in float64.
     """
-    if len(key) != ICDF_KEY_SIZE:
-        raise ValueError(f"sampler key must be {ICDF_KEY_SIZE} bytes, got {len(key)}")
-    if position < 0 or sample_index < 0 or not 0 <= seed < 2**64:
-        raise ValueError("seed, position and sample_index must be non-negative")
-    head = struct.pack("<I", len(nonce)) + nonce
-    tail = struct.pack("<QIQ", seed, sample_index, position)
-    word = int.from_bytes(blake3_keyed_stream(key, SAMPLER_ICDF, head, tail, length=8), "little")
+    word = int.from_bytes(sampler_stream(SAMPLER_ICDF, key, nonce, seed, position, sample_index, 8),
+                          "little")
     return ((word >> 11) + 0.5) * 2.0**-53
 
 

@@ -186,9 +186,7 @@ class GroupChecks:
                 m.evidence = build_evidence(exc.reason, m.raw, issued.sealed, issued.prompt_ids, [],
                                             None, self._tolerance(m), str(exc))
                 return fail(m, exc.reason), set()
-            try:
-                self.tolerances.of(m.rollout.header.precision)
-            except VerificationError:
+            if m.rollout.header.precision not in self.tolerances.by_precision:
                 return fail(m, Reason.UNSUPPORTED_PRECISION), set()
         if self.clock() > a.expires_at_ms:
             return fail(members[0], Reason.EXPIRED_ASSIGNMENT), set()
