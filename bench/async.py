@@ -51,10 +51,11 @@ uploads = {uploads}
 latency = {{ model = "lognormal", params = {{ median_ms = 800, sigma = 1.0 }} }}
 jitter_ms = 100
 compute_speed = 0.05
+[rules]
+max_staleness = 4
 [validator]
 group_size = 8
 max_tokens = 8
-max_staleness = 4
 temperature = 0.5
 [trainer]
 steps = {steps}

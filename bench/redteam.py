@@ -9,10 +9,10 @@ validator`` builds one (demo base model, G = 4, max_tokens = 16, T = 1, the
 built-in per-precision tolerances), with an honest control contributor beside
 it (a group after every third attack group):
 
-  per_audit     ``audit.rate_override = 1.0``: every rollout is spot-checked.
+  per_audit     ``rules.audit_rate = 1.0``: every rollout is spot-checked.
                 A banned attacker continues under a fresh key, so every group
                 is an independent trial.
-  default_rate  ``audit.rate_override = -1`` (reputation-driven). Each identity
+  default_rate  ``rules.audit_rate = -1`` (reputation-driven). Each identity
                 first submits --warmup honest groups to earn a low audit rate
                 (``audit_rate_after_warmup``), then attacks until it is banned;
                 it burns at most --identities identities (``unplayed``: the
@@ -272,7 +272,7 @@ class Run:
         self.clock = Clock()
         self.cfg = load(ValidatorConfig, None, {
             "assignment.group_size": GROUP_SIZE, "assignment.max_tokens": MAX_TOKENS,
-            "assignment.ttl_s": TTL_MS / 1000, "audit.rate_override": rate, **(overrides or {})})
+            "assignment.ttl_s": TTL_MS / 1000, "rules.audit_rate": rate, **(overrides or {})})
         where = world.work / f"v{next(world.serials)}"
         key = world.key()
         oracle = world.oracle if versions == 1 else TransformersOracle({i: world.model for i in range(versions)})

@@ -86,12 +86,12 @@ def run_one(cfg, staleness: int, correction: bool, final_problems: int, seed: in
     """Train one configuration; evaluate the base and the final policy on ``final_problems``."""
     from transformers import AutoTokenizer
 
-    from harness.local import LocalNetwork, run_local, settings_from
+    from node.local import LocalNetwork, run_local, settings_from
     from trainer.base_model import ensure_base_model
     from trainer.evals import evaluate
 
     cfg = cfg.model_copy(update={
-        "max_staleness": staleness + 1, "seed": seed,
+        "rules": cfg.rules.model_copy(update={"max_staleness": staleness + 1}), "seed": seed,
         "loss": cfg.loss.model_copy(update={"importance_sampling": correction}),
     })
     model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)

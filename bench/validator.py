@@ -129,7 +129,7 @@ def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_
 
     cfg = load(ValidatorConfig, None, {
         "assignment.group_size": group_size, "assignment.max_tokens": tokens,
-        "audit.rate_override": audit_rate, "audit.queue": 64, "limits.requests_per_s": 1e6,
+        "rules.audit_rate": audit_rate, "audit.queue": 64, "limits.requests_per_s": 1e6,
         "assignment.max_outstanding": 1_024,  # groups are all assigned before any is sent
         "limits.burst": 1_000_000, "node.checkpoint_every": 1_000_000,
         **{f"node.{k}": value for k, value in (node or {}).items()},
@@ -242,86 +242,139 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
     validator's interpreter; the clock runs from the start signal until the
     last client has its last answer.
     """
-    import multiprocessing
-    import subprocess
-
-    import msgspec
-
-    from node.validator import affinity
     from node.validator.server import BackgroundServer, settle_heap, share_the_interpreter
     from node.validator.service import create_app
 
-    procs: list[subprocess.Popen] = []
     groups = sum(len(b) for b in per_client)
     app = create_app(v)
     settle_heap()  # as ``prooftrain validator`` does once its app is built
     share_the_interpreter()
     with BackgroundServer(app) as url:
-        for i, bodies in enumerate(per_client):
-            path = work / f"client{i}.msgpack"
-            path.write_bytes(msgspec.msgpack.encode(bodies))
-            procs.append(subprocess.Popen(
-                [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
-            if v.placement is not None:  # off the precheck workers' CPUs, as if on other machines
-                affinity.pin(v.placement.node, procs[-1].pid)
+        procs = _start_clients(v, per_client, work, url)
         placed = v.placement
-        for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
-            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
-        workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
-        threads = _node_threads()
-        counted = _admission_counters(url)
-        start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
-        before = [process_cpu(pid) for pid in workers]
-        threads_before = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
+        _wait_ready(procs)
+        run = _timed_run(procs, url)
+    latencies = [t for report in run.reports for t in report["latencies"]]
+    per_group, node_threads = _cpu_split(run)
+    cpus = (None, None) if placed is None else (sorted(placed.node), [sorted(w) for w in placed.workers])
+    return Admitted(groups / run.elapsed, latencies, run.busy, run.stolen, _ms_per_group(per_group, groups),
+                    _ms_per_group(node_threads, groups), _admission_thread(run), cpus)
+
+
+def _start_clients(v, per_client: list[list[bytes]], work: Path, url: str) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """One client process per list of bodies (written to ``work`` for it), each pinned to the
+    node's CPUs when the node pinned its precheck workers."""
+    import subprocess
+
+    import msgspec
+
+    from node.validator import affinity
+
+    procs: list[subprocess.Popen] = []
+    for i, bodies in enumerate(per_client):
+        path = work / f"client{i}.msgpack"
+        path.write_bytes(msgspec.msgpack.encode(bodies))
+        procs.append(subprocess.Popen(
+            [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        if v.placement is not None:  # off the precheck workers' CPUs, as if on other machines
+            affinity.pin(v.placement.node, procs[-1].pid)
+    return procs
+
+
+def _wait_ready(procs: list) -> None:  # type: ignore[type-arg]
+    for proc in procs:  # each says "ready" once its bodies are loaded and it is connected
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+
+@dataclass
+class _Run:
+    """One admission run's raw measurements."""
+
+    elapsed: float
+    """Seconds from the start signal to the last client's last answer."""
+    reports: list[dict]  # type: ignore[type-arg]
+    """Each client's report (``latencies``, ``cpu_s``)."""
+    busy: float | None
+    stolen: float | None
+    node_cpu: float
+    """CPU seconds of the node's own process (this one)."""
+    worker_cpu: float | None
+    """CPU seconds of its precheck worker processes."""
+    node_threads: dict[str, float | None]
+    """CPU seconds of the node's threads by part (``_node_threads``)."""
+    admitting: int
+    """The node's admission threads (1 if none were found)."""
+    counted: dict[str, float]
+    """The node's admission counters (``_ADMISSION_COUNTERS``) over the run."""
+
+
+def _timed_run(procs: list, url: str) -> _Run:  # type: ignore[type-arg]
+    """Start every ready client at once and wait for each one's last answer, with the CPU
+    counters of the machine, the node's threads and its worker processes read around it
+    (and the node's own admission counters, off the clock)."""
+    import multiprocessing
+
+    workers = [p.pid for p in multiprocessing.active_children() if p.pid is not None]
+    threads = _node_threads()
+    counted = _admission_counters(url)
+    start, ticks, own = time.perf_counter(), cpu_ticks(), os.times()
+    before = [process_cpu(pid) for pid in workers]
+    threads_before = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    try:
+        reports = [_report(proc) for proc in procs]  # each client's last answer is in
+    except BaseException:
         for proc in procs:
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
-        try:
-            reports = [_report(proc) for proc in procs]  # each client's last answer is in
-        except BaseException:
-            for proc in procs:
-                proc.kill()
-            raise
-        elapsed = time.perf_counter() - start
-        after = [process_cpu(pid) for pid in workers]
-        threads_after = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
-        ticks_after = cpu_ticks()
-        busy, stolen = busy_fraction(ticks, ticks_after), busy_fraction(ticks, ticks_after, stolen=True)
-        spent = os.times()
-        counted = {k: v - counted[k] for k, v in _admission_counters(url).items()}  # off the clock
-        for proc in procs:  # let them exit, outside the clock
-            proc.communicate()
-    latencies: list[float] = []
-    client_cpu = 0.0
-    for report in reports:
-        latencies.extend(report["latencies"])
-        client_cpu += report["cpu_s"]
-    node_cpu = spent.user + spent.system - own.user - own.system
-    worker_cpu = _spent(before, after)
-    per_group: dict[str, float | None] = {"node": node_cpu, "precheck_workers": worker_cpu,
-                                          "clients": client_cpu}
-    if busy is not None and worker_cpu is not None:  # the kernel's own threads, other processes
-        machine = busy * (os.cpu_count() or 1) * elapsed
-        per_group["rest_of_machine"] = machine - sum(t for t in per_group.values() if t is not None)
+            proc.kill()
+        raise
+    elapsed = time.perf_counter() - start
+    after = [process_cpu(pid) for pid in workers]
+    threads_after = {part: [thread_cpu(t) for t in ids] for part, ids in threads.items()}
+    ticks_after = cpu_ticks()
+    busy, stolen = busy_fraction(ticks, ticks_after), busy_fraction(ticks, ticks_after, stolen=True)
+    spent = os.times()
+    counted = {k: v - counted[k] for k, v in _admission_counters(url).items()}  # off the clock
+    for proc in procs:  # let them exit, outside the clock
+        proc.communicate()
     node_threads = {part: _spent(threads_before[part], threads_after[part]) if ids else None
                     for part, ids in threads.items()}
+    return _Run(elapsed, reports, busy, stolen, spent.user + spent.system - own.user - own.system,
+                _spent(before, after), node_threads, len(threads["admission"]) or 1, counted)
+
+
+def _cpu_split(run: _Run) -> tuple[dict[str, float | None], dict[str, float | None]]:
+    """CPU seconds of the run by process (node, precheck workers, clients, the rest of the
+    machine) and the node's by thread (with ``other`` for the rest of its process)."""
+    client_cpu = 0.0
+    for report in run.reports:
+        client_cpu += report["cpu_s"]
+    per_group: dict[str, float | None] = {"node": run.node_cpu, "precheck_workers": run.worker_cpu,
+                                          "clients": client_cpu}
+    if run.busy is not None and run.worker_cpu is not None:  # the kernel's own threads, other processes
+        machine = run.busy * (os.cpu_count() or 1) * run.elapsed
+        per_group["rest_of_machine"] = machine - sum(t for t in per_group.values() if t is not None)
+    node_threads = dict(run.node_threads)
     if all(t is not None for t in node_threads.values()):
-        node_threads["other"] = node_cpu - sum(node_threads.values())  # type: ignore[arg-type]
+        node_threads["other"] = run.node_cpu - sum(node_threads.values())  # type: ignore[arg-type]
+    return per_group, node_threads
 
-    def ms(seconds: dict[str, float | None]) -> dict[str, float | None]:
-        return {k: None if t is None else round(1000 * t / groups, 3) for k, t in seconds.items()}
 
-    admitting = len(threads["admission"]) or 1
-    admission_thread = {
-        "busy": round(counted["busy"] / elapsed / admitting, 3),
+def _ms_per_group(seconds: dict[str, float | None], groups: int) -> dict[str, float | None]:
+    return {k: None if t is None else round(1000 * t / groups, 3) for k, t in seconds.items()}
+
+
+def _admission_thread(run: _Run) -> dict[str, float | None]:
+    """``Admitted.admission_thread`` from the node's admission counters over the run."""
+    counted = run.counted
+    return {
+        "busy": round(counted["busy"] / run.elapsed / run.admitting, 3),
         "on_cpu": round(counted["cpu"] / counted["busy"], 3) if counted["busy"] > 0 else None,
         "batch_mean_groups": round(counted["groups"] / counted["batches"], 2) if counted["batches"] else None,
     }
-    cpus = (None, None) if placed is None else (sorted(placed.node), [sorted(w) for w in placed.workers])
-    return Admitted(groups / elapsed, latencies, busy, stolen, ms(per_group), ms(node_threads),
-                    admission_thread, cpus)
 
 
 _ADMISSION_COUNTERS = {"busy": "prooftrain_verify_admission_busy_seconds_total",
@@ -572,6 +625,41 @@ def verify_times(envelopes: list, verify, passes: int = 3) -> list[float]:  # ty
 
 
 def main() -> None:
+    parser = _parser()
+    args = parser.parse_args()
+    if args.client_of:
+        client(args.client_of, args.bodies)
+        return
+    if args.repeats < 1:
+        parser.error("--repeats must be at least 1")
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = model_dir(work)
+        node = {"admission_processes": args.processes, "admission_threads": args.threads,
+                "cpu_affinity": args.cpu_affinity}
+        v, codec = make_validator(work, model, args.group_size, args.tokens, node=node)
+        log(f"signing {args.repeats} x {args.groups} groups of {args.group_size} x {args.tokens} tokens")
+        per_client = synthetic_groups(v, args.groups * args.repeats, args.tokens, codec.vocab_size,
+                                      args.clients)
+        bracketed = bracketed_admission(v, per_client, work, args.repeats, args.group_size)
+        check_admitted(v, args.groups * args.repeats, args.group_size)
+        v.ledger.close()
+        v.state.close()
+        log("admitting honest groups with every rollout audited")
+        audited = audited_admission(work / "audited", model, args.group_size, args.audited_groups,
+                                    args.audited_clients, node)
+        log("measuring spot-check cost against generation")
+        batch = max(1, round(audited["audit_batch_mean_groups"]))
+        cost = spotcheck_cost(model, codec, args.group_size, batch)
+    emit({
+        **_admission_figures(args, bracketed),
+        **cost, **audited,
+        "spotcheck_cost_target": 0.35,
+        "model": str(model),
+    })
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--groups", type=int, default=200, help="groups of each admission run")
     parser.add_argument("--repeats", type=int, default=5,
@@ -595,55 +683,56 @@ def main() -> None:
                              "the clients go wherever the operating system puts them")
     parser.add_argument("--client-of", help=argparse.SUPPRESS)
     parser.add_argument("--bodies", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.client_of:
-        client(args.client_of, args.bodies)
-        return
+    return parser
+
+
+@dataclass
+class Bracketed:
+    """The admission runs, each bracketed by verify passes over its own envelopes."""
+
+    runs: list[Admitted]
+    ratios: list[float]
+    """Each run's admitted envelopes/s over the verify rate of its own passes."""
+    env_rate: float
+    """Envelopes verified per second: the median over every pass of every run."""
+    env_best: float
+    """Envelopes verified per second, the best of the short runs re-verifying one envelope."""
+
+
+def bracketed_admission(v, per_client: list[list[bytes]], work: Path, repeats: int,  # type: ignore[no-untyped-def]
+                        group_size: int) -> Bracketed:
+    """``repeats`` admission runs on ``v``, each of its share of every client's bodies, with
+    verify passes over the same envelopes just before and just after it."""
     from verify.envelope import verify_envelope
     from verify.types import GroupSubmission, decode
 
-    if args.repeats < 1:
-        parser.error("--repeats must be at least 1")
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        model = model_dir(work)
-        node = {"admission_processes": args.processes, "admission_threads": args.threads,
-                "cpu_affinity": args.cpu_affinity}
-        v, codec = make_validator(work, model, args.group_size, args.tokens, node=node)
-        log(f"signing {args.repeats} x {args.groups} groups of {args.group_size} x {args.tokens} tokens")
-        per_client = synthetic_groups(v, args.groups * args.repeats, args.tokens, codec.vocab_size,
-                                      args.clients)
-        runs: list[Admitted] = []
-        ratios: list[float] = []
-        verify_s: list[float] = []
-        env_best = 0.0
-        for r in range(args.repeats):
-            bodies = [_share(b, r, args.repeats) for b in per_client]
-            envelopes = [env for part in bodies for body in part
-                         for env in decode(GroupSubmission, body, max_bytes=1 << 26).envelopes]
-            passes = verify_times(envelopes, verify_envelope)
-            env_best = max(env_best, best_rate(functools.partial(verify_envelope, envelopes[0]), 300))
-            log(f"admitting over loopback HTTP ({r + 1}/{args.repeats})")
-            run = admission(v, bodies, work)
-            passes += verify_times(envelopes, verify_envelope)  # the machine drifts: bracket the run
-            runs.append(run)
-            ratios.append(run.groups_per_s * args.group_size / (len(envelopes) / statistics.median(passes)))
-            verify_s += [t / len(envelopes) for t in passes]
-        env_rate = 1 / statistics.median(verify_s)
-        check_admitted(v, args.groups * args.repeats, args.group_size)
-        v.ledger.close()
-        v.state.close()
-        log("admitting honest groups with every rollout audited")
-        audited = audited_admission(work / "audited", model, args.group_size, args.audited_groups,
-                                    args.audited_clients, node)
-        log("measuring spot-check cost against generation")
-        batch = max(1, round(audited["audit_batch_mean_groups"]))
-        cost = spotcheck_cost(model, codec, args.group_size, batch)
+    runs: list[Admitted] = []
+    ratios: list[float] = []
+    verify_s: list[float] = []
+    env_best = 0.0
+    for r in range(repeats):
+        bodies = [_share(b, r, repeats) for b in per_client]
+        envelopes = [env for part in bodies for body in part
+                     for env in decode(GroupSubmission, body, max_bytes=1 << 26).envelopes]
+        passes = verify_times(envelopes, verify_envelope)
+        env_best = max(env_best, best_rate(functools.partial(verify_envelope, envelopes[0]), 300))
+        log(f"admitting over loopback HTTP ({r + 1}/{repeats})")
+        run = admission(v, bodies, work)
+        passes += verify_times(envelopes, verify_envelope)  # the machine drifts: bracket the run
+        runs.append(run)
+        ratios.append(run.groups_per_s * group_size / (len(envelopes) / statistics.median(passes)))
+        verify_s += [t / len(envelopes) for t in passes]
+    return Bracketed(runs, ratios, 1 / statistics.median(verify_s), env_best)
+
+
+def _admission_figures(args: argparse.Namespace, bracketed: Bracketed) -> dict:  # type: ignore[type-arg]
+    """The admission half of the printed JSON (see the module docstring)."""
+    runs, ratios, env_best = bracketed.runs, bracketed.ratios, bracketed.env_best
     groups_per_s = statistics.median(run.groups_per_s for run in runs)
     placement = runs[-1].cpus
     envelopes_per_s = groups_per_s * args.group_size
     latencies = [t for run in runs for t in run.latencies]
-    emit({
+    return {
         "bench": "validator",
         "groups": args.groups, "group_size": args.group_size, "tokens_per_rollout": args.tokens,
         "clients": args.clients, "admission_processes": args.processes, "admission_threads": args.threads,
@@ -651,7 +740,7 @@ def main() -> None:
         "admission_runs": args.repeats,
         "admitted_groups_per_s": round(groups_per_s, 1),
         "admitted_envelopes_per_s": round(envelopes_per_s, 1),
-        "envelope_verifies_per_s": round(env_rate, 1),
+        "envelope_verifies_per_s": round(bracketed.env_rate, 1),
         "admission_ratio": round(statistics.median(ratios), 3),
         "admission_ratio_runs": [round(x, 3) for x in ratios],
         "admission_runs_at_target": sum(x >= ADMISSION_TARGET for x in ratios),
@@ -667,10 +756,7 @@ def main() -> None:
         "admission_thread_busy": _mean(run.admission_thread["busy"] for run in runs),
         "admission_thread_on_cpu": _mean(run.admission_thread["on_cpu"] for run in runs),
         "admission_batch_mean_groups": _mean((run.admission_thread["batch_mean_groups"] for run in runs), 2),
-        **cost, **audited,
-        "spotcheck_cost_target": 0.35,
-        "model": str(model),
-    })
+    }
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def train_and_eval(codec: str, steps: int, eval_problems: int) -> dict:
     contributors sampling from the *published* copy, spot checks), only the
     publication codec differs; the published copy of the last version is evaluated.
     """
-    from harness.local import run_local
+    from node.local import run_local
     from trainer.config import load_trainer_config
 
     name, params = CODECS[codec]

@@ -178,7 +178,7 @@ def _serve(conn: Any, model_dir: str, task: str, problems: list[Problem], max_ne
 
     hf_logging.disable_progress_bar()  # the run's own progress bar is the one to read
 
-    # As the run loads them (``harness.local_network``, ``harness.run``).
+    # As the run loads them (``node.local.network``, ``harness.run``).
     model = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     while True:

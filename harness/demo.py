@@ -40,8 +40,8 @@ def release_demo(out_dir: Path, base_model: Path, *, eval_problems: int = 300, k
     The in-process network's keys are deterministic (a simulation holds no
     secrets); their public halves go to ``out_dir/keys`` for ``release verify``.
     """
-    from harness.local import local_trainer_key, local_validator_key
     from ledger.release import verify_release
+    from node.local import local_trainer_key, local_validator_key
     from trainer.release import build_release
     from verify.keys import write_public_key
 

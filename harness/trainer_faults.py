@@ -43,7 +43,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from trainer.network_rules import NetworkRules
+
 REPO = Path(__file__).resolve().parent.parent
+
+TINY_RULES = NetworkRules(max_staleness=1)
+"""The network rules of :func:`tiny_config`'s runs."""
 
 
 def tiny_config(model: Path, checkpoint_dir: Path, steps: int, **extra: object) -> str:
@@ -51,10 +56,10 @@ def tiny_config(model: Path, checkpoint_dir: Path, steps: int, **extra: object) 
     local: dict[str, object] = {"contributors": 2, "group_size": 4, "groups_per_fetch": 3}
     local.update({k.removeprefix("local."): v for k, v in extra.items() if k.startswith("local.")})
     top = {"model_dir": str(model), "checkpoint_dir": str(checkpoint_dir), "steps": steps,
-           "batch_groups": 2, "checkpoint_every": 3, "max_staleness": 1, "eval_every": 0,
-           "starve_timeout_s": 120.0}
+           "batch_groups": 2, "checkpoint_every": 3, "eval_every": 0, "starve_timeout_s": 120.0}
     top.update({k: v for k, v in extra.items() if not k.startswith("local.")})
     lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
+    lines += ["[rules]", f"max_staleness = {TINY_RULES.max_staleness}"]
     lines += ["[local]"] + [f"{k} = {json.dumps(v)}" for k, v in local.items()]
     return "\n".join(lines) + "\n"
 
@@ -211,7 +216,7 @@ def check_samples(checkpoint_dir: Path, model: Path, ranks: int, max_staleness: 
 
 
 def check_run(checkpoint_dir: Path, model: Path, steps: int, *, ranks: int = 1,
-              max_staleness: int = 1) -> tuple[dict, list[str]]:
+              rules: NetworkRules = TINY_RULES) -> tuple[dict, list[str]]:
     """Every invariant of the module docstring on a finished run; (figures, problems)."""
     problems: list[str] = []
     network = checkpoint_dir / "network"
@@ -219,7 +224,7 @@ def check_run(checkpoint_dir: Path, model: Path, steps: int, *, ranks: int = 1,
     if not figures["final_audit_ok"]:
         problems.append("the ledger does not verify")
     figures["versions_published"] = check_versions(network, model, steps, problems)
-    figures.update(check_samples(checkpoint_dir, model, ranks, max_staleness, problems))
+    figures.update(check_samples(checkpoint_dir, model, ranks, rules.max_staleness, problems))
     return figures, problems
 
 

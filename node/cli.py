@@ -2,6 +2,9 @@
 
 Each module in :mod:`node.commands` defines ``register(subparsers)``, which adds
 its subcommand(s) and sets ``func`` on the parser; ``main`` dispatches to it.
+Commands of other packages (the harness's ``harness`` and ``demo``) register
+through the ``prooftrain.commands`` entry points: the CLI offers them without
+node importing those packages.
 Entry points stay thin: parse arguments, load config, call one function.
 """
 
@@ -11,7 +14,8 @@ import argparse
 import importlib
 import pkgutil
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from importlib.metadata import entry_points
 
 import node.commands as _commands
 from verify.errors import ProofTrainError
@@ -26,12 +30,25 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(_commands.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"node.commands.{info.name}")
-        register = getattr(module, "register", None)
-        if register is not None:
-            register(subparsers)
+    for _, register in sorted(_registrations().items()):
+        register(subparsers)
     return parser
+
+
+COMMAND_ENTRY_POINTS = "prooftrain.commands"
+"""Entry-point group of commands defined outside :mod:`node` (name -> ``register``)."""
+
+
+def _registrations() -> dict[str, Callable[[argparse._SubParsersAction], None]]:
+    """Each command module's ``register``, by name: :mod:`node.commands`, then plugins."""
+    out = {}
+    for info in pkgutil.iter_modules(_commands.__path__):
+        register = getattr(importlib.import_module(f"node.commands.{info.name}"), "register", None)
+        if register is not None:
+            out[info.name] = register
+    for ep in entry_points(group=COMMAND_ENTRY_POINTS):
+        out.setdefault(ep.name, ep.load())
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -12,6 +12,7 @@ from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from trainer.network_rules import NetworkRules
 from trainer.toml_config import load_toml_model
 
 
@@ -84,8 +85,6 @@ class PolicySection(_Section):
     """The base policy: a local Hugging Face model directory (policy version 0)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the validator's recomputation."""
-    max_staleness: int = Field(default=4, ge=0, le=1_000)
-    """Rollouts of a version older than current - max_staleness are rejected as stale."""
 
 
 class TaskSection(_Section):
@@ -138,8 +137,6 @@ class AuditSection(_Section):
     """Tokens a contributor's audited rollouts must pool before the PIT test is run."""
     queue: int = Field(default=8, ge=1, le=1_024)
     """Audits in flight at once; beyond it submissions get 429 with Retry-After."""
-    rate_override: float = Field(default=-1.0, ge=-1.0, le=1.0)
-    """A fixed audit rate for experiments and benchmarks; -1 uses reputation."""
 
 
 class LimitsSection(_Section):
@@ -153,6 +150,9 @@ class LimitsSection(_Section):
 
 class ValidatorConfig(_Section):
     node: NodeSection = NodeSection()
+    rules: NetworkRules = NetworkRules()
+    """``[rules]``: the network's shared settings (staleness bound, fixed audit rate), which a
+    trainer attached to this node takes from it."""
     policy: PolicySection = PolicySection()
     task: TaskSection = TaskSection()
     assignment: AssignmentSection = AssignmentSection()

@@ -35,6 +35,7 @@ import re
 import shutil
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,18 +59,49 @@ State = dict[str, Tensor]
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
-def layer_stages(num_layers: int, num_stages: int) -> list[int]:
-    """Stage of each decoder layer: contiguous groups, earlier stages take the extra layer.
+@dataclass(frozen=True)
+class StageSpec:
+    """Which part of the model one pipeline stage owns.
 
-    Must equal ``trainer.stages.partition_layers``.
+    ``layers`` is a contiguous range of global decoder-block indices.
     """
-    if not 1 <= num_stages <= num_layers:
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+
+def partition_layers(num_layers: int, num_stages: int) -> tuple[StageSpec, ...]:
+    """Split ``num_layers`` blocks into ``num_stages`` contiguous, balanced groups.
+
+    Earlier stages get the extra block when the split is uneven. Every stage gets
+    at least one block. The one partition: the trainer's stages (``trainer.stages``)
+    and the stage that publishes each parameter (:func:`stage_of`) both read it.
+    """
+    if num_stages < 1:
+        raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
+    if num_layers < num_stages:
         raise ConfigError(f"cannot split {num_layers} decoder layers into {num_stages} stages")
     base, extra = divmod(num_layers, num_stages)
-    out: list[int] = []
+    specs, start = [], 0
     for s in range(num_stages):
-        out += [s] * (base + (1 if s < extra else 0))
-    return out
+        n = base + (1 if s < extra else 0)
+        specs.append(StageSpec(index=s, num_stages=num_stages, layers=range(start, start + n)))
+        start += n
+    return tuple(specs)
+
+
+def layer_stages(num_layers: int, num_stages: int) -> list[int]:
+    """Stage of each decoder layer, by :func:`partition_layers`."""
+    return [spec.index for spec in partition_layers(num_layers, num_stages) for _ in spec.layers]
 
 
 def stage_of(name: str, layers: list[int]) -> int:

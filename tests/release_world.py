@@ -131,7 +131,7 @@ def build_world(root: Path) -> World:
     torch.set_num_threads(1)
     model = base_model(root)
     cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 6, "assignment.group_size": 2,
-                                       "audit.rate_override": 0.0, "audit.pit_min_tokens": 100_000})
+                                       "rules.audit_rate": 0.0, "audit.pit_min_tokens": 100_000})
     ledger_path = root / "ledger.sqlite"
     ledger = Ledger.open(ledger_path, signing_key=VALIDATOR, origin="test/release")
     codec = HFTextCodec(model)

@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from trainer.losses import POLICY_LOSSES, get_policy_loss
+from trainer.network_rules import NetworkRules
 from trainer.rl import LR_SCHEDULES
 from trainer.toml_config import load_toml_model
 from verify.aggregate import AGGREGATORS, get_aggregator
@@ -45,12 +46,10 @@ class AggregatorSection(_Section):
 
 
 class LocalSection(_Section):
-    """The in-process network used when no validator URL is given (``harness.local``)."""
+    """The in-process network used when no validator URL is given (``node.local``)."""
 
     contributors: int = Field(default=4, ge=1, le=256)
     """Honest contributors."""
-    adversaries: list[str] = Field(default_factory=list)
-    """Adversary strategies (``harness.adversaries``), one extra contributor each."""
     group_size: int = Field(default=8, ge=2, le=64)
     """Completions per prompt (GRPO group)."""
     max_tokens: int = Field(default=8, ge=1, le=4096)
@@ -59,8 +58,6 @@ class LocalSection(_Section):
     """Sampling temperature of the rollouts (the trainer scores at the same one)."""
     pool: int = Field(default=8192, ge=16)
     """Train-split problems the validator assigns from."""
-    audit_rate: float = Field(default=-1.0, ge=-1.0, le=1.0)
-    """Spot-check rate; -1 uses the reputation-driven rate."""
     groups_per_fetch: int = Field(default=16, ge=1, le=4096)
     """Groups the contributors produce whenever the trainer finds the stream empty."""
 
@@ -100,8 +97,9 @@ class TrainerConfig(_Section):
     """Clip the aggregated gradient to this global l2 norm; 0 disables."""
     loss: LossSection = LossSection()
     aggregator: AggregatorSection = AggregatorSection()
-    max_staleness: int = Field(default=4, ge=0, le=1_000)
-    """Samples older than this many versions when used are dropped."""
+    rules: NetworkRules = NetworkRules()
+    """``[trainer.rules]``: the network's shared settings (the staleness bound the buffer
+    drops by). Against a validator they are the validator's (``trainer.remote_network``)."""
     batch_groups: int = Field(default=16, ge=1, le=4096)
     """GRPO groups per optimizer step."""
     skip_uniform_groups: bool = True

@@ -115,7 +115,7 @@ class TrainerLoop:
             proximal=cfg.loss.name == "ppo-decoupled",
         )
         self.buffer = SampleBuffer(
-            source, max_staleness=cfg.max_staleness, capacity=cfg.buffer_capacity,
+            source, max_staleness=cfg.rules.max_staleness, capacity=cfg.buffer_capacity,
             skip_uniform=cfg.skip_uniform_groups, sync=cfg.mode == "sync",
         )
         self.version = 0

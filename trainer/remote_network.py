@@ -6,9 +6,10 @@ model. A remote trainer reads them instead of repeating them:
 
 - ``[trainer.local]`` describes the in-process network only; in remote mode the
   rollouts' temperature (which the trainer scores at) is the validator's;
-- ``task`` and ``max_staleness`` are taken from the validator unless the
-  trainer's config sets them explicitly to something else, which is refused at
-  start, naming both values and the setting;
+- ``task`` and the network's shared settings (``rules``: the staleness bound,
+  the audit rate) are taken from the validator unless the trainer's config sets
+  them explicitly to something else, which is refused at start, naming both
+  values and the setting;
 - the base model the trainer loads must be the validator's (same digest).
 """
 
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import TrainerConfig
+from trainer.network_rules import NetworkRules
 from verify.errors import ConfigError
 
 
@@ -30,17 +32,20 @@ def adopt_network(cfg: TrainerConfig, info: dict[str, Any], url: str) -> Trainer
     if not net:
         raise ConfigError(f"the validator at {url} does not publish its network settings "
                           "(/v1/info has no 'network'); upgrade it")
-    for name, setting in (("task", "task.name"), ("max_staleness", "policy.max_staleness")):
-        if name in cfg.model_fields_set and getattr(cfg, name) != net[name]:
+    rules = NetworkRules.model_validate(net["rules"])
+    explicit = [("task", cfg.task, "task.name", net["task"])] if "task" in cfg.model_fields_set else []
+    explicit += [(f"rules.{name}", getattr(cfg.rules, name), f"rules.{name}", getattr(rules, name))
+                 for name in sorted(cfg.rules.model_fields_set)]
+    for name, ours, setting, theirs in explicit:
+        if ours != theirs:
             raise ConfigError(
-                f"trainer {name} = {getattr(cfg, name)!r} but the validator at {url} has "
-                f"{setting} = {net[name]!r}; remove {name} from the trainer config (it is read "
-                f"from the validator) or change the validator's {setting}")
+                f"trainer {name} = {ours!r} but the validator at {url} has {setting} = {theirs!r}; "
+                f"remove {name} from the trainer config (it is read from the validator) or change "
+                f"the validator's {setting}")
     local = cfg.local.model_copy(update={"temperature": float(net["temperature"]),
                                          "group_size": max(2, int(net["group_size"])),
                                          "max_tokens": int(net["max_tokens"])})
-    return cfg.model_copy(update={"task": net["task"], "max_staleness": int(net["max_staleness"]),
-                                  "local": local})
+    return cfg.model_copy(update={"task": net["task"], "rules": rules, "local": local})
 
 
 def check_base_model(model_dir: Path, digest: bytes, info: dict[str, Any], url: str) -> None:
@@ -54,7 +59,7 @@ def check_base_model(model_dir: Path, digest: bytes, info: dict[str, Any], url: 
 
 
 def describe(cfg: TrainerConfig, model_dir: Path) -> str:
-    return (f"from the validator: task {cfg.task}, max_staleness {cfg.max_staleness}, "
+    return (f"from the validator: task {cfg.task}, max_staleness {cfg.rules.max_staleness}, "
             f"temperature {cfg.local.temperature:g}; base model {model_dir}; "
             f"{cfg.batch_groups} usable groups per step")
 
@@ -74,7 +79,7 @@ def waiting_reporter(buffer: Any, cfg: TrainerConfig, poll_s: float, every_s: fl
             log(f"waiting for samples: {len(got.groups)}/{cfg.batch_groups} usable groups for this "
                 f"step (batch_groups); dropped so far: {got.uniform_dropped} rollouts in groups whose "
                 f"rewards were all equal (skip_uniform_groups), {got.stale_dropped} rollouts older "
-                f"than max_staleness = {cfg.max_staleness}; {len(buffer)} rollouts held in incomplete "
+                f"than max_staleness = {cfg.rules.max_staleness}; {len(buffer)} rollouts held in incomplete "
                 "groups")
         time.sleep(poll_s)
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -48,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from rollout.loading import MODEL_BUILD_LOCK
+from rollout.sync import StageSpec, partition_layers
 from verify.errors import ConfigError
 
 EMBED_KEY = "model.embed_tokens.weight"
@@ -58,45 +58,6 @@ _MASKS = {
     "full_attention": create_causal_mask,
     "sliding_attention": create_sliding_window_causal_mask,
 }
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """Which part of the model one stage owns.
-
-    ``layers`` is a contiguous range of global decoder-block indices.
-    """
-
-    index: int
-    num_stages: int
-    layers: range
-
-    @property
-    def is_first(self) -> bool:
-        return self.index == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.index == self.num_stages - 1
-
-
-def partition_layers(num_layers: int, num_stages: int) -> tuple[StageSpec, ...]:
-    """Split ``num_layers`` blocks into ``num_stages`` contiguous, balanced groups.
-
-    Earlier stages get the extra block when the split is uneven. Every stage gets
-    at least one block.
-    """
-    if num_stages < 1:
-        raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
-    if num_layers < num_stages:
-        raise ConfigError(f"cannot split {num_layers} decoder layers into {num_stages} stages")
-    base, extra = divmod(num_layers, num_stages)
-    specs, start = [], 0
-    for s in range(num_stages):
-        n = base + (1 if s < extra else 0)
-        specs.append(StageSpec(index=s, num_stages=num_stages, layers=range(start, start + n)))
-        start += n
-    return tuple(specs)
 
 
 class _Body(nn.Module):

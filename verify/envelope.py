@@ -97,6 +97,13 @@ def group_digest(raw: bytes) -> bytes:
     return blake3_digest(COMPLETION, b"group", raw)
 
 
+def completion_digest(rollout: VerifiedRollout) -> bytes:
+    """A completion's identity under its prompt text, whoever signed it: its token ids alone,
+    so a copy with retouched logprobs still shares it (and is audited as a repeat)."""
+    h = rollout.header
+    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.astype("<u4").tobytes())
+
+
 def sign_header(key: SigningKey, header: RolloutHeader) -> tuple[bytes, bytes]:
     """(canonical header bytes, signature)."""
     if header.contributor_key != key.public.raw:

@@ -1,9 +1,9 @@
 """``prooftrain trainer``: the asynchronous off-policy RL trainer.
 
 Without ``--validator`` it trains against an in-process network
-(``harness.local_network``: a validator core and honest contributors, optionally
-adversaries); with ``--validator URL --trainer-key FILE`` against a validator
-node over HTTP (``trainer.remote``). Either way it prints the held-out eval
+(``node.local``: a validator core and honest contributors); with ``--validator
+URL --trainer-key FILE`` against a validator node over HTTP
+(``node.remote_trainer``). Either way it prints the held-out eval
 table before and after training.
 """
 
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from verify.errors import ConfigError
 
 if TYPE_CHECKING:
-    from harness.local import LocalNetwork
+    from node.local import LocalNetwork
     from trainer.config import TrainerConfig
 
 
@@ -33,7 +33,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--config", type=Path, help="trainer TOML (default: built-in defaults)")
     p.add_argument("--validator", help="validator URL (remote mode; the node must trust "
-                   "--trainer-key; task, max_staleness and the sampling temperature are read from it)")
+                   "--trainer-key; task, [rules] and the sampling temperature are read from it)")
     p.add_argument("--trainer-key", type=Path, help="trainer signing key file (remote mode)")
     p.add_argument("--model", type=Path, help="base model directory (overrides model_dir; remote "
                    "mode: the validator's policy.model_dir)")
@@ -52,7 +52,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     from node.commands.keys import load_key_file  # noqa: PLC0415
-    from trainer.remote import run_remote  # noqa: PLC0415
+    from node.remote_trainer import run_remote  # noqa: PLC0415
 
     if args.trainer_key is None:
         raise ConfigError("--validator needs --trainer-key (the key the validator trusts)")
@@ -98,7 +98,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
-    from harness.local import run_local  # noqa: PLC0415
+    from node.local import run_local  # noqa: PLC0415
     from trainer.config import load_trainer_config  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     # torchrun sets TORCHELASTIC_RESTART_COUNT > 0 when it restarted the stages after a failure.
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if cfg.stages > 1:
-        from harness.local import run_local_pipeline  # noqa: PLC0415
+        from node.local import run_local_pipeline  # noqa: PLC0415
 
         try:
             history = run_local_pipeline(cfg, progress=not args.quiet, on_metrics=on_metrics,
@@ -156,7 +156,7 @@ def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
     """
     import torch  # noqa: PLC0415
 
-    from harness.local import LocalNetwork, settings_from  # noqa: PLC0415
+    from node.local import LocalNetwork, settings_from  # noqa: PLC0415
     from trainer.base_model import ensure_base_model  # noqa: PLC0415
     from trainer.loop import TrainerLoop, checkpoint_version, ensure_process_group  # noqa: PLC0415
     from trainer.pipeline import PipelineRunner  # noqa: PLC0415

@@ -48,7 +48,7 @@ def describe(cfg: ValidatorConfig, key: SigningKey | None = None) -> list[str]:
         f"state file    {cfg.node.state_path()}",
         f"blob store    {cfg.node.blob_path()}",
         f"policy        {model_dir} (version {version}, recomputed in {cfg.policy.dtype}, "
-        f"max_staleness {cfg.policy.max_staleness})",
+        f"max_staleness {cfg.rules.max_staleness})",
         f"task          {cfg.task.jsonl or cfg.task.name} ({len(problems)} problems)",
         f"sampling      group_size {a.group_size}, temperature {a.temperature:g}, top_p {a.top_p:g}, "
         f"top_k {a.top_k}, max_tokens {a.max_tokens}",

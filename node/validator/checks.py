@@ -13,7 +13,7 @@ checks run in this order and stop at the first failing member:
    the declared generation precision has a calibrated tolerance
    (UNSUPPORTED_PRECISION, not slashed);
 3. the assignment has not expired; the policy version is within
-   ``policy.max_staleness`` of the current one;
+   ``rules.max_staleness`` of the current one;
 4. token ids lie in the vocabulary (MALFORMED);
 5. the validator's own reward for every member;
 6. the keyed audit draw at the contributor's audit rate, then spot checks of
@@ -55,7 +55,7 @@ from node.config import ValidatorConfig
 from node.validator.affinity import Placement, spread
 from node.validator.commit import Batcher, Steps
 from node.validator.policy import PolicyVersions, TextCodec
-from node.validator.precheck import completion_digest, score
+from node.validator.precheck import score
 from node.validator.spot import (
     SpotCheckFailed,
     SpotCheckResult,
@@ -67,7 +67,7 @@ from node.validator.spot import (
 from node.validator.state import StateStore
 from rewards.base import Problem
 from verify.challenge import should_audit
-from verify.envelope import VerifiedRollout, check_stopping_rule
+from verify.envelope import VerifiedRollout, check_stopping_rule, completion_digest
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.sampling import ks_uniform
 from verify.spotcheck import DistributionOracle, Tolerance, Tolerances
@@ -191,7 +191,7 @@ class GroupChecks:
         if self.clock() > a.expires_at_ms:
             return fail(members[0], Reason.EXPIRED_ASSIGNMENT), set()
         current = self.versions.current
-        if current - a.policy_version > self.cfg.policy.max_staleness:
+        if current - a.policy_version > self.cfg.rules.max_staleness:
             return fail(members[0], Reason.STALE), set()
         vocab = self.codec.vocab_size
         for m in members:
@@ -215,7 +215,7 @@ class GroupChecks:
             return next(iter(self.tolerances.by_precision.values()))
 
     def _audit_rate(self, contributor: bytes) -> float:
-        override = self.cfg.audit.rate_override
+        override = self.cfg.rules.audit_rate
         return override if override >= 0 else self.ledger.audit_rate(contributor)
 
     def spot(self, jobs: list[SpotJob]) -> list[AuditResults]:

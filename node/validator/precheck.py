@@ -51,18 +51,17 @@ from node.validator import affinity
 from node.validator.server import settle_heap
 from rewards.base import Problem
 from rewards.registry import available, reward
-from verify.envelope import Limits, VerifiedRollout, decode_group, group_digest, verify_envelope
+from verify.envelope import (
+    Limits,
+    VerifiedRollout,
+    completion_digest,
+    decode_group,
+    group_digest,
+    verify_envelope,
+)
 from verify.errors import VerificationError
-from verify.hashing import COMPLETION, blake3_digest
 
-__all__ = ["PrecheckPool", "Prechecked", "completion_digest", "precheck", "score"]
-
-
-def completion_digest(rollout: VerifiedRollout) -> bytes:
-    """A completion's identity under its prompt text, whoever signed it: its token ids alone,
-    so a copy with retouched logprobs still shares it (and is audited as a repeat)."""
-    h = rollout.header
-    return blake3_digest(COMPLETION, h.prompt_digest, rollout.token_ids.astype("<u4").tobytes())
+__all__ = ["PrecheckPool", "Prechecked", "precheck", "score"]
 
 
 def score(codec: Any, problem: Problem, token_ids: Sequence[np.ndarray]) -> list[float]:
@@ -84,7 +83,7 @@ class Prechecked:
     rewards: list[float] | None
     """In envelope order; None when the worker could not score (the admission thread will)."""
     completions: list[bytes] | None = None
-    """Each rollout's :func:`completion_digest`, in envelope order."""
+    """Each rollout's :func:`verify.envelope.completion_digest`, in envelope order."""
 
 
 def precheck(raw: bytes, key: bytes, problem: Problem, limits: Limits, codec: object) -> Prechecked:

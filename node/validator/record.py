@@ -37,8 +37,8 @@ from ledger.records import Record, Slashed, VerdictRecorded, check_record, evide
 from node.config import ValidatorConfig
 from node.validator.checks import Issued, Member
 from node.validator.commit import GroupCommitter, Steps
-from node.validator.precheck import completion_digest
 from node.validator.state import StateStore
+from verify.envelope import completion_digest
 from verify.errors import Reason
 from verify.keys import SigningKey
 from verify.signed import seal

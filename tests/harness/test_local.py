@@ -1,4 +1,4 @@
-"""The in-process network: verified samples by cursor, policy versions, staleness emulation."""
+"""The harness's in-process network: adversarial contributors beside the honest ones."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.local import LocalNetwork, LocalSettings
+from harness.local import AdversarialNetwork
 from tests.node.conftest import build_tiny_model
-from trainer.buffer import SampleSource
-from trainer.stages import load_stage
+from tests.node.test_local_network import small
+from verify.errors import ConfigError, Reason
 
 torch.set_num_threads(1)
 
@@ -20,149 +20,22 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("local-tiny"), seed=5)
 
 
-def small(**kw) -> LocalSettings:
-    base = dict(contributors=2, group_size=4, max_tokens=6, groups_per_fetch=2, audit_rate=1.0)
-    return LocalSettings(**{**base, **kw})
-
-
-def nudged_stage(model_dir: Path, seed: int):
-    stage = load_stage(model_dir, 0, 1)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in stage.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=g))
-    return stage
-
-
-def test_serves_verified_groups_by_cursor(tiny: Path) -> None:
-    net = LocalNetwork(tiny, small())
-    try:
-        assert isinstance(net, SampleSource)
-        first = net.fetch(0, 1000)  # empty stream: the contributors produce 2 groups
-        assert len(first.samples) == 8 and net.stats.verdicts["accepted"] == 8
-        assert net.stats.audited == 8  # audit rate 1: every rollout spot-checked
-        assert {s.group_index for s in first.samples} == {0, 1, 2, 3}
-        assert all(s.policy_version == 0 for s in first.samples)
-        again = net.fetch(first.cursor, 3)
-        assert again.samples == first.samples[:3]
-        rest = net.fetch(again.next_cursor, 1000)
-        assert rest.samples == first.samples[3:]
-        assert len(net.contributors) == 2 and net.weight(first.samples[0].contributor_key) > 0
-    finally:
-        net.close()
-
-
-def test_published_versions_are_assigned_and_spot_checked(tiny: Path) -> None:
-    net = LocalNetwork(tiny, small())
-    try:
-        net.publish(1, nudged_stage(tiny, 1))
-        assert net.validator.versions.current == 1 and 1 in net.registry
-        batch = net.fetch(0, 1000)
-        assert batch.samples and all(s.policy_version == 1 for s in batch.samples)
-        assert set(net.stats.verdicts) == {"accepted"}  # spot checks pass under version 1
-    finally:
-        net.close()
-
-
-def test_publish_delay_emulates_staleness(tiny: Path) -> None:
-    net = LocalNetwork(tiny, small(publish_delay=2, max_staleness=2))
-    try:
-        for v in (1, 2, 3):
-            net.publish(v, nudged_stage(tiny, v))
-        assert net.validator.versions.current == 1  # trainer at 3, validator at 3 - 2
-        batch = net.fetch(0, 1000)
-        assert {s.policy_version for s in batch.samples} == {1}
-    finally:
-        net.close()
-
-
-def test_registry_is_bounded(tiny: Path) -> None:
-    net = LocalNetwork(tiny, small(max_staleness=1))
-    try:
-        stage = nudged_stage(tiny, 0)
-        for v in range(1, 8):
-            net.publish(v, stage)
-        assert 0 in net.registry and 7 in net.registry and 2 not in net.registry
-    finally:
-        net.close()
-
-
 def test_cheating_contributor_is_caught(tiny: Path) -> None:
-    net = LocalNetwork(tiny, small(contributors=1, adversaries=("tampered-logprobs",),
+    net = AdversarialNetwork(tiny, small(contributors=1, adversaries=("tampered-logprobs",),
                                    groups_per_fetch=4))
     try:
         batch = net.fetch(0, 1000)
         cheater = net.contributors[1][0].public.raw
         assert batch.samples and all(s.contributor_key != cheater for s in batch.samples)
-        assert sum(n for r, n in net.stats.verdicts.items() if r != "accepted") > 0
+        assert net.stats.verdicts[Reason.LOGPROB_MISMATCH.value] > 0
+        assert set(net.stats.verdicts) <= {"accepted", Reason.LOGPROB_MISMATCH.value,
+                                           Reason.GROUP_REJECTED.value}
     finally:
         net.close()
 
 
-def test_reopened_network_resumes_the_version_chain(tiny: Path, tmp_path: Path) -> None:
-    net = LocalNetwork(tiny, small(), work_dir=tmp_path / "net")
-    stage = nudged_stage(tiny, 2)
-    try:
-        net.publish(1, nudged_stage(tiny, 1))
-        net.publish(2, stage)
-        served = net.fetch(0, 1000)
-    finally:
-        net.close()
-    net = LocalNetwork(tiny, small(), work_dir=tmp_path / "net")
-    try:
-        with pytest.raises(Exception, match="version 2 but the checkpoint is at 1"):
-            net.adopt(1, stage)
-        net.adopt(2, stage)
-        net.publish(3, nudged_stage(tiny, 3))
-        later = net.fetch(served.next_cursor, 1000)
-        assert later.samples and {s.policy_version for s in later.samples} == {3}
-    finally:
-        net.close()
 
 
-@pytest.mark.parametrize("codec", ["int8-block", "topk"])
-def test_published_chain_rebuilds_bit_exactly_from_the_ledger(tiny: Path, codec: str) -> None:
-    from rollout.sync import PolicySync
-
-    net = LocalNetwork(tiny, small(codec=codec, snapshot_every=3))
-    try:
-        stages = [nudged_stage(tiny, v) for v in (1, 2, 3, 4)]
-        for v, stage in enumerate(stages, start=1):
-            net.publish(v, stage)
-        kinds = [net.manifest(v) for v in (1, 2, 3, 4)]
-        assert len({m.manifest for m in kinds}) == 4
-        assert net.ledger.blobs is not None
-        sync = PolicySync(tiny, net.trainer_key.public, net.manifest, net.ledger.blobs.get, 1)
-        rebuilt = sync.state_at(4)
-        published = dict(net.model(4).named_parameters())
-        assert set(rebuilt) == set(published)
-        for name, value in rebuilt.items():
-            assert torch.equal(value, published[name].detach()), name
-        # the published copy is the codec's, not the trainer's weights
-        trained = dict(stages[-1].named_parameters())
-        assert any(not torch.equal(trained[n].detach(), published[n].detach()) for n in trained
-                   if n in published) or codec == "fp32"
-    finally:
-        net.close()
-
-
-def test_evals_are_recorded_once_their_version_is_announced(tiny: Path) -> None:
-    from ledger.records import EvalRecorded
-    from trainer.evals import EvalReport, Metric
-
-    def report(v: float) -> EvalReport:
-        return EvalReport("m", "arithmetic", "heldout", 10,
-                          (Metric("pass@1 (greedy)", v, 0.0, 1.0, 10),))
-
-    net = LocalNetwork(tiny, small(publish_delay=1, max_staleness=2))
-    try:
-        net.record_eval(0, report(0.1), seed=0)
-        net.publish(1, nudged_stage(tiny, 1))  # held back: not announced yet
-        net.record_eval(1, report(0.2), seed=0)
-        recorded = [r for _, r in net.ledger.entries() if isinstance(r, EvalRecorded)]
-        assert [r.version for r in recorded] == [0]
-        net.publish(2, nudged_stage(tiny, 2))  # announces 1
-        recorded = [r for _, r in net.ledger.entries() if isinstance(r, EvalRecorded)]
-        assert [r.version for r in recorded] == [0, 1]
-    finally:
-        net.close()
+def test_an_unknown_strategy_is_refused_by_name(tiny: Path) -> None:
+    with pytest.raises(ConfigError, match="no-such-strategy"):
+        AdversarialNetwork(tiny, small(adversaries=("no-such-strategy",)))

@@ -8,7 +8,6 @@ import pytest
 
 from harness.adversaries import available_strategies
 from harness.scenario import RUNS, load_scenario
-from node.config import ValidatorConfig, load
 from verify.errors import ConfigError
 
 SCENARIOS = sorted((Path(__file__).parents[2] / "configs" / "scenarios").glob("*.toml"))
@@ -80,8 +79,9 @@ def test_minimal_scenario_expands(tmp_path: Path) -> None:
     again = s.network_model()
     assert [net.delay("c02-tampered-logprobs", "s") for _ in range(5)] == \
         [again.delay("c02-tampered-logprobs", "s") for _ in range(5)]
-    cfg = load(ValidatorConfig, None, s.validator_overrides())
-    assert cfg.audit.rate_override == -1.0 and cfg.assignment.group_size == s.validator.group_size
+    cfg = s.validator_config()
+    assert cfg.rules == s.rules and cfg.rules.audit_rate == -1.0
+    assert cfg.assignment.group_size == s.validator.group_size and cfg.task.pool == s.task.train_pool
     assert s.seed_for("network") == load_scenario(_write(tmp_path, MINIMAL)).seed_for("network")
 
 
@@ -100,7 +100,7 @@ def test_honest_variant_replaces_adversaries_and_keeps_networks(tmp_path: Path) 
 def test_no_defence_variant(tmp_path: Path) -> None:
     s = load_scenario(_write(tmp_path, MINIMAL))
     n = s.variant("no-defence")
-    assert n.validator.audit_rate == 0.0
+    assert n.rules.audit_rate == 0.0 and s.rules.audit_rate == -1.0
     assert n.trainer.aggregator.name == "mean" and n.trainer.aggregator.params == {}
     assert n.population == s.population
     assert s.trainer.aggregator.name == "median"

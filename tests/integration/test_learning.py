@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from harness.local import run_local
+from node.local import run_local
 from trainer.config import load_trainer_config
 
 REPO = Path(__file__).resolve().parents[2]

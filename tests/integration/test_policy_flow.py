@@ -52,7 +52,7 @@ class DirectoryOnlyBackend(TransformersBackend):
 
 
 def _validator(tmp: Path, model: Path) -> Validator:
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 10, "audit.rate_override": 1.0,
+    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 10, "rules.audit_rate": 1.0,
                                        "audit.pit_min_tokens": 100_000})
     ledger = Ledger.open(tmp / "ledger.sqlite", signing_key=VALIDATOR, origin="test")
     state = StateStore(tmp / "state.sqlite")

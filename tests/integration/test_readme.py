@@ -6,7 +6,9 @@ tiny configuration changes, and nothing else:
 
 * the base model is the cached demo build copied into ``runs/base-model``
   (the build command then reports it cached instead of training again);
-* the scenarios are replaced by a two-step, three-contributor scenario;
+* the scenarios are replaced by a two-step, three-contributor scenario (the
+  real-model one by a one-step run of three SmolLM2 contributors, one of them
+  generating with an int8 copy, on 8-token completions);
 * the validator the README starts listens on a free 127.0.0.1 port instead of
   8470, with eight-token completions, no precheck worker and a deeper audit
   queue; ``configs/trainer.toml`` keeps all-equal-reward groups and evaluates
@@ -17,6 +19,10 @@ tiny configuration changes, and nothing else:
 * the quickstart (``make demo``, ``make test``) is what CI itself runs and is
   not run again from inside the suite;
 * the campaigns run with short bounds (``--seconds 5``, fewer kills);
+* on the real model, the validator (``configs/validator_smollm2.toml``) listens on
+  another free port instead of 8472 and assigns 8-token completions from a pool
+  of 32 problems, calibration uses one prompt of 8 tokens in float32, and the eval
+  two problems of 8 tokens;
 * ``$PROOFTRAIN_PG_DSN`` is a fresh database on the suite's private PostgreSQL
   server (``pg_server`` of ``tests/ledger/conftest.py``), and the second node the
   PostgreSQL section starts listens on another free port instead of 8471. Without
@@ -71,6 +77,34 @@ eval_problems = 16
 run_honest_baseline = false
 run_no_defence = false
 """
+TINY_REAL_SCENARIO = """
+name = "smollm2-gsm8k"
+[task]
+name = "gsm8k"
+train_pool = 16
+heldout = 2
+[model]
+pretrained = "smollm2-135m"
+[[population.groups]]
+strategy = "honest"
+count = 2
+[[population.groups]]
+strategy = "low-precision-copy"
+count = 1
+params = { dtype = "int8" }
+[validator]
+group_size = 2
+max_tokens = 8
+[trainer]
+steps = 1
+batch_groups = 1
+eval_every = 1
+eval_problems = 2
+skip_uniform_groups = false
+[baselines]
+run_honest_baseline = false
+run_no_defence = false
+"""
 
 
 def readme_blocks() -> list[list[str]]:
@@ -98,17 +132,24 @@ def _set(text: str, section: str, key: str, value: str) -> str:
     return text[:start] + f"{key} = {value}\n" + body + text[end:]
 
 
-def _prepare(work: Path, port: int) -> None:
+def _prepare(work: Path, port: int, real_port: int) -> None:
     from trainer.base_model import ensure_base_model
 
     shutil.copytree(ROOT / "configs", work / "configs")
     for scenario in (work / "configs" / "scenarios").glob("*.toml"):
-        scenario.write_text(TINY_SCENARIO.format(name=scenario.stem))
+        scenario.write_text(TINY_REAL_SCENARIO if scenario.stem == "smollm2_gsm8k"
+                            else TINY_SCENARIO.format(name=scenario.stem))
     node = (work / "configs" / "validator.toml").read_text()
     for section, key, value in (("node", "port", str(port)), ("node", "admission_processes", "0"),
                                 ("assignment", "max_tokens", "8"), ("audit", "queue", "32")):
         node = _set(node, section, key, value)
     (work / "configs" / "validator.toml").write_text(node)
+    real = (work / "configs" / "validator_smollm2.toml").read_text()
+    for section, key, value in (("node", "port", str(real_port)), ("node", "admission_processes", "0"),
+                                ("task", "pool", "32"), ("assignment", "max_tokens", "8"),
+                                ("audit", "queue", "32")):
+        real = _set(real, section, key, value)
+    (work / "configs" / "validator_smollm2.toml").write_text(real)
     trainer = (work / "configs" / "trainer.toml").read_text()
     for key, value in (("skip_uniform_groups", "false"), ("eval_problems", "4")):
         trainer = _set(trainer, "trainer", key, value)
@@ -118,6 +159,9 @@ def _prepare(work: Path, port: int) -> None:
 
 SHORTER = {"--seconds 30": "--seconds 5", "--kills 5": "--kills 2", "--groups 5": "--groups 2"}
 SMALLER = {"--steps 10": "--steps 3", "batch_groups=4": "batch_groups=1"}  # the remote trainer
+REAL_MODEL = {"-n 100 -k 1": "-n 2 -k 1 --max-new-tokens 8",
+              "--prompts 16 --max-tokens 128": "--prompts 1 --max-tokens 8 --batch-sizes 1 "
+                                               "--generation-dtypes float32"}
 
 
 class Jobs:
@@ -165,6 +209,9 @@ def _run(cmd: str, work: Path, subs: dict[str, str], jobs: Jobs) -> subprocess.C
     if "--validator" in cmd and " trainer " in cmd:
         for old, new in SMALLER.items():
             cmd = cmd.replace(old, new)
+    if "smollm2" in cmd:
+        for old, new in REAL_MODEL.items():
+            cmd = cmd.replace(old, new)
     for old, new in subs.items():
         cmd = cmd.replace(old, new)
     if cmd in ("kill $(jobs -p)", "kill $!"):
@@ -208,11 +255,12 @@ def test_every_readme_block_runs(tmp_path: Path, request: pytest.FixtureRequest)
 
     work = tmp_path / "work"
     work.mkdir()
-    port, pg_port = free_port(), free_port()
-    _prepare(work, port)
+    port, pg_port, real_port = free_port(), free_port(), free_port()
+    _prepare(work, port, real_port)
     dsn = _pg_dsn(request)
     subs = {"http://127.0.0.1:8470": f"http://127.0.0.1:{port}",
             "http://127.0.0.1:8471": f"http://127.0.0.1:{pg_port}", "--port 8471": f"--port {pg_port}",
+            "http://127.0.0.1:8472": f"http://127.0.0.1:{real_port}",
             "$PROOFTRAIN_PG_DSN": dsn or ""}
     jobs = Jobs(work)
     pg_verified = False
@@ -239,6 +287,7 @@ def test_every_readme_block_runs(tmp_path: Path, request: pytest.FixtureRequest)
     assert (work / "runs" / "demo" / "report.md").is_file()
     assert (work / "entry0.proof").is_file()
     _assert_the_network_trained(work, pg_ran=dsn is not None)
+    _assert_the_real_model_ran(work)
     if dsn is not None:
         assert pg_verified
         _assert_the_postgres_node_admitted(dsn)
@@ -260,6 +309,23 @@ def _assert_the_network_trained(work: Path, pg_ran: bool) -> None:
         store.close()
     assert max(r.version for r in records if isinstance(r, PolicyPublished)) == 3
     assert (work / "last.proof").is_file()
+
+
+def _assert_the_real_model_ran(work: Path) -> None:
+    """SmolLM2's validator accepted the contributor's two groups (audited, every chunk compared),
+    and the real-model scenario wrote its report, its int8 contributor slashed."""
+    from ledger.records import VerdictRecorded, decode_record
+    from ledger.storage import open_store
+
+    store = open_store(str(work / "runs" / "smollm2-validator" / "ledger.sqlite"), readonly=True)
+    try:
+        verdicts = [r for r in (decode_record(d) for _, _, d in store.entries())
+                    if isinstance(r, VerdictRecorded)]
+    finally:
+        store.close()
+    assert sum(v.accepted for v in verdicts) == 2 * 4 and all(v.accepted for v in verdicts)
+    report = (work / "runs" / "smollm2-gsm8k" / "report.md").read_text()
+    assert "low-precision-copy" in report
 
 
 def _assert_the_postgres_node_admitted(dsn: str) -> None:

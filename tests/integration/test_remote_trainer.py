@@ -22,13 +22,13 @@ from ledger.audit import verify_ledger
 from ledger.records import EvalRecorded, PolicyPublished, VerdictRecorded
 from node.client import ValidatorClient
 from node.contributor import Contributor
+from node.remote_trainer import run_remote
 from node.validator.server import BackgroundServer
 from node.validator.service import create_app
 from rollout.sync import PolicySync
 from tests.integration.test_policy_flow import ALICE, TRAINER, _validator
 from trainer.buffer import StarvedError
 from trainer.config import load_trainer_config
-from trainer.remote import run_remote
 from verify.errors import ConfigError
 
 

@@ -51,7 +51,7 @@ def make_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec) -> Vali
              name: str = "v", *, problems=None, clock=None, tolerance=FLOAT32_TOLERANCE,
              oracle=None) -> Validator:
         base = {"assignment.max_tokens": 12, "assignment.group_size": 4,
-                "audit.rate_override": 1.0, "audit.pit_min_tokens": 100_000}
+                "rules.audit_rate": 1.0, "audit.pit_min_tokens": 100_000}
         cfg = load(ValidatorConfig, None, {**base, **(overrides or {})})
         key = key or SigningKey.from_seed(b"\x05" * 32)
         ledger = Ledger.open(tmp_path / f"{name}.sqlite", signing_key=key, origin="test/validator")

@@ -28,7 +28,7 @@ from verify.signed import open_group_verdict
 from verify.types import GroupSubmission, canonical_bytes
 
 KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(4)]
-FAST = {"audit.rate_override": 0.0, "assignment.max_tokens": 48, "assignment.max_outstanding": 1_024}
+FAST = {"rules.audit_rate": 0.0, "assignment.max_tokens": 48, "assignment.max_outstanding": 1_024}
 
 
 def synthetic_group(v: Validator, key: SigningKey, rng: np.random.Generator, tokens: int = 48) -> bytes:

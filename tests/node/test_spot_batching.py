@@ -23,24 +23,40 @@ KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(6)]
 SECRET = b"\x07" * 32
 
 
+def queued(b: Batcher, n: int) -> None:
+    """Wait until ``n`` items wait in ``b``'s queue (an event, not a time bound)."""
+    while True:
+        with b._cv:
+            if len(b._queue) >= n:
+                return
+        time.sleep(0.005)
+
+
 def test_batcher_gives_each_caller_its_own_result_and_shares_calls() -> None:
     calls: list[list[int]] = []
+    running, release = threading.Event(), threading.Event()
 
     def fn(items: list[int]) -> list[int]:
         calls.append(list(items))
-        time.sleep(0.05)
+        if len(calls) == 1:  # the first call holds the batcher while the others queue
+            running.set()
+            release.wait()
         return [x * 10 for x in items]
 
     b: Batcher[int, int] = Batcher(fn)
     out: dict[int, int] = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, b.run(i))) for i in range(8)]
-    for t in threads:
+    threads[0].start()
+    running.wait()
+    for t in threads[1:]:
         t.start()
+    queued(b, 7)
+    release.set()
     for t in threads:
         t.join()
     assert out == {i: i * 10 for i in range(8)}
-    assert sorted(x for c in calls for x in c) == list(range(8))
-    assert len(calls) < 8 and b.batches == len(calls) and b.items == 8
+    assert calls[0] == [0] and sorted(calls[1]) == list(range(1, 8))
+    assert len(calls) == 2 and b.batches == 2 and b.items == 8
 
 
 def test_batcher_rejects_a_wrong_number_of_results() -> None:
@@ -93,22 +109,25 @@ def test_batched_spot_checks_give_each_group_its_own_verdicts(make_validator, ba
     assert failed == [(2, 1)]
 
 
-class SlowOracle:
-    """Delegates to an oracle, taking long enough per call that concurrent audits queue up."""
+class GatedOracle:
+    """Delegates to an oracle; its first call waits until the other submissions' audits queue."""
 
     def __init__(self, inner: TransformersOracle) -> None:
         self.inner = inner
         self.calls = 0
+        self.running, self.release = threading.Event(), threading.Event()
 
     def logits_batch(self, version, seqs):  # type: ignore[no-untyped-def]
         self.calls += 1
-        time.sleep(0.2)
+        if self.calls == 1:
+            self.running.set()
+            self.release.wait()
         return self.inner.logits_batch(version, seqs)
 
 
 def test_concurrent_submissions_share_spot_check_passes(make_validator, backend, codec, tiny_model) -> None:
     v = make_validator()
-    v.oracle = SlowOracle(TransformersOracle({0: tiny_model}))
+    oracle = v.oracle = GatedOracle(TransformersOracle({0: tiny_model}))
     groups: list[GroupSubmission] = []
     for key in KEYS:
         v.register(key.public.raw, "c")
@@ -116,12 +135,16 @@ def test_concurrent_submissions_share_spot_check_passes(make_validator, backend,
     results: dict[int, list] = {}
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, v.submit(canonical_bytes(groups[i]))))
                for i in range(len(groups))]
-    for t in threads:
+    threads[0].start()
+    oracle.running.wait()
+    for t in threads[1:]:
         t.start()
+    queued(v._checks._auditor, len(groups) - 1)
+    oracle.release.set()
     for t in threads:
         t.join()
     for i in range(len(groups)):
         out = open_group_verdict(results[i], v.key.public)
         assert all(x.accepted and x.audited for x in out)
     assert v.metrics["audit/groups"] == len(groups)
-    assert v.metrics["audit/batches"] == v.oracle.calls < len(groups)
+    assert v.metrics["audit/batches"] == oracle.calls == 2

@@ -209,19 +209,32 @@ def test_reading_the_callers_environment(monkeypatch):
         assert score(via_proc, OS_ONLY, problem) == 0.0
 
 
+SOCKET = """try:
+        import socket
+    except ImportError:  # a stdlib the sandbox user cannot read: the event socket() raises
+        import sys
+        sys.audit("socket.__new__", None, 2, 1, 0)
+    else:
+        socket.socket(socket.AF_INET, socket.SOCK_STREAM).close()"""
+
+
 @pytest.mark.parametrize(
-    "body",
+    ("body", "harmless"),
     [
-        "import socket\n    socket.create_connection(('127.0.0.1', 9))",
-        "import subprocess\n    subprocess.run(['true'])",
-        "import ctypes",
-        "import os\n    os.system('true')",
-        "import gc\n    gc.get_objects()",
-        "import os\n    os.kill(os.getppid(), 9)",
+        (SOCKET, True),
+        ("import subprocess\n    subprocess.run(['true'])", False),
+        ("import ctypes", False),
+        ("import os\n    os.system('true')", True),
+        ("import gc\n    gc.get_objects()", True),
+        ("import os\n    os.kill(os.getppid(), 9)", False),
     ],
+    ids=["socket", "subprocess", "ctypes", "system", "gc", "kill"],
 )
-def test_guard_blocks_escape_attempts(body):
-    assert score(f"def add(a, b):\n    {body}\n    return a + b\n") == 0.0
+def test_guard_blocks_escape_attempts(body, harmless):
+    code = f"def add(a, b):\n    {body}\n    return a + b\n"
+    assert score(code) == 0.0
+    if harmless:  # without the guard the attempt succeeds: the guard is what scores it 0
+        assert score(code, OS_ONLY) == 1.0
 
 
 def test_sandbox_runs_unprivileged_with_an_empty_environment():

@@ -197,10 +197,13 @@ def test_stage_split_matches_trainer_and_validator(untied: Path) -> None:
     from node.validator.policy import model_dir_digest
 
     assert base_model_digest(untied) == model_dir_digest(untied)
+    assert layer_stages(10, 4) == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
     for layers in range(1, 9):
         for stages in range(1, layers + 1):
-            want = [s.index for s in partition_layers(layers, stages) for _ in s.layers]
-            assert layer_stages(layers, stages) == want
+            got = layer_stages(layers, stages)
+            assert got == sorted(got) and set(got) == set(range(stages))
+            assert [list(s.layers) for s in partition_layers(layers, stages)] == [
+                [i for i, s in enumerate(got) if s == stage] for stage in range(stages)]
 
 
 def test_rebuilt_model_drives_backend_and_oracle(published) -> None:

@@ -14,6 +14,7 @@ from tests.trainer.test_loop import ListSource, groups_of, make_loop
 from trainer.config import TrainerConfig
 from trainer.journal import JournalMismatch, StepJournal, StepRecord, journal_path, read_journal
 from trainer.loop import checkpoint_version
+from trainer.network_rules import NetworkRules
 from verify.errors import ProofTrainError
 
 torch.set_num_threads(1)
@@ -60,7 +61,7 @@ def _kill_after_checkpoint_3(ckpt: Path) -> None:
 
 
 def _cfg(tiny: Path, ckpt: Path, steps: int) -> TrainerConfig:
-    return TrainerConfig(model_dir=tiny, steps=steps, batch_groups=2, max_staleness=100,
+    return TrainerConfig(model_dir=tiny, steps=steps, batch_groups=2, rules=NetworkRules(max_staleness=100),
                          eval_every=0, checkpoint_dir=ckpt, checkpoint_every=3,
                          starve_timeout_s=1)
 

@@ -15,6 +15,7 @@ from tests.trainer.test_rl import group
 from trainer.buffer import SampleBuffer, StarvedError
 from trainer.config import TrainerConfig, load_trainer_config
 from trainer.loop import TrainerLoop, ensure_process_group
+from trainer.network_rules import NetworkRules
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
 from verify.errors import ConfigError
@@ -118,7 +119,7 @@ def trained(loop: TrainerLoop) -> list[int]:
 
 def test_checkpoint_resume_trains_every_group_exactly_once(tiny: Path, tmp_path: Path) -> None:
     source = ListSource(groups_of(12))
-    cfg = TrainerConfig(model_dir=tiny, steps=4, batch_groups=2, max_staleness=100,
+    cfg = TrainerConfig(model_dir=tiny, steps=4, batch_groups=2, rules=NetworkRules(max_staleness=100),
                         eval_every=0, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1,
                         starve_timeout_s=1)
     published: list[int] = []
@@ -148,7 +149,7 @@ def test_config_rejects_unknown_keys_and_bad_bounds(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="learning_rate"):
         load_trainer_config(bad)
     with pytest.raises(ConfigError, match="max_staleness"):
-        load_trainer_config(None, {"max_staleness": -1})
+        load_trainer_config(None, {"rules.max_staleness": -1})
     with pytest.raises(ConfigError, match="aggregator"):
         load_trainer_config(None, {"aggregator.name": "average"})
     repo = Path(__file__).resolve().parents[2]

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -153,13 +152,11 @@ def _fail(rank: int, world: int, model_dir: str, bad_rank: int) -> dict[str, Any
 
     if rank == bad_rank:
         stage.register_forward_pre_hook(explode)
-    start = time.monotonic()
     out: dict[str, Any] = {"error": None, "again": None}
     try:
         runner.forward_backward(_batch(), _pg_loss)
     except PipelineError as exc:
         out["error"] = str(exc)
-    out["elapsed"] = time.monotonic() - start
     try:
         runner.forward_backward(_batch(), _pg_loss)
     except PipelineError as exc:
@@ -367,7 +364,7 @@ def test_stage_failure_ends_step_on_every_rank(model_dirs: dict[bool, Path]) -> 
     for r in (0, 2, 3):
         assert ranks[r]["error"] is not None and f"stage {r}/4 failed" in ranks[r]["error"]
     # Peers learn of the failure from the torn-down group, not from its 60 s timeout.
-    assert all(r["elapsed"] < 20 for r in ranks)
+    assert not any(word in r["error"].lower() for r in ranks for word in ("timeout", "timed out"))
     assert all("refuses" in r["again"] for r in ranks)
 
 

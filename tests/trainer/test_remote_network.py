@@ -12,22 +12,22 @@ from trainer.config import TrainerConfig
 from trainer.remote_network import adopt_network, check_base_model, waiting_reporter
 from verify.errors import ConfigError
 
-INFO = {"network": {"task": "arithmetic", "max_staleness": 2, "temperature": 1.0, "group_size": 4,
+INFO = {"network": {"task": "arithmetic", "rules": {"max_staleness": 2, "audit_rate": -1.0}, "temperature": 1.0, "group_size": 4,
                     "max_tokens": 16, "base_model_digest": "ab" * 32}}
 
 
 def test_sampling_settings_come_from_the_validator() -> None:
     cfg = TrainerConfig.model_validate({"local": {"temperature": 0.5}})  # as configs/trainer.toml
     got = adopt_network(cfg, INFO, "http://v")
-    assert got.local.temperature == 1.0 and got.max_staleness == 2 and got.task == "arithmetic"
+    assert got.local.temperature == 1.0 and got.rules.max_staleness == 2 and got.task == "arithmetic"
 
 
 def test_an_explicit_mismatch_names_both_values_and_the_setting() -> None:
-    cfg = TrainerConfig.model_validate({"max_staleness": 8})
+    cfg = TrainerConfig.model_validate({"rules": {"max_staleness": 8}})
     with pytest.raises(ConfigError) as err:
         adopt_network(cfg, INFO, "http://v")
     text = str(err.value)
-    assert "max_staleness = 8" in text and "policy.max_staleness = 2" in text
+    assert "trainer rules.max_staleness = 8" in text and "has rules.max_staleness = 2" in text
 
 
 def test_another_base_model_is_refused(tmp_path: Path) -> None:

@@ -148,8 +148,16 @@ def test_without_importance_sampling_ratios_are_one(tiny: Path) -> None:
 def test_ppo_decoupled_uses_proximal_logprobs(tiny: Path) -> None:
     batch = build_batch([group(b"d" * 16, [1.0, 0.0])], 0)
     step = make_step(tiny, loss="ppo-decoupled", proximal=True)
+    with torch.no_grad():  # pi_prox: the policy before the step; the weight is pi_prox / mu
+        prox = step.runner.logprobs(batch.input_ids, batch.attention_mask)
+    weight = torch.exp(prox - batch.behaviour_logprobs).clamp(max=5.0)
+    mask = batch.target_mask
+    want = float((weight * mask).sum() / mask.sum())
     m = step(batch)
-    assert "off_policy/behaviour_weight_mean" in m and np.isfinite(m["train/loss"])
+    assert np.isfinite(m["train/loss"]) and abs(want - 1.0) > 0.05
+    assert m["off_policy/behaviour_weight_mean"] == pytest.approx(want, rel=1e-4)
+    without = make_step(tiny, loss="ppo-decoupled", proximal=False)(batch)  # pi_prox = mu
+    assert without["off_policy/behaviour_weight_mean"] == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("bad", [0, 1])

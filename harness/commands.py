@@ -1,4 +1,9 @@
-"""``prooftrain harness``: run adversarial scenarios, report on them, compare runs."""
+"""The harness's commands of the ``prooftrain`` CLI: ``harness`` (run adversarial scenarios,
+report on them, compare runs) and ``demo`` (the default scenario).
+
+``node.cli`` finds them through the ``prooftrain.commands`` entry points, so the
+CLI offers them while production code never imports the harness.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from pathlib import Path
 from verify.errors import ProofTrainError
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register_harness(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "harness", help="run adversarial-contributor scenarios and report on them",
         description="Train against a simulated population of honest and adversarial contributors "
@@ -93,3 +98,20 @@ def run_compare(args: argparse.Namespace) -> int:
     md, png = write_comparison(args.run_dirs, Path(args.out))
     print(f"comparison: {md} (plot: {png})")
     return 0
+
+
+def register_demo(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="run the default adversarial training scenario and print where the report is",
+        description="Build or reuse the demo base policy, run configs/scenarios/demo.toml "
+        "with the embedded SQLite ledger, and print where the report is.",
+    )
+    p.add_argument("--out", default="runs/demo", help="report directory (default: runs/demo)")
+    p.set_defaults(func=run_demo)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from harness.demo import run_demo as demo  # noqa: PLC0415
+
+    return demo(args.out)

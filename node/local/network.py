@@ -1,7 +1,8 @@
 """An in-process network: one validator core, N contributors, a policy-version registry.
 
 Everything a real run does except sockets: contributors answer signed
-assignments (honestly, or with a strategy from ``harness.adversaries``), the
+assignments (honestly; the harness's subclass, ``harness.local.AdversarialNetwork``,
+also plays the strategies of ``harness.adversaries``), the
 validator core admits, scores, spot-checks and records them in its ledger, and
 accepted samples are served by cursor (``fetch``, a ``trainer.buffer.SampleSource``).
 
@@ -11,8 +12,8 @@ error feedback, a full snapshot every ``snapshot_every`` versions), puts the
 blob in the ledger's blob store, signs the manifest with the network's trainer
 key and records it with the validator, so assignments from then on name the
 new version and spot checks recompute under it. The registry
-(``harness.version_registry``, bounded to the staleness window) holds the *published copy*, the weights every contributor
-rebuilds from the chain (``rollout.sync.PolicySync``), not the trainer's own:
+(``node.local.versions``, bounded to the staleness window) holds the *published copy*, the
+weights every contributor rebuilds from the chain (``rollout.sync.PolicySync``), not the trainer's own:
 contributors sample from it, spot checks recompute under it and evals score it.
 ``publish_delay = s`` holds each version back for s further publications: the
 validator then assigns version v - s while the trainer is at v, which is how
@@ -40,10 +41,9 @@ import blake3
 import torch
 from transformers import PreTrainedModel
 
-from harness.adversaries.base import Context, make_strategy
-from harness.version_registry import RegistryOracle, VersionRegistry
 from ledger.log import Ledger
-from node.config import ValidatorConfig, load
+from node.config import AssignmentSection, AuditSection, NodeSection, ValidatorConfig
+from node.local.versions import RegistryOracle, VersionRegistry
 from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.state import StateStore
@@ -54,6 +54,7 @@ from rollout.oracle import UnknownPolicyVersion
 from rollout.sync import PolicySync
 from rollout.worker import honest_request, sign_completions
 from trainer.evals import EvalReport, eval_statement
+from trainer.network_rules import NetworkRules
 from trainer.publish import StagePublisher, build_manifest
 from verify.errors import AdmissionError, ConfigError, VerificationError
 from verify.keys import SigningKey
@@ -108,17 +109,16 @@ class LocalSettings:
 
     contributors: int = 4
     adversaries: tuple[str, ...] = ()
-    """Strategy names (``harness.adversaries``), one extra contributor each."""
+    """Strategy names, one extra contributor each (played by a subclass: :meth:`LocalNetwork.answer_as`)."""
     group_size: int = 8
     max_tokens: int = 8
     temperature: float = 1.0
     pool: int = 8192
     task: str = "arithmetic"
     seed: int = 0
-    audit_rate: float = -1.0
-    """-1: the reputation-driven rate; otherwise a fixed spot-check rate."""
-    max_staleness: int = 16
-    """The validator's admission staleness window."""
+    rules: NetworkRules = NetworkRules()
+    """The network's shared settings; the validator admits within ``max_staleness +
+    publish_delay`` (the versions it holds back are not yet current)."""
     groups_per_fetch: int = 16
     publish_delay: int = 0
     codec: str = "int8-block"
@@ -144,21 +144,25 @@ class LocalNetwork:
         work_dir: str | Path | None = None,
     ) -> None:
         self.settings = s = settings
+        for name in s.adversaries:
+            self.check_strategy(name)
         self.model_dir = Path(model_dir)
         self._tmp = None if work_dir else tempfile.TemporaryDirectory(prefix="prooftrain-local-")
         self.work_dir = Path(work_dir or self._tmp.name)  # type: ignore[union-attr]
         self.work_dir.mkdir(parents=True, exist_ok=True)
         base = load_pretrained_lm(self.model_dir, dtype=torch.float32)
-        self.registry = VersionRegistry(base.eval(), keep=s.max_staleness + s.publish_delay + 2)
+        window = s.rules.max_staleness + s.publish_delay
+        self.registry = VersionRegistry(base.eval(), keep=window + 2)
         self.codec = HFTextCodec(self.model_dir)
         self.trainer_key = local_trainer_key()
         vkey = local_validator_key()
-        cfg = load(ValidatorConfig, None, {
-            "assignment.group_size": s.group_size, "assignment.max_tokens": s.max_tokens,
-            "assignment.temperature": s.temperature, "audit.rate_override": s.audit_rate,
-            "policy.max_staleness": s.max_staleness + s.publish_delay,
-            "audit.epoch_groups": 64, "node.checkpoint_every": 256,
-        })
+        cfg = ValidatorConfig(
+            node=NodeSection(checkpoint_every=256),
+            rules=s.rules.model_copy(update={"max_staleness": window}),
+            assignment=AssignmentSection(group_size=s.group_size, max_tokens=s.max_tokens,
+                                         temperature=s.temperature),
+            audit=AuditSection(epoch_groups=64),
+        )
         self.ledger = Ledger.open(self.work_dir / "ledger.sqlite", signing_key=vkey,
                                   origin="prooftrain/local")
         self.state = StateStore(self.work_dir / "state.sqlite")
@@ -238,10 +242,18 @@ class LocalNetwork:
                 group = GroupSubmission(a.assignment_id, sign_completions(key, a, generated[i]))
                 bodies.append(canonical_bytes(group))
             else:
-                ctx = Context(key, TransformersBackend(self.registry[a.policy_version]), self.codec,
-                              self.validator.key.public, oracle=RegistryOracle(self.registry))
-                bodies.append(make_strategy(name).answer(ctx, sealed))
+                bodies.append(self.answer_as(name, key, sealed, a))
         return bodies
+
+    def check_strategy(self, name: str) -> None:
+        """Refuse a contributor strategy this network cannot play: here, any but honest."""
+        raise ConfigError(f"adversary {name!r}: the in-process network runs honest contributors "
+                          "only; adversaries play in harness scenarios (`prooftrain harness run`)")
+
+    def answer_as(self, strategy: str, key: SigningKey, sealed: SignedAssignment,
+                  a: WorkAssignment) -> bytes:
+        """The group a contributor playing ``strategy`` (not honest) submits for ``sealed``."""
+        raise ConfigError(f"the in-process network cannot play {strategy!r}")
 
     def _refused(self, exc: VerificationError) -> None:
         self.stats.admission_errors[exc.reason.value if exc.reason else "?"] += 1

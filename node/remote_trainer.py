@@ -1,4 +1,4 @@
-"""Remote mode: the trainer against a validator node over HTTP.
+"""The trainer role against a validator node over HTTP (``prooftrain trainer --validator``).
 
 The trainer holds the trainer key; the validator holds the ledger. Each step:
 
