@@ -41,11 +41,26 @@ completions trained per wall-clock second over the remaining ``steps``.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
   prooftrain_samples_per_s / trl_samples_per_s   completions trained per wall second
-  ratio                                          prooftrain / TRL (target >= 0.7)
+  ratio                                          prooftrain / TRL (target >= 0.8)
   prooftrain_wall_s / trl_wall_s                 timed seconds of each side's best round
   *_rounds_samples_per_s                         every round's figure
   audit_rate_mean                                mean spot-check probability the
                                                  validator applied (reputation-driven)
+  prooftrain_phases_s                            seconds per timed step of each phase
+                                                 (``phase_targets``; exclusive, ``other``
+                                                 is the rest of the step)
+  prooftrain_peak_rss_mib / trl_peak_rss_mib     each side's peak resident memory
+  prooftrain_train_reward_mean                   mean reward of the trained batches (0:
+                                                 every advantage, so every gradient, is 0)
+
+``--scaling`` runs that comparison at three sizes in one run (the demo base
+model; a random-init Llama, hidden 384, 6 layers, 14M parameters; SmolLM2-135M
+from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
+it, skipped with the reason when absent), with ``--scaling-steps`` and
+``--scaling-rounds`` per size, then measures the default aggregator's extra
+peak memory on (n, d) rows at two contributor counts (``bench/_phases.py``).
+Its JSON line holds ``sizes`` (each size's figures as above, plus ``params``),
+``ratios``, ``ratio_holds_with_size`` and ``aggregation_memory``.
 
 TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
 TRL figures and the ratio are null and ``skipped`` says why.
@@ -56,6 +71,7 @@ backward pass per contributor (its fallback) instead of one pass for all
 
     python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
+    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,10,3]
 """
 
 from __future__ import annotations
@@ -64,6 +80,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -75,9 +92,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench._phases import PhaseClock, Target, aggregation_peak, peak_rss_mib, per_step  # noqa: E402
 from bench._util import emit  # noqa: E402
 
-RATIO_TARGET = 0.7
+RATIO_TARGET = 0.8
 TASK = "arithmetic"
 SEED = 0
 TRL_MISSING = "trl not installed (pip install '.[bench]')"
@@ -138,6 +156,36 @@ def pool_size(args: argparse.Namespace) -> int:
 # -- prooftrain ---------------------------------------------------------------------------
 
 
+def phase_targets() -> list[Target]:
+    """The calls that make up each phase of prooftrain's step (timed exclusively: a call
+    nested in another counts towards its own phase only)."""
+    import torch
+
+    import harness.adversaries.base as strategies
+    import harness.run as hrun
+    import trainer.rl as rl
+    from trainer.groupgrad import GroupGradients
+    from trainer.pipeline import PipelineRunner
+
+    return [
+        ("generation", hrun.Simulation, "_prefetch"), ("generation", hrun.Simulation, "_answer"),
+        ("signing", strategies, "sign_completions"),
+        ("admission_and_spot_checks", hrun.Simulation, "_deliver_all"),
+        ("rl_forward_backward", PipelineRunner, "forward_backward"),
+        ("per_contributor_gradients", GroupGradients, "_linear"),
+        ("per_contributor_gradients", GroupGradients, "_embedding"),
+        ("per_contributor_gradients", GroupGradients, "_rmsnorm"),
+        ("per_contributor_gradients", GroupGradients, "reset"),
+        ("per_contributor_gradients", GroupGradients, "gram"),
+        ("per_contributor_gradients", rl, "flat_grad"),
+        ("aggregation", rl.RLStep, "_apply"),
+        ("aggregation", GroupGradients, "combine"),
+        ("aggregation", rl.RLStep, "_finish"),
+        ("optimizer_step", torch.optim.AdamW, "step"),
+        ("publication", hrun.LocalNetwork, "publish"),
+    ]
+
+
 def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     import harness.run as hrun
     from harness.events import EVENTS_FILE, EventLog, Reputation, read_events
@@ -146,6 +194,9 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 
     durations: list[float] = []
     samples: list[int] = []
+    rewards: list[float] = []
+    clock = PhaseClock()
+    after_warmup: dict[str, float] = {}
 
     class TimedLoop(hrun.TrainerLoop):
         def train_step(self):  # noqa: ANN202 - same signature as the base
@@ -153,6 +204,9 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
             metrics = super().train_step()
             durations.append(time.perf_counter() - start)
             samples.append(int(metrics.get("train/samples", 0)))
+            rewards.append(float(metrics.get("train/reward", 0.0)))
+            if len(durations) == 1:
+                after_warmup.update(clock.snapshot())
             return metrics
 
     def config(s, model_dir):  # noqa: ANN001, ANN202
@@ -171,14 +225,17 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     fallback = (patched(GroupGradients, "plan", lambda module, params: None)
                 if args.pass_per_contributor else contextlib.nullcontext())
     with patched(hrun, "TrainerLoop", TimedLoop), patched(hrun, "trainer_config", config), \
-            fallback, EventLog(log_path) as log:
+            fallback, clock.installed(phase_targets()), EventLog(log_path) as log:
         values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
+        timed = clock.snapshot()
     total = time.perf_counter() - start
     rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
     return {
         "samples": sum(samples[1:]), "wall_s": sum(durations[1:]), "warmup_s": durations[0],
         "total_wall_s": total, "steps": len(durations) - 1, "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+        "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
+        "peak_rss_mib": peak_rss_mib(), "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
     }
 
 
@@ -186,7 +243,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 
 
 def reward_fn(prompts: list[str], completions: list[str], problem_id: list[str],
-              answer: list[str], **_: Any) -> list[float]:
+              answer: list[str], **_: Any) -> list[float | None]:
     """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
     from rewards import Problem, reward
 
@@ -234,7 +291,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     steps = len(ends) - 1
     return {"samples": steps * args.groups * args.group_size, "wall_s": ends[-1] - ends[0],
             "warmup_s": ends[0] - start, "total_wall_s": time.perf_counter() - start,
-            "steps": steps}
+            "steps": steps, "peak_rss_mib": peak_rss_mib()}
 
 
 # -- driver -------------------------------------------------------------------------------
@@ -304,9 +361,14 @@ def summarise(args: argparse.Namespace, pts: list[dict], trls: list[dict],
         "ledger_audit_ok": all(p["audit_ok"] for p in pts),
         "prooftrain_samples_per_s": round(pt_rate, 2), "prooftrain_wall_s": round(pt["wall_s"], 2),
         "prooftrain_rounds_samples_per_s": [round(rate(p), 2) for p in pts],
+        "prooftrain_phases_s": pt.get("phases_s"),
+        "prooftrain_peak_rss_mib": pt.get("peak_rss_mib"),
+        "prooftrain_train_reward_mean": (None if pt.get("train_reward_mean") is None
+                                         else round(pt["train_reward_mean"], 4)),
         "trl_samples_per_s": None if trl_rate is None else round(trl_rate, 2),
         "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
+        "trl_peak_rss_mib": None if trl is None else trl.get("peak_rss_mib"),
         "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
         "ratio_target": RATIO_TARGET,
         "contributor_gradients": ("a pass per contributor" if args.pass_per_contributor
@@ -317,7 +379,109 @@ def summarise(args: argparse.Namespace, pts: list[dict], trls: list[dict],
     return result
 
 
-def main() -> None:
+def compare(args: argparse.Namespace, skipped: str | None) -> dict:
+    """``args.rounds`` alternating runs of each side on ``args.model_dir``; their summary."""
+    pts: list[dict] = []
+    trls: list[dict] = []
+    for r in range(args.rounds):
+        say(f"round {r + 1}/{args.rounds}")
+        pts.append(run_side("prooftrain", args))
+        if not skipped:
+            trls.append(run_side("trl", args))
+    return summarise(args, pts, trls, skipped)
+
+
+# -- scaling: three model sizes in one run ------------------------------------------------
+
+SIZES = {"demo": "the demo base model", "14m": "random-init Llama, hidden 384, 6 layers",
+         "smollm2-135m": "SmolLM2-135M-Instruct"}
+SIZE_STEPS = (20, 10, 3)
+SIZE_ROUNDS = (3, 2, 1)
+MEMORY_CONTRIBUTORS = (4, 8)
+
+
+def model_params(model_dir: Path) -> int:
+    """Parameters stored in a model directory's safetensors files (a tied tensor once)."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def smollm2_dir(given: str | None) -> tuple[Path | None, str | None]:
+    """The SmolLM2-135M directory to use, or None and why it is skipped."""
+    if given:
+        path = Path(given)
+        return (path, None) if (path / "config.json").is_file() else (
+            None, f"--smollm2-dir {given} holds no model (prooftrain models fetch smollm2-135m)")
+    try:
+        from rollout.pretrained import default_model_dir
+    except ImportError:
+        return None, "no SmolLM2 fetch in this checkout (rollout.pretrained) and no --smollm2-dir"
+    path = default_model_dir("smollm2-135m")
+    if not (path / "config.json").is_file():
+        return None, (f"SmolLM2-135M not fetched to {path}: run `prooftrain models fetch "
+                      "smollm2-135m` or pass --smollm2-dir")
+    return path, None
+
+
+def size_model(size: str, args: argparse.Namespace, tmp: Path) -> tuple[Path | None, str | None]:
+    if size == "demo":
+        from trainer.base_model import ensure_base_model
+
+        return ensure_base_model(TASK, SEED, progress=False), None
+    if size == "14m":
+        return build_wide_model(384, 6, tmp / "14m"), None
+    return smollm2_dir(args.smollm2_dir)
+
+
+def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
+    """The comparison at each size of ``args.sizes``, then the aggregator's memory."""
+    steps, rounds = args.scaling_steps, args.scaling_rounds
+    sizes: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="trust-overhead-models-") as tmp:
+        for i, size in enumerate(args.sizes):
+            model_dir, why = size_model(size, args, Path(tmp))
+            if model_dir is None:
+                say(f"{size}: skipped: {why}")
+                sizes[size] = {"model": SIZES[size], "skipped": why}
+                continue
+            say(f"{size}: {SIZES[size]} from {model_dir}")
+            sub = argparse.Namespace(**{**vars(args), "model_dir": str(model_dir),
+                                        "steps": steps[i], "rounds": rounds[i]})
+            result = compare(sub, skipped)
+            result.update(model=SIZES[size], params=model_params(model_dir))
+            sizes[size] = result
+    ratios = {k: v.get("ratio") for k, v in sizes.items()}
+    measured = [r for r in ratios.values() if r is not None]
+    return {
+        "bench": "trust_overhead", "mode": "scaling", "ratio_target": RATIO_TARGET,
+        "ratios": ratios, "ratio_holds_with_size": (
+            all(b >= a for a, b in zip(measured, measured[1:], strict=False))
+            if len(measured) > 1 else None),
+        "sizes": sizes, "aggregation_memory": aggregation_memory(args.memory_params),
+        **({"skipped": skipped} if skipped else {}),
+    }
+
+
+def aggregation_memory(params: int) -> dict:
+    """The default aggregator's extra peak memory on ``params`` parameters at two
+    contributor counts, each in a fresh process."""
+    runs = [aggregation_peak(n, params) for n in MEMORY_CONTRIBUTORS]
+    return {"params": params, "runs": runs,
+            "rows": "n x d float32 (the per-contributor gradients the trainer holds)",
+            "extra": "per run: extra_peak_bytes over the rows, and as a multiple of d float32"}
+
+
+def counts(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(","))
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
@@ -329,40 +493,65 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating runs of each side; the best of each counts")
     parser.add_argument("--model-dir", help="a local Hugging Face model directory for both sides "
-                        "(default: the demo base model); its tokenizer must be the arithmetic "
-                        "task's")
+                        "(default: the demo base model)")
     parser.add_argument("--width", type=int, help="instead: a randomly initialised Llama of this "
                         "hidden size (and --layers) with the demo tokenizer, built for the run "
                         "(throughput only; e.g. --width 384 --layers 6 is 14M parameters)")
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
     parser.add_argument("--pass-per-contributor", action="store_true",
                         help="prooftrain's RL step runs a pass per contributor (its fallback)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="compare at every size of --sizes in one run, then measure the "
+                        "aggregator's memory at two contributor counts")
+    parser.add_argument("--sizes", type=lambda t: tuple(t.split(",")), default=tuple(SIZES),
+                        help=f"sizes for --scaling, of {','.join(SIZES)}")
+    parser.add_argument("--scaling-steps", type=counts, default=SIZE_STEPS,
+                        help="timed steps per size for --scaling (comma-separated)")
+    parser.add_argument("--scaling-rounds", type=counts, default=SIZE_ROUNDS,
+                        help="rounds per size for --scaling (comma-separated)")
+    parser.add_argument("--smollm2-dir", help="SmolLM2-135M directory for --scaling (default: "
+                        "where `prooftrain models fetch smollm2-135m` puts it)")
+    parser.add_argument("--memory-params", type=int, default=14_000_000,
+                        help="parameters of the aggregator memory measurement of --scaling")
     parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if min(args.steps, args.groups, args.max_tokens, args.contributors, args.rounds) < 1 \
             or args.group_size < 2:
         parser.error("need --group-size >= 2 and every other count >= 1")
+    if args.width and args.model_dir:
+        parser.error("give --model-dir or --width, not both")
+    if args.scaling:
+        unknown = sorted(set(args.sizes) - set(SIZES))
+        if unknown or not args.sizes:
+            parser.error(f"unknown sizes {unknown}; known: {','.join(SIZES)}")
+        n = len(SIZES)
+        if len(args.scaling_steps) != n or len(args.scaling_rounds) != n \
+                or min(args.scaling_steps + args.scaling_rounds) < 1:
+            parser.error(f"--scaling-steps and --scaling-rounds need {n} counts >= 1 "
+                         f"(one per size of {','.join(SIZES)})")
+        index = [list(SIZES).index(s) for s in args.sizes]
+        args.scaling_steps = tuple(args.scaling_steps[i] for i in index)
+        args.scaling_rounds = tuple(args.scaling_rounds[i] for i in index)
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.side:
         with tempfile.TemporaryDirectory(prefix=f"trust-overhead-{args.side}-") as tmp:
             print(json.dumps(SIDES[args.side](args, Path(tmp))))
         return
-    if args.width and args.model_dir:
-        parser.error("give --model-dir or --width, not both")
     skipped = None if importlib.util.find_spec("trl") is not None else TRL_MISSING
     if skipped:
         say(f"TRL side skipped: {skipped}")
-    pts: list[dict] = []
-    trls: list[dict] = []
+    if args.scaling:
+        emit(run_scaling(args, skipped))
+        return
     with tempfile.TemporaryDirectory(prefix="trust-overhead-model-") as tmp:
         if args.width:
             args.model_dir = str(build_wide_model(args.width, args.layers, Path(tmp)))
-        for r in range(args.rounds):
-            say(f"round {r + 1}/{args.rounds}")
-            pts.append(run_side("prooftrain", args))
-            if not skipped:
-                trls.append(run_side("trl", args))
-    result = summarise(args, pts, trls, skipped)
+        result = compare(args, skipped)
     if args.width:
         result["model"] = f"random-init Llama, hidden {args.width}, {args.layers} layers"
     emit(result)

@@ -87,6 +87,7 @@ class TransformersOracle(LogitsOracle):
         self.min_prefix_savings = min_prefix_savings
         self.max_packed_tokens = max_packed_tokens
         self._packs: dict[int, int] = {}  # version -> its packed width limit, 0 if it does not pack
+        self._probed: dict[tuple, bool] = {}  # architecture -> whether packing matched
         self._lock = threading.RLock()  # loading, evicting and probing; forward passes run outside it
 
     def model(self, version: int) -> torch.nn.Module:
@@ -138,9 +139,22 @@ class TransformersOracle(LogitsOracle):
                 if (span := attention_span(config)) is not None:  # a packed mask replaces a window's
                     limit = min(limit, span)  # own: rows no wider than it never need it
                 impl = getattr(config, "_attn_implementation", None)
-                packs = limit > 0 and impl in ("sdpa", "eager") and self._packing_matches(model, limit)
+                packs = limit > 0 and impl in ("sdpa", "eager") and self._probe(model, limit)
                 self._packs[version] = limit if packs else 0
             return self._packs[version]
+
+    def _probe(self, model: torch.nn.Module, limit: int) -> bool:
+        """:meth:`_packing_matches`, once per architecture: whether a model honours the
+        packed mask and positions depends on its class, config, dtype and device, not on the
+        values of its weights, so the versions of one policy share one probe."""
+        config = getattr(model, "config", None)
+        to_json = getattr(config, "to_json_string", None)
+        shape = to_json() if callable(to_json) else repr(config)
+        param = next(model.parameters())
+        key = (type(model), shape, param.dtype, param.device, limit)
+        if key not in self._probed:
+            self._probed[key] = self._packing_matches(model, limit)
+        return self._probed[key]
 
     def _packing_matches(self, model: torch.nn.Module, limit: int) -> bool:
         """The packed layout gives the padded layout's logits on a probe group as wide as

@@ -21,6 +21,16 @@ activation gradients only and no full-batch weight gradient is formed. A tied
 parameter (embedding and output head) gets the sum of both modules' parts.
 :func:`GroupGradients.plan` returns ``None`` for a stage holding any other
 parameterised module; callers then fall back to one pass per contributor.
+
+Without the rows. :meth:`GroupGradients.capture_gram` keeps each module's
+input and output gradient instead (activation-sized, whatever the number of
+groups); :meth:`GroupGradients.gram` then forms the groups' Gram matrix
+``K = R R^T`` (n, n) one block of parameter rows at a time, so at most
+``n x GRAM_BLOCK`` gradient entries exist at once, and
+:meth:`GroupGradients.combine` writes ``sum_c alpha_c R_c`` into ``.grad`` as
+one weighted pass (each row's output gradient scaled by its group's alpha).
+Memory: the model, the kept activations and ``O(n^2 + n * GRAM_BLOCK)``,
+never ``n x d``.
 """
 
 from __future__ import annotations
@@ -59,6 +69,9 @@ def _norm_eps(module: nn.Module) -> float | None:
     ok = isinstance(got, Tensor) and got.shape == want.shape and torch.equal(got, want)
     return eps if ok else None
 
+
+GRAM_BLOCK = 1 << 20
+"""Gradient entries per group in one block of :meth:`GroupGradients.gram` (4 MiB float32)."""
 
 _HandlerFn = Callable[["GroupGradients", Any, Tensor, Tensor, Any], None]
 """``handler(grads, module, module input, output gradient, arg)``: adds one module's part."""
@@ -99,6 +112,7 @@ class GroupGradients:
         self.numel = start
         self._segments: list[tuple[int, int]] = []
         self._out: Tensor | None = None
+        self._calls: list[_Call] | None = None  # capture_gram: what each module saw
 
     @classmethod
     def plan(cls, module: nn.Module, params: Sequence[nn.Parameter]) -> GroupGradients | None:
@@ -128,9 +142,22 @@ class GroupGradients:
         the rows ``segments[c] = (lo, hi)`` (zeroed first)."""
         if out.shape != (len(segments), self.numel):
             raise ValueError(f"out must be {(len(segments), self.numel)}, got {tuple(out.shape)}")
-        out.zero_()
-        self._segments = [(int(lo), int(hi)) for lo, hi in segments]
+        self.reset(out)
         self._out = out
+        with self._hooks(segments):
+            yield
+
+    @contextlib.contextmanager
+    def capture_gram(self, segments: Sequence[tuple[int, int]]) -> Iterator[None]:
+        """Hooks on for one forward and backward that keep what :meth:`gram` and
+        :meth:`combine` need (see the module docstring)."""
+        self._calls = []
+        with self._hooks(segments):
+            yield
+
+    @contextlib.contextmanager
+    def _hooks(self, segments: Sequence[tuple[int, int]]) -> Iterator[None]:
+        self._segments = [(int(lo), int(hi)) for lo, hi in segments]
         flags = [p.requires_grad for p in self.params]
         handles = [sub.register_forward_hook(self._hook(handler, arg))
                    for sub, handler, arg in self._handlers]
@@ -144,6 +171,45 @@ class GroupGradients:
             for p, flag in zip(self.params, flags, strict=True):
                 p.requires_grad_(flag)
             self._out = None
+
+    def reset(self, out: Tensor) -> None:
+        """Zero the rows the hooks add into."""
+        out.zero_()
+
+    def gram(self) -> Tensor:
+        """The groups' Gram matrix ``K[a, b] = <R_a, R_b>`` (n, n) float64 after a
+        :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time."""
+        n = len(self._segments)
+        k = torch.zeros((n, n), dtype=torch.float64)
+        parts = _parts(self)
+        for p in self.params:
+            if id(p) not in parts:
+                continue
+            rows = p.shape[0] if p.dim() else 1
+            step = max(1, GRAM_BLOCK // max(1, p.numel() // rows))
+            for a in range(0, rows, step):
+                b = min(a + step, rows)
+                block = torch.zeros((n, b - a, *p.shape[1:]), dtype=torch.float32)
+                for call, role in parts[id(p)]:
+                    call.add(block, role, a, b)
+                flat = block.reshape(n, -1)
+                k += (flat @ flat.T).double()
+        return k
+
+    def combine(self, alpha: Tensor) -> None:
+        """``p.grad = sum_c alpha_c R_c`` for every tracked parameter after a
+        :meth:`capture_gram` pass; groups with alpha 0 are left out (a non-finite group
+        cannot reach the result). Releases what the capture kept."""
+        if alpha.shape != (len(self._segments),):
+            raise ValueError(f"alpha must be ({len(self._segments)},), got {tuple(alpha.shape)}")
+        scales = [float(a) for a in alpha]
+        parts = _parts(self)
+        for p in self.params:
+            grad = torch.zeros((1, *p.shape), dtype=torch.float32)
+            for call, role in parts.get(id(p), []):
+                call.add(grad, role, 0, p.shape[0] if p.dim() else 1, scales)
+            p.grad = grad[0].to(p.dtype)
+        self._calls = None
 
     # -- hooks
 
@@ -160,10 +226,18 @@ class GroupGradients:
             x = inputs[0].detach()
             if not output.requires_grad:  # the first module of stage 0: gradients start here
                 output = output.detach().requires_grad_()
-            output.register_hook(lambda g: handler(self, module, x, g.detach(), arg))
+            output.register_hook(lambda g: self._on_grad(handler, module, x, g.detach(), arg))
             return output
 
         return forward_hook
+
+    def _on_grad(self, handler: _HandlerFn, module: Any, x: Tensor, g: Tensor, arg: Any) -> None:
+        if self._calls is None:
+            handler(self, module, x, g, arg)
+            return
+        if handler is GroupGradients._rmsnorm:
+            x = _rms_normalize(x, arg)
+        self._calls.append(_Call.keep(handler, module, x, g, arg, self._segments))
 
     def _linear(self, module: nn.Linear, x: Tensor, g: Tensor, _: Any) -> None:
         weight, bias = self._tracked(module.weight), self._tracked(module.bias)
@@ -199,3 +273,70 @@ class GroupGradients:
                 continue
             part = (g[lo:hi].float() * normed[lo:hi].float()).reshape(-1, g.shape[-1]).sum(0)
             self._view(weight, c).add_(part)
+
+
+# -- without the rows: the Gram matrix, then one weighted pass
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One module call, per group: the token rows whose output gradient is not zero (the
+    rest add nothing to any gradient), their input (RMS norms: the normalised input) and
+    output gradient, flattened to ``(tokens, features)``."""
+
+    handler: _HandlerFn
+    module: nn.Module
+    xs: list[Tensor]
+    gs: list[Tensor]
+    arg: Any
+
+    @classmethod
+    def keep(cls, handler: _HandlerFn, module: nn.Module, x: Tensor, g: Tensor, arg: Any,
+             segments: Sequence[tuple[int, int]]) -> _Call:
+        xs, gs = [], []
+        for lo, hi in segments:
+            gc = g[lo:hi].reshape(-1, g.shape[-1])
+            xc = x[lo:hi].reshape(-1) if x.dim() == g.dim() - 1 else x[lo:hi].reshape(-1, x.shape[-1])
+            live = gc.ne(0).any(dim=1)  # (tokens,)
+            if not bool(live.all()):
+                xc, gc = xc[live], gc[live]
+            xs.append(xc)
+            gs.append(gc)
+        return cls(handler, module, xs, gs, arg)
+
+    def parts(self) -> list[tuple[nn.Parameter, str]]:
+        names = ("weight", "bias") if self.handler is GroupGradients._linear else ("weight",)
+        return [(p, n) for n in names if isinstance(p := getattr(self.module, n, None),
+                                                        nn.Parameter)]
+
+    def add(self, out: Tensor, role: str, a: int, b: int,
+            scales: Sequence[float] | None = None) -> None:
+        """Rows ``a:b`` of this call's part of parameter ``role``'s gradient: group c's into
+        ``out[c]``, or with ``scales``, ``sum_c scales[c] * (group c's)`` into ``out[0]``."""
+        for c, (xc, gc) in enumerate(zip(self.xs, self.gs, strict=True)):
+            scale = 1.0 if scales is None else scales[c]
+            if not len(gc) or scale == 0.0:
+                continue
+            dst, gc = out[c if scales is None else 0], gc.float()
+            if self.handler is GroupGradients._embedding:
+                keep = (xc >= a) & (xc < b)
+                if self.arg is not None:  # nn.Embedding gives its padding row no gradient
+                    keep &= xc != self.arg
+                dst.index_add_(0, xc[keep] - a, gc[keep], alpha=scale)
+            elif self.handler is GroupGradients._rmsnorm:
+                dst.add_((gc * xc.float())[:, a:b].sum(0), alpha=scale)
+            elif role == "bias":
+                dst.add_(gc[:, a:b].sum(0), alpha=scale)
+            else:
+                dst.addmm_(gc[:, a:b].t(), xc.float(), alpha=scale)
+
+
+def _parts(grads: GroupGradients) -> dict[int, list[tuple[_Call, str]]]:
+    """Tracked parameter id -> the calls (and roles) that contributed to its gradient."""
+    assert grads._calls is not None  # noqa: SLF001
+    out: dict[int, list[tuple[_Call, str]]] = {}
+    for call in grads._calls:  # noqa: SLF001
+        for p, role in call.parts():
+            if grads._tracked(p):  # noqa: SLF001
+                out.setdefault(id(p), []).append((call, role))
+    return out

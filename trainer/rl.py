@@ -14,7 +14,14 @@ Per step, on every stage (every rank makes the same calls in the same order):
    either way;
 3. aggregate the n rows with the configured ``Aggregator`` (each stage
    aggregates its own shard; weights e.g. from reputation) and write the
-   result back into ``.grad``;
+   result back into ``.grad``. With the one-pass plan and an aggregator that
+   works from the rows' Gram matrix (``verify.aggregate.GramAggregator``, the
+   default centered clipping among them) the rows are never formed: the pass
+   keeps each module's inputs and output gradients, ``GroupGradients.gram``
+   forms ``K = R R^T`` (n, n) a parameter block at a time, the aggregator
+   turns K into coefficients alpha, and ``GroupGradients.combine`` writes
+   ``alpha @ R`` into ``.grad`` in one weighted pass: memory independent of
+   ``n x d``, the same result up to rounding;
 4. clip by the global norm (squared norms summed over stages) and step.
 
 Invariants: a contributor's rows reach the optimizer only through its one
@@ -37,7 +44,7 @@ from trainer.batch import TrainBatch
 from trainer.groupgrad import GroupGradients
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
-from verify.aggregate import Aggregator
+from verify.aggregate import Aggregator, GramAggregator
 from verify.aggregate_blocks import all_finite
 from verify.errors import ConfigError
 
@@ -127,6 +134,16 @@ class RLStep:
         self.grouped = (GroupGradients.plan(runner.stage, self.params)
                         if runner.num_microbatches == 1 and not runner.ties_across_stages else None)
         """One pass for every contributor's gradient, or None: one pass per contributor."""
+        self.via_gram = True
+        """With a one-pass plan and a ``GramAggregator``, aggregate from the contributors'
+        Gram matrix (``GroupGradients.gram``) and hold no (n, d) rows; False: hold them."""
+        self._rows: Tensor | None = None  # the (n, d) rows, kept between steps
+
+    @property
+    def gram(self) -> bool:
+        """Whether steps aggregate from the Gram matrix (see ``via_gram``)."""
+        return (self.via_gram and self.grouped is not None
+                and isinstance(self.aggregator, GramAggregator))
 
     def _loss_fn(self, logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
         mask = mb["target_mask"]
@@ -158,9 +175,13 @@ class RLStep:
         proximal = None
         if self.proximal:
             proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
-        # One row per kept contributor, written in place: aggregation reads them as one matrix.
-        rows_out = torch.empty((len(batch.contributors), sum(p.numel() for p in self.params)),
-                               dtype=torch.float32)
+        if self.gram:
+            names, metric_rows, dropped, metrics = self._gram_pass(batch, proximal, weights)
+            metrics["aggregate/dropped_nonfinite"] = float(dropped)
+            for key in metric_rows[0] if metric_rows else {}:
+                metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
+            return metrics
+        rows_out = self._rows_buffer(len(batch.contributors))
         if self.grouped is not None:
             names, metric_rows, dropped = self._one_pass(batch, proximal, rows_out)
         else:
@@ -171,6 +192,15 @@ class RLStep:
         for key in metric_rows[0] if metric_rows else {}:
             metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
         return metrics
+
+    def _rows_buffer(self, n: int) -> Tensor:
+        """(n, d) float32, one row per contributor, written in place and kept between steps
+        (a fresh one would be paged in again every step)."""
+        d = sum(p.numel() for p in self.params)
+        if self._rows is None or self._rows.shape[0] < n:
+            self._rows = None
+            self._rows = torch.empty((n, d), dtype=torch.float32)
+        return self._rows[:n]
 
     def _pass_per_contributor(
         self, batch: TrainBatch, proximal: Tensor | None, rows_out: Tensor
@@ -195,21 +225,51 @@ class RLStep:
             metric_rows.append(result.metrics)
         return names, metric_rows, dropped
 
-    def _one_pass(
-        self, batch: TrainBatch, proximal: Tensor | None, rows_out: Tensor
-    ) -> tuple[list[int], list[Metrics], int]:
-        assert self.grouped is not None
+    def _grouped(
+        self, batch: TrainBatch, proximal: Tensor | None
+    ) -> tuple[list[int], list[tuple[int, int]], dict[str, Tensor]]:
+        """(contributors present, their row segments, the batch's rows ordered by contributor)."""
         order = torch.argsort(batch.contributor, stable=True)
         counts = torch.bincount(batch.contributor, minlength=len(batch.contributors)).tolist()
         present = [c for c, n in enumerate(counts) if n]
-        if not present:
-            return [], [], 0
         bounds = torch.tensor([0, *counts]).cumsum(0).tolist()
         segments = [(bounds[c], bounds[c + 1]) for c in present]
         rows = batch.rows(order)
         if proximal is not None:
             rows["proximal_logprobs"] = proximal[order]
+        return present, segments, rows
 
+    def _gram_pass(
+        self, batch: TrainBatch, proximal: Tensor | None, weights: Tensor | None
+    ) -> tuple[list[int], list[Metrics], int, Metrics]:
+        """One pass, the contributors' Gram matrix, the aggregator's coefficients from it,
+        one weighted pass into ``.grad``, then clip and step (``_finish``)."""
+        assert self.grouped is not None and isinstance(self.aggregator, GramAggregator)
+        present, segments, rows = self._grouped(batch, proximal)
+        if not present:
+            self.optimizer.zero_grad(set_to_none=False)
+            return [], [], 0, {"aggregate/contributors": 0.0}
+        self.optimizer.zero_grad(set_to_none=False)
+        with self.grouped.capture_gram(segments):
+            result = self.runner.forward_backward(rows, self._segment_loss(segments))
+        gram = self.grouped.gram()
+        finite = torch.isfinite(torch.diagonal(gram))  # K_ii = ||R_i||^2: finite iff R_i is
+        keep = [i for i, ok in enumerate(_all_stages([bool(f) for f in finite])) if ok]
+        names = [present[i] for i in keep]
+        alpha = torch.zeros(len(present), dtype=torch.float64)
+        if keep:
+            sub = gram[keep][:, keep]
+            w = None if weights is None else weights[torch.tensor(names)].to(torch.float64)
+            alpha[keep] = (self.aggregator.coefficients(sub, w) if len(keep) > 1
+                           else torch.ones(1, dtype=torch.float64))
+        self.grouped.combine(alpha)
+        labels = [batch.contributors[c].hex()[:8] for c in names]
+        norms = torch.diagonal(gram)[keep].clamp(min=0.0).to(torch.float64)
+        metrics = self._finish(norms, labels) if keep else {"aggregate/contributors": 0.0}
+        per_contributor = self._split_metrics(result.metrics, len(present))
+        return names, [per_contributor[i] for i in keep], len(present) - len(keep), metrics
+
+    def _segment_loss(self, segments: list[tuple[int, int]]) -> Callable[..., tuple[Tensor, Metrics]]:
         def loss_fn(logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
             """sum_c loss_c; c's metrics under ``"c/key"`` (the runner shares them with
             every stage)."""
@@ -223,14 +283,28 @@ class RLStep:
                 metrics.update({f"{i}/{k}": float(v) for k, v in own.items()})
             return total, metrics
 
+        return loss_fn
+
+    @staticmethod
+    def _split_metrics(metrics: Metrics, n: int) -> list[Metrics]:
+        per_contributor: list[Metrics] = [{} for _ in range(n)]
+        for key, value in metrics.items():
+            i, _, name = key.partition("/")
+            per_contributor[int(i)][name] = value
+        return per_contributor
+
+    def _one_pass(
+        self, batch: TrainBatch, proximal: Tensor | None, rows_out: Tensor
+    ) -> tuple[list[int], list[Metrics], int]:
+        assert self.grouped is not None
+        present, segments, rows = self._grouped(batch, proximal)
+        if not present:
+            return [], [], 0
         out = rows_out[: len(present)]
         self.optimizer.zero_grad(set_to_none=False)
         with self.grouped.capture(segments, out):
-            result = self.runner.forward_backward(rows, loss_fn)
-        per_contributor: list[Metrics] = [{} for _ in present]
-        for key, value in result.metrics.items():
-            i, _, name = key.partition("/")
-            per_contributor[int(i)][name] = value
+            result = self.runner.forward_backward(rows, self._segment_loss(segments))
+        per_contributor = self._split_metrics(result.metrics, len(present))
         keep = [i for i, ok in enumerate(_all_stages([all_finite(row) for row in out])) if ok]
         if len(keep) < len(present):
             rows_out[: len(keep)] = out[keep]
@@ -248,7 +322,14 @@ class RLStep:
         agg = self.aggregator(stacked, w) if len(stacked) > 1 else stacked[0]
         write_grad(self.params, agg)
         norms = torch.linalg.vector_norm(stacked, dim=1) ** 2  # per contributor, this stage
-        local = torch.cat([norms, (agg.norm() ** 2).reshape(1)]).double()
+        return self._finish(norms.double(), labels)
+
+    def _finish(self, norms: Tensor, labels: list[str]) -> Metrics:
+        """Clip ``.grad`` (the aggregate) by the global norm and step. ``norms`` (n,): each
+        contributor's squared gradient norm on this stage."""
+        agg_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
+                     for p in self.params if p.grad is not None)
+        local = torch.cat([norms.double(), torch.tensor([agg_sq], dtype=torch.float64)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)
         per_contributor = local[:-1].sqrt()
@@ -260,7 +341,7 @@ class RLStep:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         metrics: Metrics = {
-            "aggregate/contributors": float(len(stacked)),
+            "aggregate/contributors": float(len(labels)),
             "aggregate/contributor_grad_norm_mean": float(per_contributor.mean()),
             "aggregate/contributor_grad_norm_max": float(per_contributor.max()),
             "train/grad_norm": total,

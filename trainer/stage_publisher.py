@@ -47,6 +47,7 @@ from verify.weights_codec import (
     Codec,
     ErrorFeedback,
     Fp32,
+    add_state_delta_,
     apply_state_delta,
     encode_state_delta,
     get_codec,
@@ -97,7 +98,9 @@ def _advance(
         return blob, apply_state_delta(zeros, blob)
     deltas = {n: _f32(current[n]) - published[n] for n in published}
     blob = encode_state_delta(deltas, codec, feedback)
-    return blob, apply_state_delta(published, blob)
+    del deltas
+    add_state_delta_(published, blob)  # in place: no second copy of the stage per version
+    return blob, published
 
 
 class StagePublisher:
@@ -193,7 +196,8 @@ class StagePublisher:
         return StageUpdate(self.stage_index, blob, blob_digest(blob), len(blob), kind, codec)
 
     def published_state(self) -> dict[str, Tensor]:
-        """The published copy (float32, CPU), mirrors included. Do not modify in place."""
+        """The published copy (float32, CPU), mirrors included. Do not modify in place;
+        :meth:`update` advances these tensors in place (copy what must outlive it)."""
         return {**self._own, **self._mirror}
 
     @torch.no_grad()

@@ -42,11 +42,13 @@ __all__ = [
     "AGGREGATORS",
     "DEFAULT_AGGREGATOR",
     "Aggregator",
+    "GramAggregator",
     "CenteredClip",
     "CoordinateMedian",
     "Krum",
     "Mean",
     "TrimmedMean",
+    "check_gram",
     "get_aggregator",
     "register_aggregator",
     "stack_grads",
@@ -65,6 +67,20 @@ class Aggregator(Protocol):
     def __call__(
         self, grads: Tensor | Sequence[Tensor], weights: Tensor | None = None
     ) -> Tensor: ...
+
+
+@runtime_checkable
+class GramAggregator(Aggregator, Protocol):
+    """An aggregator whose result is a combination ``sum_i alpha_i x_i`` of its rows, with
+    ``alpha`` a function of the rows' Gram matrix ``K = x x^T`` (n, n) and the weights.
+
+    A caller that can form ``K`` without holding the rows (``trainer.groupgrad``
+    accumulates it one parameter block at a time) aggregates in memory that does
+    not grow with ``n * d``: ``coefficients(K, w)`` gives alpha (n,) float64, and
+    ``alpha @ x`` equals ``self(x, w)`` up to rounding.
+    """
+
+    def coefficients(self, gram: Tensor, weights: Tensor | None = None) -> Tensor: ...
 
 
 AGGREGATORS: dict[str, Callable[..., Aggregator]] = {}
@@ -128,6 +144,22 @@ def _check_weights(weights: Tensor | None, n: int) -> Tensor | None:
     return w
 
 
+def check_gram(gram: Tensor) -> Tensor:
+    """Return a Gram matrix as a finite, symmetric (n, n) float64 tensor, n >= 1."""
+    k = gram.detach().to(dtype=torch.float64, device="cpu")
+    if k.dim() != 2 or k.shape[0] != k.shape[1] or k.shape[0] < 1:
+        raise ValueError(f"gram must have shape (n >= 1, n), got {tuple(k.shape)}")
+    bad = torch.nonzero(~torch.isfinite(k).all(dim=1)).flatten().tolist()
+    if bad:
+        raise ValueError(f"non-finite gradient from contributors {bad}")
+    return (k + k.T) / 2
+
+
+def _share(w: Tensor | None, n: int) -> Tensor:
+    """Each row's weight share (n,) float64."""
+    return torch.full((n,), 1.0 / n, dtype=torch.float64) if w is None else w / w.sum()
+
+
 def _weighted_mean(x: Tensor, w: Tensor | None) -> Tensor:
     if w is None:
         return x.mean(dim=0)
@@ -152,6 +184,10 @@ class Mean:
     def __call__(self, grads: Tensor | Sequence[Tensor], weights: Tensor | None = None) -> Tensor:
         x = stack_grads(grads)
         return _weighted_mean(x, _check_weights(weights, x.shape[0]))
+
+    def coefficients(self, gram: Tensor, weights: Tensor | None = None) -> Tensor:
+        k = check_gram(gram)
+        return _share(_check_weights(weights, k.shape[0]), k.shape[0])
 
 
 @register_aggregator("trimmed-mean")
@@ -329,8 +365,8 @@ def _rank_rows(x: Tensor, scores: Tensor) -> Tensor:
 class CenteredClip:
     """Centered clipping (Karimireddy, He & Jaggi, 2021). The default aggregator.
 
-    ``v_0`` = coordinate-wise median (``init="median"``) or zero (``init="zero"``);
-    ``iters`` times::
+    ``v_0`` = zero (``init="zero"``, the default) or the coordinate-wise median
+    (``init="median"``); ``iters`` times::
 
         v_{l+1} = v_l + sum_i (w_i / W) * (x_i - v_l) * min(1, tau / ||x_i - v_l||)
 
@@ -343,11 +379,16 @@ class CenteredClip:
     median start, add the median's own shift (bounded by the honest order-statistic
     gaps, see ``CoordinateMedian``). Breakdown point: 1/2 by weight, given
     tau on the order of the honest spread.
+
+    From the zero start every ``v_l`` is a combination of the rows, so the
+    iterations run on the rows' Gram matrix alone (:meth:`coefficients`, a
+    :class:`GramAggregator`): ``||x_i - v||^2 = K_ii - 2 (K b)_i + b^T K b`` for
+    ``v = b^T x``.
     """
 
     tau: float = 1.0
     iters: int = 3
-    init: Literal["median", "zero"] = "median"
+    init: Literal["median", "zero"] = "zero"
     name: ClassVar[str] = "centered-clip"
 
     def __post_init__(self) -> None:
@@ -374,3 +415,19 @@ class CenteredClip:
         else:
             v = torch.zeros(x.shape[1], dtype=x.dtype, device=x.device)
         return clip_iterations(x, v, share, self.tau, self.iters)
+
+    def coefficients(self, gram: Tensor, weights: Tensor | None = None) -> Tensor:
+        """alpha (n,) with ``alpha @ x == self(x, w)`` (zero start only), from ``K = x x^T``."""
+        if self.init != "zero":
+            raise ValueError("only the zero start is a combination of the rows")
+        k = check_gram(gram)
+        n = k.shape[0]
+        share = _share(_check_weights(weights, n), n)
+        tiny = torch.finfo(torch.float64).tiny
+        beta = torch.zeros(n, dtype=torch.float64)  # v = beta @ x
+        for _ in range(self.iters):
+            kb = k @ beta
+            sq = (torch.diagonal(k) - 2 * kb + beta @ kb).clamp(min=0.0)  # ||x_i - v||^2
+            coef = share * torch.clamp(self.tau / sq.sqrt().clamp(min=tiny), max=1.0)
+            beta = beta * (1.0 - coef.sum()) + coef  # v += sum_i coef_i (x_i - v)
+        return beta

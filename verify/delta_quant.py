@@ -40,8 +40,11 @@ def quantize_int8(x: Tensor, block: int, scale_dtype: ScaleDtype) -> tuple[bytes
     """
     n = x.numel()
     nb = n_blocks(n, block)
-    padded = torch.zeros(nb * block, dtype=torch.float32)
-    padded[:n] = x
+    if n == nb * block:
+        padded = x.reshape(-1)
+    else:
+        padded = torch.zeros(nb * block, dtype=torch.float32)
+        padded[:n] = x
     blocks = padded.view(nb, block)  # (nb, B)
     scale = blocks.abs().amax(dim=1) / 127.0  # (nb,)
     if scale_dtype is not ScaleDtype.FLOAT32:
@@ -50,10 +53,11 @@ def quantize_int8(x: Tensor, block: int, scale_dtype: ScaleDtype) -> tuple[bytes
         low = scale.clamp(max=top).to(dt)
         up = torch.nextafter(low, torch.full_like(low, top))
         scale = torch.where(low.to(torch.float32) < scale, up, low).to(torch.float32)
+    # A block whose scale is 0 holds only zeros, so dividing it by 1 gives q = 0 there.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(blocks / safe[:, None]).clamp(-127, 127)
-    q = torch.where(scale[:, None] > 0, q, torch.zeros_like(q)).to(torch.int8).flatten()[:n]
-    return scale_dtype.pack(scale), q.numpy().tobytes()
+    q = blocks / safe[:, None]
+    q.round_().clamp_(-127, 127)
+    return scale_dtype.pack(scale), q.to(torch.int8).flatten()[:n].numpy().tobytes()
 
 
 def dequantize_int8(buf: memoryview, n: int, block: int, scale_dtype: ScaleDtype) -> np.ndarray:

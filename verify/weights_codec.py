@@ -79,6 +79,7 @@ __all__ = [
     "ScaleDtype",
     "ScaleName",
     "TopK",
+    "add_state_delta_",
     "apply_delta",
     "apply_state_delta",
     "decode_delta",
@@ -246,6 +247,34 @@ def decode_state_delta(
 ) -> dict[str, Tensor]:
     """Dense float32 delta per parameter name."""
     return {name: decode_delta(part, limits) for name, part in split_state_delta(blob, limits)}
+
+
+def add_state_delta_(
+    weights: dict[str, Tensor], blob: bytes | memoryview, limits: DecodeLimits = DEFAULT_LIMITS
+) -> None:
+    """:func:`apply_state_delta` in place: each float32 CPU weight gets its delta added,
+    with no second copy of the stage. Bit-identical to :func:`apply_state_delta`.
+
+    For blobs the caller encoded itself (the publisher's own copy): names and every
+    header are checked before any weight changes, but a payload refused halfway
+    leaves the weights before it updated.
+    """
+    entries = split_state_delta(blob, limits)
+    if {name for name, _ in entries} != set(weights):
+        raise decode_error("state delta names differ from the weights", Reason.INCONSISTENT)
+    for name, part in entries:
+        w = weights[name]
+        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+            raise ValueError(f"{name}: weights must be contiguous float32 on the CPU")
+        header, idx, values = decode_parts(part, limits)
+        if tuple(w.shape) != header.shape:
+            raise decode_error("delta shape differs from the weights", Reason.INCONSISTENT,
+                               tuple(w.shape), header.shape)
+        flat = w.detach().numpy().reshape(-1)
+        if idx is None:
+            flat += values
+        else:
+            flat[idx] += values
 
 
 def apply_state_delta(

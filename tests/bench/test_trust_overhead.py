@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench import trust_overhead as bench
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,7 +34,7 @@ def test_summary_takes_each_sides_best_round_and_their_ratio() -> None:
     assert out["prooftrain_samples_per_s"] == 32.0
     assert out["trl_samples_per_s"] == 64.0
     assert out["ratio"] == 0.5
-    assert out["ratio_target"] == 0.7
+    assert out["ratio_target"] == 0.8
     assert out["audit_rate_mean"] == 0.25  # from the round that counts
     assert out["batch_completions"] == 8
     assert out["prooftrain_rounds_samples_per_s"] == [16.0, 32.0]
@@ -69,3 +71,52 @@ def test_tiny_run_prints_json_last() -> None:
         assert result["skipped"] == bench.TRL_MISSING
     else:
         assert result["ratio"] > 0
+
+
+def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
+    import time
+    import types
+
+    from bench._phases import PhaseClock, per_step
+
+    box = types.SimpleNamespace()
+    box.inner = lambda: time.sleep(0.02)
+    box.outer = lambda: (time.sleep(0.01), box.inner())
+    clock = PhaseClock()
+    with clock.installed([("outer", box, "outer"), ("inner", box, "inner")]):
+        box.outer()
+    got = clock.snapshot()
+    assert 0.02 <= got["inner"] < 0.2 and 0.01 <= got["outer"] < 0.02 + 0.05
+    assert not hasattr(box.outer, "__wrapped__")  # restored
+    steps = per_step({}, got, 1, wall_s=1.0)
+    assert steps["other"] == pytest.approx(1.0 - got["inner"] - got["outer"], abs=1e-3)
+
+
+def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) -> None:
+    path, why = bench.smollm2_dir(str(tmp_path))
+    assert path is None and why is not None and "smollm2-135m" in why
+
+
+def test_tiny_scaling_run_prints_every_figure() -> None:
+    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py"), "--scaling", "--sizes", "demo",
+           "--scaling-steps", "1,1,1", "--scaling-rounds", "1,1,1", "--groups", "2",
+           "--group-size", "2", "--max-tokens", "2", "--contributors", "1",
+           "--memory-params", "4096", "--quiet"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["mode"] == "scaling" and set(result["sizes"]) == {"demo"}
+    demo = result["sizes"]["demo"]
+    assert demo["params"] > 0 and demo["prooftrain_samples_per_s"] > 0
+    phases = demo["prooftrain_phases_s"]
+    assert {"generation", "signing", "admission_and_spot_checks", "rl_forward_backward",
+            "per_contributor_gradients", "aggregation", "publication", "other"} <= set(phases)
+    assert all(v >= 0 for v in phases.values()) and phases["generation"] > 0
+    assert demo["prooftrain_peak_rss_mib"] > 0
+    runs = result["aggregation_memory"]["runs"]
+    assert [r["contributors"] for r in runs] == [4, 8]
+    assert all(r["params"] == 4096 and r["finite"] for r in runs)
+    if demo["ratio"] is None:
+        assert result["skipped"] == bench.TRL_MISSING
+    else:
+        assert demo["ratio"] > 0 and demo["trl_peak_rss_mib"] > 0
+        assert result["ratios"] == {"demo": demo["ratio"]}

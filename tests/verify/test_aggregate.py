@@ -154,7 +154,7 @@ def test_column_blocks_do_not_change_results(seed: int, n: int, d: int, block: i
 
     x = torch.tensor(_data(seed, n, d))
     w = torch.tensor(np.random.default_rng(seed + 2).uniform(0.1, 3.0, n))
-    cases = [(CoordinateMedian(), None), (CoordinateMedian(), w), (CenteredClip(iters=4), None),
+    cases = [(CoordinateMedian(), None), (CoordinateMedian(), w), (CenteredClip(iters=4, init="median"), None),
              (CenteredClip(iters=2, tau=0.3), w), (TrimmedMean(f=(n - 1) // 2), None)]
     whole = [a(x, wt) for a, wt in cases]
     old = agg.COLUMN_BLOCK
@@ -200,7 +200,7 @@ def test_centered_clip_matches_numpy(
     got = CenteredClip(tau=tau, iters=iters, init="zero")(torch.tensor(x), tw).numpy()
     np.testing.assert_allclose(got, ref_cclip(x, tau, iters, np.zeros(d), w), rtol=1e-9, atol=1e-9)
     if not weighted:
-        got = CenteredClip(tau=tau, iters=iters)(torch.tensor(x)).numpy()
+        got = CenteredClip(tau=tau, iters=iters, init="median")(torch.tensor(x)).numpy()
         np.testing.assert_allclose(
             got, ref_cclip(x, tau, iters, ref_median(x), w), rtol=1e-9, atol=1e-9
         )
@@ -247,7 +247,7 @@ ALL: list[Aggregator] = [
     CoordinateMedian(),
     Krum(f=1),
     Krum(f=1, m=3),
-    CenteredClip(tau=0.5),
+    CenteredClip(tau=0.5, init="median"),
     CenteredClip(tau=2.0, init="zero", iters=5),
 ]
 
@@ -274,7 +274,7 @@ def test_integer_weights_equal_duplicated_rows(seed: int, n: int, d: int, k: int
     counts = torch.randint(1, k + 1, (n,), generator=torch.Generator().manual_seed(seed % 2**31))
     dup = torch.repeat_interleave(x, counts, dim=0)
     w = counts.to(torch.float64)
-    for agg in (Mean(), CoordinateMedian(), CenteredClip(tau=0.3), CenteredClip(init="zero")):
+    for agg in (Mean(), CoordinateMedian(), CenteredClip(tau=0.3, init="median"), CenteredClip()):
         torch.testing.assert_close(agg(x, w), agg(dup), rtol=1e-9, atol=1e-9, msg=agg.name)
 
 
@@ -307,7 +307,7 @@ def test_centered_clip_bounded_influence(
     shift = float(torch.linalg.vector_norm(zero(bad) - zero(x)))
     assert shift <= zero.influence_bound(1 / n) * (1 + 1e-9) + 1e-12
     if n >= 3:  # with two rows the median itself is the midpoint, with no bound
-        med = CenteredClip(tau=tau, iters=iters)
+        med = CenteredClip(tau=tau, iters=iters, init="median")
         shift = float(torch.linalg.vector_norm(med(bad) - med(x)))
         assert shift <= med.influence_bound(1 / n) + _median_gap(x[1:]) + 1e-9
     # weighted: the bound scales with the contributor's weight share
