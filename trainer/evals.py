@@ -148,6 +148,9 @@ def default_max_new_tokens(problems: Sequence[Problem], tokenizer: PreTrainedTok
         gens = {p.task: get_task(p.task) for p in problems}
     except UnknownTaskError:
         return DEFAULT_MAX_NEW_TOKENS
+    fixed = [getattr(g, "default_max_tokens", None) for g in gens.values()]
+    if any(fixed):
+        return max(f for f in fixed if f)
     longest = max(
         len(tokenizer(gens[p.task].reference_completion(p), add_special_tokens=False)["input_ids"])
         for p in problems

@@ -1,7 +1,8 @@
 """Batched greedy and temperature sampling for any HF causal LM, with per-token logprobs.
 
-Prompts are encoded with the model's own tokenizer (``tokenizer(prompt)``,
-special tokens included as that tokenizer adds them), left-padded within a
+Prompts are encoded with the model's own tokenizer as every node encodes them
+(``rollout.prompting.encode_prompt``: through its chat template when it has
+one), left-padded within a
 batch, and decoded with a KV cache. Position ids follow the attention mask,
 so a left-padded row computes exactly what it would alone (up to kernel
 rounding). Sampling draws from a ``torch.Generator`` seeded by the caller:
@@ -22,6 +23,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from rollout.backends import cache_kwarg, left_padded
+from rollout.prompting import encode_prompt
 
 
 @dataclass(frozen=True)
@@ -145,7 +147,7 @@ def generate(
     model.eval()
     gen = torch.Generator().manual_seed(params.seed)
     pad_id, eos_id = _pad_id(tokenizer), tokenizer.eos_token_id
-    encoded = [list(tokenizer(p)["input_ids"]) for p in prompts]
+    encoded = [encode_prompt(tokenizer, p) for p in prompts]
     jobs = [(i, encoded[i]) for i in range(len(prompts)) for _ in range(num_samples)]
     completions: list[Completion] = []
     try:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import numpy as np
+import torch
 
 from harness.adversaries.base import Context, Honest, completion, register_strategy
 from rollout.backends import GeneratedCompletion, TransformersBackend
@@ -21,23 +23,82 @@ HEADER = frozenset({Reason.ASSIGNMENT_MISMATCH, Reason.WRONG_PROMPT})
 class TamperedLogprobs:
     """Samples honestly, then shifts the committed logprob of ``tokens`` tokens by ``shift`` nats
     (towards 0: claims the old policy liked the token more, inflating importance weights in its
-    favour). Expect LOGPROB_MISMATCH when audited, for any shift above the tolerance."""
+    favour). ``where`` picks the tokens: ``"start"`` (the first ones) or ``"last-chunk"`` (the
+    first ``tokens`` of each completion's last commitment chunk, late in a long completion,
+    where a validator that compared only some chunks would not look). Expect LOGPROB_MISMATCH
+    when audited, for any shift above the tolerance."""
 
     shift: float = 0.05
     tokens: int = 3
+    where: str = "start"
     name: ClassVar[str] = "tampered-logprobs"
     expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH})
     plain_generation: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if self.where not in ("start", "last-chunk"):
+            raise ValueError(f"where must be 'start' or 'last-chunk', not {self.where!r}")
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
         out = []
         for c in ctx.generate(a):
             lp = np.array(c.logprobs, dtype=np.float32)
-            k = min(self.tokens, len(lp))
-            lp[:k] = np.where(lp[:k] <= -self.shift, lp[:k] + self.shift, lp[:k] - self.shift)
+            first = 0 if self.where == "start" else (len(lp) - 1) // a.chunk_size * a.chunk_size
+            sl = slice(first, min(first + self.tokens, len(lp)))
+            lp[sl] = np.where(lp[sl] <= -self.shift, lp[sl] + self.shift, lp[sl] - self.shift)
             out.append(completion(c.group_index, c.token_ids, lp))
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
+
+
+@register_strategy
+@dataclass
+class LowPrecisionCopy:
+    """Generates with a cheaper copy of the assigned policy, ``dtype`` ``"bfloat16"`` (weights
+    and activations) or ``"int8"`` (linear weights rounded to int8), while declaring the
+    float32 generation it was assigned. Its committed logprobs are the copy's own, so the logprob
+    comparison sees the copy's distance from the policy: expect LOGPROB_MISMATCH (or
+    SAMPLER_REPLAY_MISMATCH where a near-tie resolved differently) when audited, because a float32
+    declaration is held to the float32 bound."""
+
+    dtype: str = "bfloat16"
+    name: ClassVar[str] = "low-precision-copy"
+    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH,
+                                                     Reason.SAMPLER_REPLAY_MISMATCH})
+    _copies: dict[int, TransformersBackend] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("bfloat16", "int8"):
+            raise ValueError(f"dtype must be 'bfloat16' or 'int8', not {self.dtype!r}")
+
+    def _copy(self, ctx: Context, version: int) -> TransformersBackend:
+        if version not in self._copies:
+            self._copies.clear()  # one version at a time: a copy of a 135M model is 270-540 MB
+            source = getattr(ctx.backend, "model", None)
+            if source is None:
+                raise ValueError("low-precision-copy needs a transformers backend to copy")
+            self._copies[version] = TransformersBackend(cheaper_copy(source, self.dtype))
+        return self._copies[version]
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = self._copy(ctx, a.policy_version).generate(ctx.request(a))
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
+
+
+@torch.no_grad()
+def cheaper_copy(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
+    """A copy of ``model`` in bfloat16, or with every linear layer's weights rounded to int8
+    (symmetric, one scale per output row, as weight-only int8 inference engines store them)."""
+    clone = copy.deepcopy(model).eval()
+    if dtype == "bfloat16":
+        return clone.to(torch.bfloat16)
+    for module in clone.modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight
+            scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+            w.copy_((w / scale).round().clamp(-127, 127) * scale)
+    return clone
 
 
 @register_strategy

@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", help="directory saved with save_pretrained")
     p.add_argument("--task", default="arithmetic", help="synthetic task (default: arithmetic)")
     p.add_argument(
-        "--split", default="heldout", choices=("train", "heldout"), help="default: heldout"
+        "--split", default="heldout", choices=("train", "heldout", "originals"),
+        help="default: heldout; `originals` (gsm8k): the 100 original GSM8K test problems, which "
+        "compare with published figures for a base model",
     )
     p.add_argument("--data", help="JSONL problem file to use instead of generated problems")
     p.add_argument("-n", "--num-problems", type=int, default=200, help="problems (default: 200)")
@@ -48,10 +50,12 @@ def run(args: argparse.Namespace) -> int:
     if args.data:
         problems = load_jsonl(args.data, limit=args.num_problems)
         split = Path(args.data).name
+    elif args.split == "originals":
+        problems = originals(args.task)[: args.num_problems]
     report = evaluate(
         args.model_dir,
         args.task,
-        args.split,
+        "heldout" if split == "originals" else split,
         n=args.num_problems,
         k=args.k,
         samples=args.samples,
@@ -62,9 +66,20 @@ def run(args: argparse.Namespace) -> int:
         problems=problems,
         device=args.device,
     )
-    if args.data:
+    if split != report.split:
         report = type(report)(
             report.model, report.task, split, report.problems, report.metrics, report.settings
         )
     print(report_json(report) if args.json else report.to_table())
     return 0
+
+
+def originals(task: str) -> list:
+    """The original problems a task's variants were made from (gsm8k), for ``--split originals``."""
+    from rewards.tasks import get_task  # noqa: PLC0415
+    from verify.errors import ConfigError  # noqa: PLC0415
+
+    fn = getattr(get_task(task), "originals", None)
+    if fn is None:
+        raise ConfigError(f"task {task!r} has no original problems; --split originals is for gsm8k")
+    return list(fn())

@@ -17,7 +17,7 @@ from rollout.oracle import TransformersOracle
 from rollout.sync import PolicySync
 from verify.errors import ConfigError, Reason, VerificationError
 from verify.keys import PublicKey, SigningKey, load_public_key, load_signing_key
-from verify.spotcheck import BFLOAT16_TOLERANCE, DEFAULT_TOLERANCES, Tolerances
+from verify.spotcheck import FLOAT32_TOLERANCE, Tolerances
 from verify.types import PolicyManifest, SignedManifest, decode
 
 PASSPHRASE_ENV = "PROOFTRAIN_KEY_PASSPHRASE"
@@ -30,12 +30,19 @@ def load_problems(cfg: ValidatorConfig) -> list[Problem]:
 
 
 def load_tolerance(cfg: ValidatorConfig) -> Tolerances:
-    """Each declared precision's bound: the calibrated file's, else the built-in ones (a
-    bfloat16 recomputation holds every precision to bfloat16's)."""
+    """Each declared precision's bound: the calibrated file's, else the built-in float32 one.
+
+    Without a file only float32 rollouts are admitted (others: UNSUPPORTED_PRECISION, not
+    slashed). bfloat16 noise depends on the model: the built-in bfloat16 bound, measured on the
+    demo policy, rejects honest bfloat16 rollouts of SmolLM2-135M (vocabulary 49,152), so
+    bfloat16, declared or recomputed, needs a calibration of the node's own model."""
     if cfg.audit.tolerance_file is None:
-        if cfg.policy.dtype == "bfloat16":
-            return Tolerances({p: BFLOAT16_TOLERANCE for p in DEFAULT_TOLERANCES.by_precision})
-        return DEFAULT_TOLERANCES
+        if cfg.policy.dtype != "float32":
+            raise ConfigError(f"policy.dtype = {cfg.policy.dtype!r} needs audit.tolerance_file: honest "
+                              "noise in that precision depends on the model; measure it with "
+                              "`prooftrain calibrate MODEL_DIR --recompute-dtype "
+                              f"{cfg.policy.dtype} --out FILE`")
+        return Tolerances({"float32": FLOAT32_TOLERANCE})
     from node.validator.calibration import load_tolerance_file
 
     return load_tolerance_file(cfg.audit.tolerance_file)
@@ -66,7 +73,7 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
     trainer = trainer_key(cfg)
     versions = PolicyVersions(model_dir_digest(model_dir), trainer)
     oracle = TransformersOracle(policy_loader(model_dir, trainer, state, ledger), dtype=cfg.policy.dtype,
-                                max_versions=cfg.policy.max_staleness + 2)
+                                max_versions=cfg.rules.max_staleness + 2)
     return Validator(cfg, key, ledger, state, codec, oracle, load_problems(cfg), versions,
                      load_tolerance(cfg))
 

@@ -18,6 +18,7 @@ from typing import Any, Protocol, cast
 import numpy as np
 
 from node.validator.decoding import TokenizerDecoder
+from rollout.prompting import encode_prompt
 from rollout.sync import base_model_digest
 from verify.errors import Reason, VerificationError
 from verify.keys import PublicKey
@@ -65,7 +66,7 @@ class HFTextCodec:
         return self if self._decoder is None else self._decoder
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok(text)["input_ids"])
+        return encode_prompt(self._tok, text)
 
     def decode(self, ids: Sequence[int]) -> str:
         if self._decoder is not None:

@@ -61,6 +61,7 @@ def register_task(gen: TaskGenerator) -> TaskGenerator:
 def get_task(name: str) -> TaskGenerator:
     import rewards.tasks.arithmetic  # noqa: F401, PLC0415 - registers built-ins
     import rewards.tasks.countdown  # noqa: F401, PLC0415
+    import rewards.tasks.gsm8k  # noqa: F401, PLC0415
     import rewards.tasks.reverse_text  # noqa: F401, PLC0415
 
     try:
