@@ -34,12 +34,15 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trainer.logprobs import kept_positions, token_logprobs, token_logprobs_at
 from trainer.stages import Stage
 from verify.errors import ConfigError, ProofTrainError
-from verify.sampling import process_logits
 
 LossFn = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, float]]]
-"""``loss_fn(logprobs (b, T-1), micro_batch) -> (scalar loss, metrics)``."""
+"""``loss_fn(logprobs (b, T-1), micro_batch) -> (scalar loss, metrics)``.
+
+When the micro-batch holds ``target_mask`` (b, T-1), the loss may read ``logprobs``
+only where it is non-zero: elsewhere they are 0 and the head was never applied."""
 
 Action = tuple[str, int]
 """``("F", i)`` or ``("B", i)``: forward or backward of micro-batch i."""
@@ -52,24 +55,6 @@ class PipelineError(ProofTrainError):
         super().__init__(message)
         self.stage = stage
         self.phase = phase
-
-
-def token_logprobs(
-    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Teacher-forced log-probabilities of each next token.
-
-    ``logits`` (B, T, V) at position t predict ``input_ids[:, t+1]``; returns
-    ``log_softmax(float32(logits[:, t]) / temperature)[input_ids[:, t+1]]``,
-    float32, shape (B, T-1), aligned with ``input_ids[:, 1:]``. This is
-    ``verify.sampling.process_logits`` without top-k/top-p, so validator and
-    trainer agree. Differentiable.
-    """
-    if not temperature > 0:
-        raise ConfigError(f"temperature must be > 0, got {temperature}")
-    lp = process_logits(logits[:, :-1], temperature, 0, 1.0)  # (B, T-1, V)
-    targets = input_ids[:, 1:].to(logits.device).unsqueeze(-1)  # (B, T-1, 1)
-    return lp.gather(-1, targets).squeeze(-1)
 
 
 def split_microbatches(batch: Mapping[str, Any], num_microbatches: int) -> list[dict[str, Any]]:
@@ -200,18 +185,26 @@ class PipelineRunner:
         temperature: float | None = None,
         position_ids: torch.Tensor | None = None,
         to_rank: int | None = None,
+        target_mask: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """Teacher-forced per-token logprobs (B, T-1), float32, without gradients.
 
         Every rank calls this with the same inputs. The result is returned on the
-        last stage, or on ``to_rank`` when given; other ranks get ``None``.
+        last stage, or on ``to_rank`` when given; other ranks get ``None``. With
+        ``target_mask`` (B, T-1), only its non-zero positions are computed (the rest are 0).
         """
         temp = self.temperature if temperature is None else temperature
         mb = model_inputs(input_ids, attention_mask, position_ids)
+        kept = None if target_mask is None else kept_positions(target_mask)
 
         def run() -> torch.Tensor | None:
-            logits = self._infer(mb)
-            lp = None if logits is None else token_logprobs(logits, input_ids, temp)
+            logits = self._infer(mb, None if kept is None else kept[0])
+            if logits is None:
+                lp = None
+            elif kept is None:
+                lp = token_logprobs(logits, input_ids, temp)
+            else:
+                lp = token_logprobs_at(logits, input_ids, *kept, temp)
             return self._deliver(lp, input_ids, to_rank)
 
         return self._guard("logprobs", run)
@@ -237,10 +230,15 @@ class PipelineRunner:
         for kind, i in self.schedule.actions(self.rank, self.world, m):
             self._where = f"{'forward' if kind == 'F' else 'backward'} of micro-batch {i}"
             if kind == "F":
-                slots[i] = self._forward(parts[i], requires_grad=True)
-                logits = slots[i].out
+                mask = parts[i].get("target_mask")
+                kept = None if mask is None else kept_positions(mask)
+                slots[i] = self._forward(parts[i], requires_grad=True,
+                                         keep=None if kept is None else kept[0])
+                logits = slots[i].out  # last stage: (b, K, V) with a target_mask, else (b, T, V)
                 if self.stage.spec.is_last and logits is not None:
-                    lp = token_logprobs(logits, parts[i]["input_ids"], self.temperature)
+                    ids = parts[i]["input_ids"]
+                    lp = (token_logprobs(logits, ids, self.temperature) if kept is None
+                          else token_logprobs_at(logits, ids, *kept, self.temperature))
                     loss, metrics = loss_fn(lp, parts[i])
                     if loss.dim() != 0:
                         raise ConfigError(f"loss_fn must return a scalar, got {tuple(loss.shape)}")
@@ -263,7 +261,9 @@ class PipelineRunner:
         dist.broadcast_object_list(shared, src=self.world - 1)
         return StepResult(loss=float(total.item()), metrics=shared[0])
 
-    def _forward(self, mb: Mapping[str, Any], *, requires_grad: bool) -> _Slot:
+    def _forward(
+        self, mb: Mapping[str, Any], *, requires_grad: bool, keep: torch.Tensor | None = None
+    ) -> _Slot:
         spec = self.stage.spec
         if spec.is_first:
             inp = mb["input_ids"].to(self.device)
@@ -281,6 +281,7 @@ class PipelineRunner:
                 inp,
                 None if mask is None else mask.to(self.device),
                 None if pos is None else pos.to(self.device),
+                keep=None if keep is None or not spec.is_last else keep.to(self.device),
             )
         if not spec.is_last:
             self._isend(out.detach(), self.rank + 1)
@@ -299,10 +300,10 @@ class PipelineRunner:
             assert slot.inp is not None and slot.inp.grad is not None
             self._isend(slot.inp.grad, self.rank - 1)
 
-    def _infer(self, mb: Mapping[str, Any]) -> torch.Tensor | None:
+    def _infer(self, mb: Mapping[str, Any], keep: torch.Tensor | None = None) -> torch.Tensor | None:
         self._where = "inference forward"
         with torch.no_grad():
-            slot = self._forward(mb, requires_grad=False)
+            slot = self._forward(mb, requires_grad=False, keep=keep)
         self._drain_sends()
         return slot.out if self.stage.spec.is_last else None
 

@@ -174,7 +174,8 @@ class RLStep:
         """One step on ``batch``; ``weights`` (n_contributors,) or None for uniform."""
         proximal = None
         if self.proximal:
-            proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask)
+            proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask,
+                                            target_mask=batch.target_mask)
         if self.gram:
             names, metric_rows, dropped, metrics = self._gram_pass(batch, proximal, weights)
             metrics["aggregate/dropped_nonfinite"] = float(dropped)

@@ -28,7 +28,8 @@ Invariants:
   :func:`write_index` the shards form a standard sharded safetensors
   checkpoint that reloads with any stage count (checkpoint and resume).
 - Stage 0 consumes ``input_ids`` (B, T); every other stage consumes hidden
-  states (B, T, H). The last stage returns logits (B, T, V); every other stage
+  states (B, T, H). The last stage returns logits (B, T, V), or (B, K, V) at the K
+  positions per row a training step keeps (``Stage.forward``'s ``keep``); every other stage
   returns hidden states (B, T, H).
 """
 
@@ -135,8 +136,15 @@ class Stage(nn.Module):
         x: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
+        *,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x``: input_ids (B, T) on the first stage, hidden (B, T, H) elsewhere."""
+        """``x``: input_ids (B, T) on the first stage, hidden (B, T, H) elsewhere.
+
+        ``keep`` (B, K) positions: the last stage applies norm and head only there and
+        returns (B, K, V) logits (norm and head act per position, so these equal the
+        full logits at ``keep``); no (B, T, V) tensor is formed.
+        """
         if self.spec.is_first:
             assert self.model.embed_tokens is not None
             hidden = self.model.embed_tokens(x)  # (B, T, H)
@@ -165,7 +173,10 @@ class Stage(nn.Module):
         if not self.spec.is_last:
             return hidden
         assert self.model.norm is not None and self.lm_head is not None
-        return self.lm_head(self.model.norm(hidden))  # (B, T, V)
+        if keep is not None:
+            index = keep.unsqueeze(-1).expand(-1, -1, hidden.shape[-1])  # (B, K, H)
+            hidden = hidden.gather(1, index)  # (B, K, H)
+        return self.lm_head(self.model.norm(hidden))  # (B, T or K, V)
 
 
 def _attention_type(config: PretrainedConfig, layer: int) -> str:

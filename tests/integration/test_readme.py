@@ -78,7 +78,7 @@ run_honest_baseline = false
 run_no_defence = false
 """
 TINY_REAL_SCENARIO = """
-name = "smollm2-gsm8k"
+name = "smollm2_gsm8k"
 [task]
 name = "gsm8k"
 train_pool = 16
@@ -324,7 +324,7 @@ def _assert_the_real_model_ran(work: Path) -> None:
     finally:
         store.close()
     assert sum(v.accepted for v in verdicts) == 2 * 4 and all(v.accepted for v in verdicts)
-    report = (work / "runs" / "smollm2-gsm8k" / "report.md").read_text()
+    report = (work / "runs" / "smollm2_gsm8k" / "report.md").read_text()
     assert "low-precision-copy" in report
 
 
