@@ -51,6 +51,7 @@ faults: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy verify ledger trainer rollout rewards node harness bench
 
 clean:

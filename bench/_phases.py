@@ -77,8 +77,9 @@ class PhaseClock:
         return dict(self.totals)
 
 
-def per_step(start: dict[str, float], end: dict[str, float], steps: int,
-             wall_s: float) -> dict[str, float]:
+def per_step(
+    start: dict[str, float], end: dict[str, float], steps: int, wall_s: float
+) -> dict[str, float]:
     """Mean seconds per step of each phase between two snapshots; ``other`` is the rest of
     ``wall_s`` (the timed steps' wall time)."""
     phases = {k: (end.get(k, 0.0) - start.get(k, 0.0)) / max(steps, 1) for k in end}
@@ -105,23 +106,36 @@ def _measure(contributors: int, params: int) -> dict:
     out = aggregate(rows)
     seconds = time.perf_counter() - start
     extra = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-    return {"contributors": contributors, "params": params, "aggregator": aggregate.name,
-            "rows_bytes": rows.numel() * 4, "extra_peak_bytes": extra,
-            "extra_peak_per_model": round(extra / (4 * params), 2), "seconds": round(seconds, 3),
-            "finite": bool(torch.isfinite(out).all())}
+    return {
+        "contributors": contributors,
+        "params": params,
+        "aggregator": aggregate.name,
+        "rows_bytes": rows.numel() * 4,
+        "extra_peak_bytes": extra,
+        "extra_peak_per_model": round(extra / (4 * params), 2),
+        "seconds": round(seconds, 3),
+        "finite": bool(torch.isfinite(out).all()),
+    }
 
 
 def aggregation_peak(contributors: int, params: int) -> dict:
     """:func:`_measure` in a fresh Python process (its high-water mark starts clean)."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--contributors", str(contributors),
-           "--params", str(params)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--contributors",
+        str(contributors),
+        "--params",
+        str(params),
+    ]
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--contributors", type=int, required=True)
     parser.add_argument("--params", type=int, required=True)
     args = parser.parse_args()

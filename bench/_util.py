@@ -50,8 +50,9 @@ def cpu_ticks() -> tuple[int, int, int] | None:
     return user + nice + system + irq + softirq, steal, sum(fields)
 
 
-def busy_fraction(start: tuple[int, int, int] | None, end: tuple[int, int, int] | None,
-                  stolen: bool = False) -> float | None:
+def busy_fraction(
+    start: tuple[int, int, int] | None, end: tuple[int, int, int] | None, stolen: bool = False
+) -> float | None:
     """Share of the machine's CPU time that was busy (``stolen``: stolen by the host) between
     two :func:`cpu_ticks` readings."""
     if start is None or end is None or end[2] <= start[2]:

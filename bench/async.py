@@ -80,50 +80,83 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
     from harness.scenario import load_scenario
 
     path = work / f"{mode}.toml"
-    path.write_text(SCENARIO.format(steps=args.steps, mode=mode, lr=args.lr, uploads=args.uploads,
-                                    eval_every=max(1, args.steps // 8)))
+    path.write_text(
+        SCENARIO.format(
+            steps=args.steps,
+            mode=mode,
+            lr=args.lr,
+            uploads=args.uploads,
+            eval_every=max(1, args.steps // 8),
+        )
+    )
     scenario = load_scenario(path)
     log_path = work / mode / EVENTS_FILE
     log_path.parent.mkdir(parents=True)
     with EventLog(log_path) as log:
-        values = run_variant(scenario, work / mode / "run", log, progress=True,
-                             say=lambda m: print(m, file=sys.stderr))
+        values = run_variant(
+            scenario,
+            work / mode / "run",
+            log,
+            progress=True,
+            say=lambda m: print(m, file=sys.stderr),
+        )
     evals = [e for e in read_events(log_path) if isinstance(e, Eval)]
     hit = next((e.t for e in evals if e.pass_at_1 >= args.target), None)
-    return {"samples_per_s": values["samples_trained"] / max(values["sim_seconds"], 1e-9),
-            "sim_seconds": values["sim_seconds"], "time_to_target_s": hit,
-            "final_pass_at_1": values["pass_at_1_last"], "first_pass_at_1": values["pass_at_1_first"],
-            "evals": [[round(e.t, 1), e.pass_at_1] for e in evals]}
+    return {
+        "samples_per_s": values["samples_trained"] / max(values["sim_seconds"], 1e-9),
+        "sim_seconds": values["sim_seconds"],
+        "time_to_target_s": hit,
+        "final_pass_at_1": values["pass_at_1_last"],
+        "first_pass_at_1": values["pass_at_1_first"],
+        "evals": [[round(e.t, 1), e.pass_at_1] for e in evals],
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--target", type=float, default=0.30)
-    parser.add_argument("--lr", type=float, default=1.2e-4, help="peak learning rate (cosine schedule)")
-    parser.add_argument("--uploads", type=int, default=2,
-                        help="groups each contributor may have uploading while it generates the next "
-                        "(1: it waits for each verdict)")
+    parser.add_argument(
+        "--lr", type=float, default=1.2e-4, help="peak learning rate (cosine schedule)"
+    )
+    parser.add_argument(
+        "--uploads",
+        type=int,
+        default=2,
+        help="groups each contributor may have uploading while it generates the next "
+        "(1: it waits for each verdict)",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         a = run("async", args, work)
         s = run("sync", args, work)
     ta, ts = a["time_to_target_s"], s["time_to_target_s"]
-    emit({
-        "bench": "async", "steps": args.steps, "target_pass_at_1": args.target,
-        "async_samples_per_s": round(a["samples_per_s"], 3), "sync_samples_per_s": round(s["samples_per_s"], 3),
-        "throughput_ratio": round(a["samples_per_s"] / max(s["samples_per_s"], 1e-9), 3),
-        "throughput_ratio_target": 2.0,
-        "async_sim_seconds": a["sim_seconds"], "sync_sim_seconds": s["sim_seconds"],
-        "async_time_to_target_s": ta, "sync_time_to_target_s": ts,
-        "time_ratio": round(ts / ta, 3) if ta and ts else None,
-        # sync never reached the target: it would have taken longer than its whole run
-        "time_ratio_at_least": (round(s["sim_seconds"] / ta, 3) if ta and not ts else None),
-        "async_pass_at_1": [a["first_pass_at_1"], a["final_pass_at_1"]],
-        "sync_pass_at_1": [s["first_pass_at_1"], s["final_pass_at_1"]],
-        "async_evals": a["evals"], "sync_evals": s["evals"], "uploads": args.uploads,
-    })
+    emit(
+        {
+            "bench": "async",
+            "steps": args.steps,
+            "target_pass_at_1": args.target,
+            "async_samples_per_s": round(a["samples_per_s"], 3),
+            "sync_samples_per_s": round(s["samples_per_s"], 3),
+            "throughput_ratio": round(a["samples_per_s"] / max(s["samples_per_s"], 1e-9), 3),
+            "throughput_ratio_target": 2.0,
+            "async_sim_seconds": a["sim_seconds"],
+            "sync_sim_seconds": s["sim_seconds"],
+            "async_time_to_target_s": ta,
+            "sync_time_to_target_s": ts,
+            "time_ratio": round(ts / ta, 3) if ta and ts else None,
+            # sync never reached the target: it would have taken longer than its whole run
+            "time_ratio_at_least": (round(s["sim_seconds"] / ta, 3) if ta and not ts else None),
+            "async_pass_at_1": [a["first_pass_at_1"], a["final_pass_at_1"]],
+            "sync_pass_at_1": [s["first_pass_at_1"], s["final_pass_at_1"]],
+            "async_evals": a["evals"],
+            "sync_evals": s["evals"],
+            "uploads": args.uploads,
+        }
+    )
 
 
 if __name__ == "__main__":

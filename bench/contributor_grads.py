@@ -49,14 +49,30 @@ def make_batch(contributors: int, rows: int, prompt: int, completion: int, vocab
     for c in range(contributors):
         aid, key = bytes([c]) * 16, bytes([c + 1]) * 32
         ids = rng.integers(3, vocab, prompt).astype("<u4").tobytes()
-        groups.append(tuple(AcceptedSample(
-            ledger_index=0, envelope_digest=bytes([c, g]) * 16, contributor_key=key,
-            assignment_id=aid, group_index=g, group_size=rows, policy_version=0, task_id="t",
-            prompt_id=f"p{c}", prompt_ids=ids,
-            token_ids=rng.integers(3, vocab, completion).astype("<u4").tobytes(),
-            logprobs=(-rng.exponential(1.0, completion)).astype("<f4").tobytes(),
-            temperature=1.0, top_k=0, top_p=1.0, reward=float(g % 2), audited=False)
-            for g in range(rows)))
+        groups.append(
+            tuple(
+                AcceptedSample(
+                    ledger_index=0,
+                    envelope_digest=bytes([c, g]) * 16,
+                    contributor_key=key,
+                    assignment_id=aid,
+                    group_index=g,
+                    group_size=rows,
+                    policy_version=0,
+                    task_id="t",
+                    prompt_id=f"p{c}",
+                    prompt_ids=ids,
+                    token_ids=rng.integers(3, vocab, completion).astype("<u4").tobytes(),
+                    logprobs=(-rng.exponential(1.0, completion)).astype("<f4").tobytes(),
+                    temperature=1.0,
+                    top_k=0,
+                    top_p=1.0,
+                    reward=float(g % 2),
+                    audited=False,
+                )
+                for g in range(rows)
+            )
+        )
     return build_batch(groups, 0)
 
 
@@ -70,8 +86,13 @@ def make_step(model_dir: Path, lr: float, one_pass: bool):  # type: ignore[no-un
 
     ensure_process_group()
     stage = load_stage(model_dir, 0, 1)
-    step = RLStep(PipelineRunner(stage, 0, 1), torch.optim.SGD(stage.parameters(), lr=lr),
-                  get_policy_loss("tis"), get_aggregator("centered-clip"), grad_clip=0.0)
+    step = RLStep(
+        PipelineRunner(stage, 0, 1),
+        torch.optim.SGD(stage.parameters(), lr=lr),
+        get_policy_loss("tis"),
+        get_aggregator("centered-clip"),
+        grad_clip=0.0,
+    )
     if step.grouped is None:
         raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
     if not one_pass:
@@ -90,8 +111,10 @@ def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def
 
 
 def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    steps = {"one_pass": make_step(model_dir, 0.0, True),
-             "per_contributor": make_step(model_dir, 0.0, False)}
+    steps = {
+        "one_pass": make_step(model_dir, 0.0, True),
+        "per_contributor": make_step(model_dir, 0.0, False),
+    }
     best = dict.fromkeys(steps, float("inf"))
     for r in range(rounds + 1):
         for name, step in steps.items():  # alternate, so both see the same machine load
@@ -100,12 +123,14 @@ def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type
             if r:  # the first round is the warm-up
                 best[name] = min(best[name], time.perf_counter() - start)
     return {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()} | {
-        "speedup": round(best["per_contributor"] / best["one_pass"], 3)}
+        "speedup": round(best["per_contributor"] / best["one_pass"], 3)
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--contributors", type=int, default=8)
     parser.add_argument("--rows", type=int, default=8, help="completions per contributor")
     parser.add_argument("--prompt", type=int, default=12, help="prompt tokens")
@@ -123,16 +148,23 @@ def main() -> None:
     by_count = {}
     for n in counts:
         say(f"{n} contributors x {args.rows} rows")
-        by_count[str(n)] = time_modes(model_dir, make_batch(n, args.rows, args.prompt,
-                                                            args.completion, vocab), args.rounds)
+        by_count[str(n)] = time_modes(
+            model_dir, make_batch(n, args.rows, args.prompt, args.completion, vocab), args.rounds
+        )
     batch = make_batch(args.contributors, args.rows, args.prompt, args.completion, vocab)
-    emit({
-        "bench": "contributor_grads", "rows_per_contributor": args.rows,
-        "tokens": args.prompt + args.completion, "threads": 1, "aggregator": "centered-clip",
-        "contributors": args.contributors, "by_contributors": by_count,
-        "speedup": by_count[str(args.contributors)]["speedup"],
-        "max_update_diff": update_diff(model_dir, batch),
-    })
+    emit(
+        {
+            "bench": "contributor_grads",
+            "rows_per_contributor": args.rows,
+            "tokens": args.prompt + args.completion,
+            "threads": 1,
+            "aggregator": "centered-clip",
+            "contributors": args.contributors,
+            "by_contributors": by_count,
+            "speedup": by_count[str(args.contributors)]["speedup"],
+            "max_update_diff": update_diff(model_dir, batch),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -53,10 +53,19 @@ def records(start: int, n: int) -> list:
         c = CONTRIBUTORS[i % len(CONTRIBUTORS)]
         env = hashlib.sha256(i.to_bytes(8, "big")).digest()
         fail = i % 100 == 0
-        out.append(VerdictRecorded(c, env[:16], i % 8, env, not fail,
-                                   Reason.LOGPROB_MISMATCH.value if fail else "",
-                                   (i // 256) % 4 == 0 or fail,
-                                   env if fail else b"", 1_700_000_000_000 + i))
+        out.append(
+            VerdictRecorded(
+                c,
+                env[:16],
+                i % 8,
+                env,
+                not fail,
+                Reason.LOGPROB_MISMATCH.value if fail else "",
+                (i // 256) % 4 == 0 or fail,
+                env if fail else b"",
+                1_700_000_000_000 + i,
+            )
+        )
     return out
 
 
@@ -85,8 +94,12 @@ def bench_appends(tmp: Path, batch: int) -> dict:
         ledger.append(rec)
     single = single_n / (time.perf_counter() - t0)
     ledger.close()
-    return {"appends_per_s_batched": round(batched), "appends_per_s_single": round(single),
-            "batched_vs_single_ratio": round(batched / single, 1), "batch": batch}
+    return {
+        "appends_per_s_batched": round(batched),
+        "appends_per_s_single": round(single),
+        "batched_vs_single_ratio": round(batched / single, 1),
+        "batch": batch,
+    }
 
 
 def bench_proofs(ledger: Ledger, size: int, samples: int = 2000) -> dict:
@@ -110,9 +123,14 @@ def bench_proofs(ledger: Ledger, size: int, samples: int = 2000) -> dict:
     t0 = time.perf_counter()
     tlog = ledger.prove(indices[0])
     prove_full = time.perf_counter() - t0
-    return {"proof_gen_ms": round(gen * 1e3, 4), "proof_verify_ms": round(ver * 1e3, 4),
-            "proof_hashes": round(hashes, 1), "proof_gen_vs_sha256_path_ratio": round(gen / sha, 1),
-            "tlog_proof_ms": round(prove_full * 1e3, 3), "tlog_proof_bytes": len(tlog.to_text())}
+    return {
+        "proof_gen_ms": round(gen * 1e3, 4),
+        "proof_verify_ms": round(ver * 1e3, 4),
+        "proof_hashes": round(hashes, 1),
+        "proof_gen_vs_sha256_path_ratio": round(gen / sha, 1),
+        "tlog_proof_ms": round(prove_full * 1e3, 3),
+        "tlog_proof_bytes": len(tlog.to_text()),
+    }
 
 
 def main() -> int:
@@ -132,8 +150,11 @@ def main() -> int:
         fill(big, args.entries - big.size(), 50_000)
         build = time.perf_counter() - t0
         size = big.size()
-        result.update(entries=size, build_s=round(build, 1),
-                      db_mib=round(os.path.getsize(tmp / "big.db") / 2**20, 1))
+        result.update(
+            entries=size,
+            build_s=round(build, 1),
+            db_mib=round(os.path.getsize(tmp / "big.db") / 2**20, 1),
+        )
         log("proofs ...")
         result.update(bench_proofs(big, size))
         big.close()
@@ -143,10 +164,12 @@ def main() -> int:
         store.close()
         if not report.ok:
             raise SystemExit(f"audit failed: {report.findings[0]}")
-        result.update(audit_s=round(report.seconds, 2),
-                      audit_s_per_1e5=round(report.seconds * 1e5 / size, 3),
-                      audit_s_per_1e6_projected=round(report.seconds * 1e6 / size, 1),
-                      audit_contributors=report.contributors)
+        result.update(
+            audit_s=round(report.seconds, 2),
+            audit_s_per_1e5=round(report.seconds * 1e5 / size, 3),
+            audit_s_per_1e6_projected=round(report.seconds * 1e6 / size, 1),
+            audit_contributors=report.contributors,
+        )
     result["targets_met"] = {
         "appends_per_s>=5000": result["appends_per_s_batched"] >= 5000,
         "proof_gen<1ms": result["proof_gen_ms"] < 1.0,

@@ -82,16 +82,31 @@ class Rollout:
         return self.prompt + list(self.completion.token_ids)
 
 
-def requests_for(prompts: Sequence[list[int]], tokens: int, seed: int, **sampling: Any) -> list[GenerationRequest]:
+def requests_for(
+    prompts: Sequence[list[int]], tokens: int, seed: int, **sampling: Any
+) -> list[GenerationRequest]:
     rng = np.random.default_rng(seed)
     params = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, **sampling}
-    return [GenerationRequest(tuple(p), GROUP, params["temperature"], params["top_k"], params["top_p"],
-                              tokens, KEY.public.raw, rng.bytes(32), seed * 100_003 + i, ())
-            for i, p in enumerate(prompts)]
+    return [
+        GenerationRequest(
+            tuple(p),
+            GROUP,
+            params["temperature"],
+            params["top_k"],
+            params["top_p"],
+            tokens,
+            KEY.public.raw,
+            rng.bytes(32),
+            seed * 100_003 + i,
+            (),
+        )
+        for i, p in enumerate(prompts)
+    ]
 
 
-def generate_rollouts(backend: TransformersBackend, requests: Sequence[GenerationRequest],
-                      precision: str, label: str) -> tuple[list[Rollout], float]:
+def generate_rollouts(
+    backend: TransformersBackend, requests: Sequence[GenerationRequest], precision: str, label: str
+) -> tuple[list[Rollout], float]:
     """Every request's group, 4 prompts (16 rows) per batched pass; total generation seconds."""
     out: list[Rollout] = []
     spent = 0.0
@@ -111,16 +126,31 @@ def claimed(r: Rollout, **changes: Any):  # type: ignore[no-untyped-def]
     return verify_envelope(envelope_for(r, **changes))
 
 
-def envelope_for(r: Rollout, *, logprobs: np.ndarray | None = None, tokens: Sequence[int] | None = None,
-                 sampling: dict | None = None, precision: str = "float32"):  # type: ignore[no-untyped-def]
+def envelope_for(
+    r: Rollout,
+    *,
+    logprobs: np.ndarray | None = None,
+    tokens: Sequence[int] | None = None,
+    sampling: dict | None = None,
+    precision: str = "float32",
+):  # type: ignore[no-untyped-def]
     req = r.request
     s = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, **(sampling or {})}
-    fields = dict(policy_version=0, manifest_digest=b"\0" * 32, task_id="gsm8k", prompt_id="p",
-                  prompt_digest=b"\0" * 32, assignment_id=b"\0" * 16, nonce=req.nonce,
-                  sampling=SamplingParams(s["temperature"], s["top_p"], s["top_k"], req.max_tokens,
-                                          req.seed),
-                  group_index=r.completion.group_index, group_size=req.group_size, created_at_ms=0,
-                  precision=precision, backend="transformers")
+    fields = dict(
+        policy_version=0,
+        manifest_digest=b"\0" * 32,
+        task_id="gsm8k",
+        prompt_id="p",
+        prompt_digest=b"\0" * 32,
+        assignment_id=b"\0" * 16,
+        nonce=req.nonce,
+        sampling=SamplingParams(s["temperature"], s["top_p"], s["top_k"], req.max_tokens, req.seed),
+        group_index=r.completion.group_index,
+        group_size=req.group_size,
+        created_at_ms=0,
+        precision=precision,
+        backend="transformers",
+    )
     toks = list(r.completion.token_ids) if tokens is None else list(tokens)
     lps = r.completion.logprobs if logprobs is None else logprobs
     return build_envelope(KEY, fields, toks, lps, CHUNK)
@@ -136,8 +166,9 @@ def audit(rollout, logits: torch.Tensor, tolerance: Tolerance) -> str:  # type: 
     return "accepted"
 
 
-def true_logprobs(logits: torch.Tensor, tokens: Sequence[int], temperature: float = 1.0,
-                  top_k: int = 0) -> np.ndarray:
+def true_logprobs(
+    logits: torch.Tensor, tokens: Sequence[int], temperature: float = 1.0, top_k: int = 0
+) -> np.ndarray:
     lp = process_logits(logits, temperature, top_k, 1.0)
     ids = torch.tensor(list(tokens), dtype=torch.long)
     return lp.gather(-1, ids[:, None])[:, 0].numpy().astype(np.float32)
@@ -154,7 +185,9 @@ class Recompute:
     def settings(self) -> list[tuple[int, Layout]]:
         return [(b, layout) for layout in self.oracles for b in BATCH_SIZES]
 
-    def run(self, seqs: Sequence[tuple[list[int], int]], batch: int, layout: Layout) -> list[torch.Tensor]:
+    def run(
+        self, seqs: Sequence[tuple[list[int], int]], batch: int, layout: Layout
+    ) -> list[torch.Tensor]:
         out: list[torch.Tensor] = []
         for start in range(0, len(seqs), batch):
             t0 = time.perf_counter()
@@ -176,39 +209,62 @@ def noise(rollouts: list[Rollout], recompute: Recompute) -> tuple[dict, Toleranc
         part = rollouts[start : start + 16]
         got = recompute.run([(r.ids, len(r.prompt)) for r in part], batch, layout)
         for i, (r, lg) in enumerate(zip(part, got, strict=True)):
-            d = np.abs(r.completion.logprobs.astype(np.float64)
-                       - true_logprobs(lg, r.completion.token_ids).astype(np.float64))
+            d = np.abs(
+                r.completion.logprobs.astype(np.float64)
+                - true_logprobs(lg, r.completion.token_ids).astype(np.float64)
+            )
             key = (r.precision, batch, layout)
             diffs.setdefault(key, []).append(d)
-            chunk_means.setdefault(key, []).extend(d[c : c + CHUNK].mean() for c in range(0, len(d), CHUNK))
+            chunk_means.setdefault(key, []).extend(
+                d[c : c + CHUNK].mean() for c in range(0, len(d), CHUNK)
+            )
             logits_of[start + i] = lg
-        log(f"  recomputed {min(start + 16, len(rollouts))}/{len(rollouts)} ({recompute.seconds:.0f} s)")
+        log(
+            f"  recomputed {min(start + 16, len(rollouts))}/{len(rollouts)} ({recompute.seconds:.0f} s)"
+        )
     half = {i for i in range(len(rollouts)) if (i // GROUP) % 2 == 0}  # every other group
-    calibration = _calibrate([r for i, r in enumerate(rollouts) if i in half],
-                             [logits_of[i] for i in sorted(half)])
+    calibration = _calibrate(
+        [r for i, r in enumerate(rollouts) if i in half], [logits_of[i] for i in sorted(half)]
+    )
     audits: dict[str, Counter[str]] = {"calibrated": Counter(), "built_in": Counter()}
     for i, r in enumerate(rollouts):
         rollout = claimed(r, precision=r.precision)
         audits["built_in"][audit(rollout, logits_of[i], DEFAULT_TOLERANCES.of(r.precision))] += 1
         if i not in half:
             audits["calibrated"][audit(rollout, logits_of[i], calibration.of(r.precision))] += 1
-    report = {"settings": [_stats(k, v, chunk_means[k]) for k, v in sorted(diffs.items())],
-              "by_precision": {p: _summary(np.concatenate([x for k, v in diffs.items() if k[0] == p for x in v]))
-                               for p in sorted({k[0] for k in diffs})},
-              "tolerance": {p: dataclasses.asdict(calibration.of(p)) for p in sorted({k[0] for k in diffs})},
-              "honest_audits": {k: dict(v) for k, v in audits.items()}}
+    report = {
+        "settings": [_stats(k, v, chunk_means[k]) for k, v in sorted(diffs.items())],
+        "by_precision": {
+            p: _summary(np.concatenate([x for k, v in diffs.items() if k[0] == p for x in v]))
+            for p in sorted({k[0] for k in diffs})
+        },
+        "tolerance": {
+            p: dataclasses.asdict(calibration.of(p)) for p in sorted({k[0] for k in diffs})
+        },
+        "honest_audits": {k: dict(v) for k, v in audits.items()},
+    }
     return report, calibration, logits_of
 
 
 def _summary(d: np.ndarray) -> dict:
-    return {"tokens": int(d.size), "median": float(np.median(d)), "p99": float(np.quantile(d, 0.99)),
-            "max": float(d.max(initial=0.0))}
+    return {
+        "tokens": int(d.size),
+        "median": float(np.median(d)),
+        "p99": float(np.quantile(d, 0.99)),
+        "max": float(d.max(initial=0.0)),
+    }
 
 
 def _stats(key: tuple[str, int, str], diffs: list[np.ndarray], means: list[float]) -> dict:
     precision, batch, layout = key
-    return {"generation": precision, "batch": batch, "layout": layout, "rollouts": len(diffs),
-            **_summary(np.concatenate(diffs)), "chunk_mean_max": float(max(means, default=0.0))}
+    return {
+        "generation": precision,
+        "batch": batch,
+        "layout": layout,
+        "rollouts": len(diffs),
+        **_summary(np.concatenate(diffs)),
+        "chunk_mean_max": float(max(means, default=0.0)),
+    }
 
 
 def _calibrate(rollouts: list[Rollout], logits: list[torch.Tensor]) -> Tolerances:
@@ -216,19 +272,47 @@ def _calibrate(rollouts: list[Rollout], logits: list[torch.Tensor]) -> Tolerance
     stats = []
     for precision in sorted({r.precision for r in rollouts}):
         mine = [(r, lg) for r, lg in zip(rollouts, logits, strict=True) if r.precision == precision]
-        d = [np.abs(r.completion.logprobs.astype(np.float64) - true_logprobs(lg, r.completion.token_ids))
-             for r, lg in mine]
+        d = [
+            np.abs(
+                r.completion.logprobs.astype(np.float64) - true_logprobs(lg, r.completion.token_ids)
+            )
+            for r, lg in mine
+        ]
         means = [x[c : c + CHUNK].mean() for x in d for c in range(0, len(x), CHUNK)]
         allv = np.concatenate(d)
-        stats.append(SettingStats(precision, "float32", 0, int(allv.size), len(means), float(allv.max()),
-                                  float(np.quantile(allv, 0.999)), float(max(means)), "mixed", 0.0))
+        stats.append(
+            SettingStats(
+                precision,
+                "float32",
+                0,
+                int(allv.size),
+                len(means),
+                float(allv.max()),
+                float(np.quantile(allv, 0.999)),
+                float(max(means)),
+                "mixed",
+                0.0,
+            )
+        )
     table = _by_precision(stats, 2.0)
-    return Tolerances({p: Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
-                       for p, v in table.items()})
+    return Tolerances(
+        {
+            p: Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
+            for p, v in table.items()
+        }
+    )
 
 
-def detection(model_dir: Path, prompts: list[list[int]], honest: list[Rollout], honest_logits: dict,
-              recompute: Recompute, tolerance: Tolerances, tokens: int, audits: int) -> dict:
+def detection(
+    model_dir: Path,
+    prompts: list[list[int]],
+    honest: list[Rollout],
+    honest_logits: dict,
+    recompute: Recompute,
+    tolerance: Tolerances,
+    tokens: int,
+    audits: int,
+) -> dict:
     """Caught per audit for each attack, float32 declared."""
     fp32 = tolerance.of("float32")
     out: dict[str, dict] = {}
@@ -236,8 +320,12 @@ def detection(model_dir: Path, prompts: list[list[int]], honest: list[Rollout], 
 
     def tally(name: str, results: list[str]) -> None:
         caught = sum(x != "accepted" for x in results)
-        out[name] = {"audits": len(results), "caught": caught, "rate": caught / max(len(results), 1),
-                     "reasons": dict(Counter(results))}
+        out[name] = {
+            "audits": len(results),
+            "caught": caught,
+            "rate": caught / max(len(results), 1),
+            "reasons": dict(Counter(results)),
+        }
         log(f"  {name}: caught {caught}/{len(results)} {dict(Counter(results))}")
 
     shifted = []
@@ -245,7 +333,9 @@ def detection(model_dir: Path, prompts: list[list[int]], honest: list[Rollout], 
         r = honest[i]
         lp = r.completion.logprobs.copy()
         c = (i % (tokens // CHUNK)) * CHUNK
-        lp[c : c + CHUNK] = np.where(lp[c : c + CHUNK] <= -0.05, lp[c : c + CHUNK] + 0.05, lp[c : c + CHUNK] - 0.05)
+        lp[c : c + CHUNK] = np.where(
+            lp[c : c + CHUNK] <= -0.05, lp[c : c + CHUNK] + 0.05, lp[c : c + CHUNK] - 0.05
+        )
         shifted.append(audit(claimed(r, logprobs=lp), honest_logits[i], fp32))
     tally("shift-one-chunk", shifted)
     tally("forged-chunk", _forged(honest, honest_logits, idx, recompute, fp32, tokens))
@@ -253,22 +343,44 @@ def detection(model_dir: Path, prompts: list[list[int]], honest: list[Rollout], 
     for name, dtype in (("int8-copy", "int8"), ("bfloat16-copy", "bfloat16")):
         base = TransformersBackend(model_dir)
         copy = TransformersBackend(cheaper_copy(base.model, dtype))
-        rolls, _ = generate_rollouts(copy, requests_for(prompts[:n_prompts], tokens, 11), "float32", name)
-        logits = recompute.run([(r.ids, len(r.prompt)) for r in rolls], 16, next(iter(recompute.oracles)))
+        rolls, _ = generate_rollouts(
+            copy, requests_for(prompts[:n_prompts], tokens, 11), "float32", name
+        )
+        logits = recompute.run(
+            [(r.ids, len(r.prompt)) for r in rolls], 16, next(iter(recompute.oracles))
+        )
         tally(name, [audit(claimed(r), lg, fp32) for r, lg in zip(rolls, logits, strict=True)])
     backend = TransformersBackend(model_dir)
     for name, change in (("temperature-0.9", {"temperature": 0.9}), ("top-k-50", {"top_k": 50})):
-        rolls, _ = generate_rollouts(backend, requests_for(prompts[:n_prompts], tokens, 13, **change),
-                                     "float32", name)
-        logits = recompute.run([(r.ids, len(r.prompt)) for r in rolls], 16, next(iter(recompute.oracles)))
+        rolls, _ = generate_rollouts(
+            backend, requests_for(prompts[:n_prompts], tokens, 13, **change), "float32", name
+        )
+        logits = recompute.run(
+            [(r.ids, len(r.prompt)) for r in rolls], 16, next(iter(recompute.oracles))
+        )
         claim = {"temperature": 1.0, "top_k": 0}
-        tally(name, [audit(claimed(r, logprobs=true_logprobs(lg, r.completion.token_ids), sampling=claim), lg, fp32)
-                     for r, lg in zip(rolls, logits, strict=True)])
+        tally(
+            name,
+            [
+                audit(
+                    claimed(r, logprobs=true_logprobs(lg, r.completion.token_ids), sampling=claim),
+                    lg,
+                    fp32,
+                )
+                for r, lg in zip(rolls, logits, strict=True)
+            ],
+        )
     return out
 
 
-def _forged(honest: list[Rollout], logits_of: dict, idx: list[int], recompute: Recompute,
-            tol: Tolerance, tokens: int) -> list[str]:
+def _forged(
+    honest: list[Rollout],
+    logits_of: dict,
+    idx: list[int],
+    recompute: Recompute,
+    tol: Tolerance,
+    tokens: int,
+) -> list[str]:
     """One chunk's tokens replaced by the policy's second-likeliest token, committed with the
     logprobs the policy gives the forged sequence (a second forward pass)."""
     forged = []
@@ -283,11 +395,15 @@ def _forged(honest: list[Rollout], logits_of: dict, idx: list[int], recompute: R
         forged.append((r, toks))
     seqs = [(r.prompt + toks, len(r.prompt)) for r, toks in forged]
     logits = recompute.run(seqs, 16, next(iter(recompute.oracles)))
-    return [audit(claimed(r, tokens=toks, logprobs=true_logprobs(lg, toks)), lg, tol)
-            for (r, toks), lg in zip(forged, logits, strict=True)]
+    return [
+        audit(claimed(r, tokens=toks, logprobs=true_logprobs(lg, toks)), lg, tol)
+        for (r, toks), lg in zip(forged, logits, strict=True)
+    ]
 
 
-def costs(model_dir: Path, honest: list[Rollout], gen_s: float, recompute: Recompute, tokens: int) -> dict:
+def costs(
+    model_dir: Path, honest: list[Rollout], gen_s: float, recompute: Recompute, tokens: int
+) -> dict:
     """Spot-check seconds over generation seconds, sampler over forward per token, bytes/token."""
     from verify.samplers import SAMPLERS
 
@@ -309,22 +425,35 @@ def costs(model_dir: Path, honest: list[Rollout], gen_s: float, recompute: Recom
             sampler_ms = min(sampler_ms, 1e3 * (time.perf_counter() - t0) / 64)
     generated = sum(len(r.completion.token_ids) for r in honest)
     size = len(canonical_bytes(envelope_for(honest[0])))
-    return {"spotcheck_over_generation": check_s / gen_s, "spotcheck_s": check_s, "generation_s": gen_s,
-            "sampler_ms_per_token": sampler_ms, "forward_ms_per_token": forward_ms,
-            "sampler_over_forward": sampler_ms / forward_ms,
-            "generation_ms_per_row_token": 1e3 * gen_s / generated,
-            "envelope_bytes_per_token": size / tokens,
-            "envelope_overhead_bytes_per_token": (size - 8 * tokens) / tokens}
+    return {
+        "spotcheck_over_generation": check_s / gen_s,
+        "spotcheck_s": check_s,
+        "generation_s": gen_s,
+        "sampler_ms_per_token": sampler_ms,
+        "forward_ms_per_token": forward_ms,
+        "sampler_over_forward": sampler_ms / forward_ms,
+        "generation_ms_per_row_token": 1e3 * gen_s / generated,
+        "envelope_bytes_per_token": size / tokens,
+        "envelope_overhead_bytes_per_token": (size - 8 * tokens) / tokens,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="SmolLM2-135M directory (default: fetched into the cache)")
-    ap.add_argument("--rollouts", type=int, default=256, help="honest rollouts per precision (default 256)")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", type=Path, help="SmolLM2-135M directory (default: fetched into the cache)"
+    )
+    ap.add_argument(
+        "--rollouts", type=int, default=256, help="honest rollouts per precision (default 256)"
+    )
     ap.add_argument("--tokens", type=int, default=128, help="tokens per rollout (default 128)")
     ap.add_argument("--attack-audits", type=int, default=52, help="audits per attack (default 52)")
     ap.add_argument("--precisions", default="float32,bfloat16")
-    ap.add_argument("--quick", action="store_true", help="16 rollouts of 64 tokens, 8 audits per attack")
+    ap.add_argument(
+        "--quick", action="store_true", help="16 rollouts of 64 tokens, 8 audits per attack"
+    )
     args = ap.parse_args(argv)
     if args.quick:
         args.rollouts, args.tokens, args.attack_audits = 16, 64, 8
@@ -332,24 +461,48 @@ def main(argv: Sequence[str] | None = None) -> int:
     model_dir = args.model or ensure_model("smollm2-135m")
     codec = HFTextCodec(model_dir)
     n_prompts = max(1, args.rollouts // GROUP)
-    prompts = [codec.encode(p.prompt) for p in generate("gsm8k", "train", n_prompts + args.attack_audits, seed=5)]
+    prompts = [
+        codec.encode(p.prompt)
+        for p in generate("gsm8k", "train", n_prompts + args.attack_audits, seed=5)
+    ]
     honest: list[Rollout] = []
     gen_s = 0.0
     for k, precision in enumerate(args.precisions.split(",")):
         backend = TransformersBackend(model_dir, dtype=precision)
-        rolls, spent = generate_rollouts(backend, requests_for(prompts[:n_prompts], args.tokens, 1 + k),
-                                         precision, f"honest {precision}")
+        rolls, spent = generate_rollouts(
+            backend,
+            requests_for(prompts[:n_prompts], args.tokens, 1 + k),
+            precision,
+            f"honest {precision}",
+        )
         honest += rolls
         gen_s += spent if precision == "float32" else 0.0
     recompute = Recompute(model_dir)
     noise_report, tolerance, logits_of = noise(honest, recompute)
     fp32_rolls = [r for r in honest if r.precision == "float32"]
     cost = costs(model_dir, fp32_rolls, gen_s, recompute, args.tokens)
-    detect = detection(model_dir, prompts[n_prompts:], honest, logits_of, recompute, tolerance,
-                       args.tokens, args.attack_audits)
-    emit({"model": str(model_dir), "vocab": codec.vocab_size, "tokens_per_rollout": args.tokens,
-          "chunk": CHUNK, "rollouts": len(honest), "noise": noise_report, "detection": detect,
-          "cost": cost})
+    detect = detection(
+        model_dir,
+        prompts[n_prompts:],
+        honest,
+        logits_of,
+        recompute,
+        tolerance,
+        args.tokens,
+        args.attack_audits,
+    )
+    emit(
+        {
+            "model": str(model_dir),
+            "vocab": codec.vocab_size,
+            "tokens_per_rollout": args.tokens,
+            "chunk": CHUNK,
+            "rollouts": len(honest),
+            "noise": noise_report,
+            "detection": detect,
+            "cost": cost,
+        }
+    )
     return 0
 
 

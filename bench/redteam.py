@@ -222,7 +222,9 @@ class Tally:
         bad = rejected(out)
         self.rejected += bad
         self.slashed += slashed(out)
-        self.reasons.update(r.reason for r in out.verdicts if r.reason and r.reason != "group_rejected")
+        self.reasons.update(
+            r.reason for r in out.verdicts if r.reason and r.reason != "group_rejected"
+        )
         self.rewards += [v.reward for v in out.verdicts if v.accepted]
         if differs is not None:
             self.differing += differs
@@ -231,13 +233,22 @@ class Tally:
             self.rejected_identical += bad and not differs
 
     def json(self) -> dict:
-        return {"submitted": self.submitted, "rejected": self.rejected, "slashed": self.slashed,
-                "accepted": self.submitted - self.rejected, "reasons": dict(self.reasons),
-                "refused": dict(self.refused), "identities": self.identities, "unplayed": self.unplayed,
-                "differing": self.differing, "identical": self.identical,
-                "rejected_of_differing": self.rejected_of_differing,
-                "differing_accepted": self.differing - self.rejected_of_differing,
-                "rejected_identical": self.rejected_identical, "accepted_mean_reward": _mean(self.rewards)}
+        return {
+            "submitted": self.submitted,
+            "rejected": self.rejected,
+            "slashed": self.slashed,
+            "accepted": self.submitted - self.rejected,
+            "reasons": dict(self.reasons),
+            "refused": dict(self.refused),
+            "identities": self.identities,
+            "unplayed": self.unplayed,
+            "differing": self.differing,
+            "identical": self.identical,
+            "rejected_of_differing": self.rejected_of_differing,
+            "differing_accepted": self.differing - self.rejected_of_differing,
+            "rejected_identical": self.rejected_identical,
+            "accepted_mean_reward": _mean(self.rewards),
+        }
 
 
 @dataclass
@@ -266,21 +277,47 @@ def _reason(exc: VerificationError) -> str:
 class Run:
     """One fresh validator (one audit mode), its clock and its honest control."""
 
-    def __init__(self, world: World, honest: Honest, rate: float, overrides: dict | None = None,
-                 problems: list[Problem] | None = None, versions: int = 1) -> None:
+    def __init__(
+        self,
+        world: World,
+        honest: Honest,
+        rate: float,
+        overrides: dict | None = None,
+        problems: list[Problem] | None = None,
+        versions: int = 1,
+    ) -> None:
         self.world, self.honest_totals = world, honest
         self.clock = Clock()
-        self.cfg = load(ValidatorConfig, None, {
-            "assignment.group_size": GROUP_SIZE, "assignment.max_tokens": MAX_TOKENS,
-            "assignment.ttl_s": TTL_MS / 1000, "rules.audit_rate": rate, **(overrides or {})})
+        self.cfg = load(
+            ValidatorConfig,
+            None,
+            {
+                "assignment.group_size": GROUP_SIZE,
+                "assignment.max_tokens": MAX_TOKENS,
+                "assignment.ttl_s": TTL_MS / 1000,
+                "rules.audit_rate": rate,
+                **(overrides or {}),
+            },
+        )
         where = world.work / f"v{next(world.serials)}"
         key = world.key()
-        oracle = world.oracle if versions == 1 else TransformersOracle({i: world.model for i in range(versions)})
+        oracle = (
+            world.oracle
+            if versions == 1
+            else TransformersOracle({i: world.model for i in range(versions)})
+        )
         self.v = Validator(
-            self.cfg, key, Ledger.open(where / "ledger.sqlite", signing_key=key, origin="bench/redteam"),
-            StateStore(where / "state.sqlite"), world.codec, oracle, problems or world.problems,
-            PolicyVersions(model_dir_digest(world.model), TRAINER.public), DEFAULT_TOLERANCES,
-            clock=self.clock)
+            self.cfg,
+            key,
+            Ledger.open(where / "ledger.sqlite", signing_key=key, origin="bench/redteam"),
+            StateStore(where / "state.sqlite"),
+            world.codec,
+            oracle,
+            problems or world.problems,
+            PolicyVersions(model_dir_digest(world.model), TRAINER.public),
+            DEFAULT_TOLERANCES,
+            clock=self.clock,
+        )
         self.by_id = {p.id: p for p in (problems or world.problems)}
         self.shared: dict = {}
         self.honest_keys: set[bytes] = set()
@@ -302,8 +339,15 @@ class Run:
         self.v.register(key.public.raw, name)
         if honest:
             self.honest_keys.add(key.public.raw)
-        ctx = Context(key, self.world.backend, self.world.codec, self.v.key.public, self.world.oracle,
-                      shared=self.shared, rng=np.random.default_rng(int.from_bytes(key.public.raw[:4], "little")))
+        ctx = Context(
+            key,
+            self.world.backend,
+            self.world.codec,
+            self.v.key.public,
+            self.world.oracle,
+            shared=self.shared,
+            rng=np.random.default_rng(int.from_bytes(key.public.raw[:4], "little")),
+        )
         return Identity(key, ctx)
 
     def banned(self, me: Identity) -> bool:
@@ -311,7 +355,10 @@ class Run:
 
     def honest_slashes(self) -> int:
         """Slashes the ledger records against keys that only sent honest groups."""
-        return sum(isinstance(r, Slashed) and r.contributor in self.honest_keys for _, r in self.v.ledger.entries())
+        return sum(
+            isinstance(r, Slashed) and r.contributor in self.honest_keys
+            for _, r in self.v.ledger.entries()
+        )
 
     def sealed(self, me: Identity) -> SignedAssignment:
         return self.v.assign(me.key.public.raw)
@@ -335,11 +382,16 @@ class Run:
         """A PIT failure is in the ledger, and the same bytes again get the stored verdicts."""
         aid = out.verdicts[0].assignment_id
         self.pit["failures"] += 1
-        self.pit["in_ledger"] += any(isinstance(r, VerdictRecorded) and r.assignment_id == aid
-                                     and r.reason == "sampling_distribution" for _, r in self.v.ledger.entries())
+        self.pit["in_ledger"] += any(
+            isinstance(r, VerdictRecorded)
+            and r.assignment_id == aid
+            and r.reason == "sampling_distribution"
+            for _, r in self.v.ledger.entries()
+        )
         again = self.submit(raw)
-        self.pit["resubmission_stored"] += (isinstance(again, SubmitResult) and not again.fresh
-                                            and again.answer == out.answer)
+        self.pit["resubmission_stored"] += (
+            isinstance(again, SubmitResult) and not again.fresh and again.answer == out.answer
+        )
 
     def honest(self, me: Identity, sealed: SignedAssignment | None = None) -> tuple[bytes, Outcome]:
         """An honest group by ``me`` (for ``sealed``, else a new assignment), counted as honest."""
@@ -350,7 +402,9 @@ class Run:
         except VerificationError as exc:  # an honest key refused work (banned?)
             out: Outcome = exc
         else:
-            sub = answer(me.key, sealed, self.v.key.public, self.world.backend, self.world.codec, self.clock)
+            sub = answer(
+                me.key, sealed, self.v.key.public, self.world.backend, self.world.codec, self.clock
+            )
             raw = canonical_bytes(sub)
             out = self.submit(raw)
             if isinstance(out, SubmitResult):
@@ -379,12 +433,20 @@ class Run:
                 self.completions.add(seen)
 
     def sign(self, me: Identity, a: WorkAssignment, comps: list[Comp], **header: object) -> bytes:
-        envs = [build_envelope(me.key, {**header_fields(a, g, self.clock()), **header}, tokens,
-                               np.asarray(lps, dtype=np.float32)) for g, tokens, lps in comps]
+        envs = [
+            build_envelope(
+                me.key,
+                {**header_fields(a, g, self.clock()), **header},
+                tokens,
+                np.asarray(lps, dtype=np.float32),
+            )
+            for g, tokens, lps in comps
+        ]
         return canonical_bytes(GroupSubmission(a.assignment_id, envs))
 
-    def generate(self, me: Identity, a: WorkAssignment, backend: Any = None,
-                 **changes: Any) -> list[GeneratedCompletion]:
+    def generate(
+        self, me: Identity, a: WorkAssignment, backend: Any = None, **changes: Any
+    ) -> list[GeneratedCompletion]:
         """``me``'s group for ``a`` as the honest request makes it, with ``changes``."""
         req = dataclasses.replace(honest_request(a, me.key.public, self.world.codec), **changes)
         return (backend or self.world.backend).generate(req)
@@ -406,8 +468,12 @@ class Run:
         for env, c in zip(group.envelopes, honest, strict=True):
             h = decode(RolloutHeader, env.header, max_bytes=len(env.header))
             # The declared precision and engine are the contributor's to choose: not compared.
-            want = header_fields(a, c.group_index, h.created_at_ms, precision=h.precision, backend=h.backend)
-            if h.contributor_key != me.key.public.raw or any(getattr(h, k) != x for k, x in want.items()):
+            want = header_fields(
+                a, c.group_index, h.created_at_ms, precision=h.precision, backend=h.backend
+            )
+            if h.contributor_key != me.key.public.raw or any(
+                getattr(h, k) != x for k, x in want.items()
+            ):
                 return True
             tokens = np.frombuffer(env.body.token_ids, "<u4")
             if tokens.tolist() != list(c.token_ids):
@@ -415,7 +481,9 @@ class Run:
             lps = np.frombuffer(env.body.logprobs, "<f4")
             try:
                 for lo in range(0, len(lps), a.chunk_size):
-                    compare_chunk(lps[lo:lo + a.chunk_size], c.logprobs[lo:lo + a.chunk_size], tol, 0)
+                    compare_chunk(
+                        lps[lo : lo + a.chunk_size], c.logprobs[lo : lo + a.chunk_size], tol, 0
+                    )
             except SpotCheckError:
                 return True
         return False
@@ -447,9 +515,15 @@ class Forged(Attack):
     """Forges the completions of one assignment with ``make`` and signs them (header
     fields in ``header`` override the honest ones)."""
 
-    def __init__(self, family: str, make: Callable[[Run, Identity, WorkAssignment], list[Comp]],
-                 header: dict | None = None, overrides: dict | None = None, honest_every: int = HONEST_EVERY,
-                 tolerated: str = "") -> None:
+    def __init__(
+        self,
+        family: str,
+        make: Callable[[Run, Identity, WorkAssignment], list[Comp]],
+        header: dict | None = None,
+        overrides: dict | None = None,
+        honest_every: int = HONEST_EVERY,
+        tolerated: str = "",
+    ) -> None:
         self.family, self.make, self.header = family, make, header or {}
         self.overrides, self.honest_every, self.tolerated = overrides or {}, honest_every, tolerated
 
@@ -479,7 +553,9 @@ class Strategy(Attack):
 
 def duplicated(problems: list[Problem]) -> list[Problem]:
     """Each prompt text twice in a row, under two prompt ids (same prompt digest)."""
-    return [q for p in problems for q in (p, Problem(p.id + AGAIN, p.task, p.prompt, p.answer, p.data))]
+    return [
+        q for p in problems for q in (p, Problem(p.id + AGAIN, p.task, p.prompt, p.answer, p.data))
+    ]
 
 
 class Copy(Attack):
@@ -545,21 +621,30 @@ class Grind(Attack):
         best: tuple[float, WorkAssignment, list[GeneratedCompletion]] | None = None
         for a in got:
             comps = run.generate(me, a)
-            rewards = score(run.world.codec, run.by_id[a.prompt_id], [np.asarray(c.token_ids) for c in comps])
+            rewards = score(
+                run.world.codec, run.by_id[a.prompt_id], [np.asarray(c.token_ids) for c in comps]
+            )
             self.generated += rewards
             if best is None or float(np.mean(rewards)) > best[0]:
                 best = (float(np.mean(rewards)), a, comps)
         if best is None:
             return None
         _, a, comps = best
-        return Crafted(run.sign(me, a, [(c.group_index, list(c.token_ids), c.logprobs) for c in comps]), a,
-                       differs=False)
+        return Crafted(
+            run.sign(me, a, [(c.group_index, list(c.token_ids), c.logprobs) for c in comps]),
+            a,
+            differs=False,
+        )
 
     def report(self, run: Run) -> dict:
-        return {"rounds": self.rounds, "assignments_obtained": self.obtained,
-                "max_outstanding": run.cfg.assignment.max_outstanding,
-                "assignment_limit_refusals": self.refusals.get("assignment_limit", 0),
-                "refusals": dict(self.refusals), "generated_mean_reward": _mean(self.generated)}
+        return {
+            "rounds": self.rounds,
+            "assignments_obtained": self.obtained,
+            "max_outstanding": run.cfg.assignment.max_outstanding,
+            "assignment_limit_refusals": self.refusals.get("assignment_limit", 0),
+            "refusals": dict(self.refusals),
+            "generated_mean_reward": _mean(self.generated),
+        }
 
 
 def _mean(xs: list[float]) -> float | None:
@@ -589,7 +674,9 @@ def planted(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
     then the correct answer and a stop token, all committed with their honest logprobs: only
     the planted tokens are not the sampler's."""
     prefix = run.world.prefix()
-    answer_ids = run.world.codec.encode(run.by_id[a.prompt_id].answer)[len(prefix):] + list(a.stop_token_ids)
+    answer_ids = run.world.codec.encode(run.by_id[a.prompt_id].answer)[len(prefix) :] + list(
+        a.stop_token_ids
+    )
     room = max(0, a.sampling.max_tokens - len(answer_ids))
     out = []
     for c in run.generate(me, a):
@@ -601,8 +688,13 @@ def planted(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
 
 def relogged(transform: Callable[[np.ndarray], np.ndarray]):  # type: ignore[no-untyped-def]
     """Honest tokens with their committed logprobs transformed."""
+
     def make(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
-        return [(c.group_index, list(c.token_ids), transform(np.array(c.logprobs))) for c in run.generate(me, a)]
+        return [
+            (c.group_index, list(c.token_ids), transform(np.array(c.logprobs)))
+            for c in run.generate(me, a)
+        ]
+
     return make
 
 
@@ -612,18 +704,24 @@ def bf16_cast(lps: np.ndarray) -> np.ndarray:
 
 def substitute(variant: str):  # type: ignore[no-untyped-def]
     """Generated by a substitute model, its own logprobs committed, float32 declared."""
+
     def make(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
         comps = run.generate(me, a, backend=run.world.variant(variant))
         return [(c.group_index, list(c.token_ids), c.logprobs) for c in comps]
+
     return make
 
 
 def cheaper(**changes: object):  # type: ignore[no-untyped-def]
     """Sampled with ``changes`` (the verifiable sampler's own noise), committed with the honest
     logprobs of the claimed sampling."""
+
     def make(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
         comps = run.generate(me, a, **changes)
-        return [(c.group_index, list(c.token_ids), run.claimed(me, a, list(c.token_ids))) for c in comps]
+        return [
+            (c.group_index, list(c.token_ids), run.claimed(me, a, list(c.token_ids))) for c in comps
+        ]
+
     return make
 
 
@@ -634,6 +732,7 @@ def replay_slack(precision: str):  # type: ignore[no-untyped-def]
 
     def make(run: Run, me: Identity, a: WorkAssignment) -> list[Comp]:
         return slack_sample(run, me, a, eps)
+
     return make
 
 
@@ -650,9 +749,12 @@ def slack_sample(run: Run, me: Identity, a: WorkAssignment, eps: float) -> list[
         live = [g for g in range(g_size) if not (tokens[g] and tokens[g][-1] in stops)]
         if not live:
             break
-        lp = process_logits(model(input_ids=seqs).logits[:, -1, :].float(), s.temperature, s.top_k, s.top_p)
-        noise = noise_for_streams([(me.key.public.raw, a.nonce, s.seed, g, [t]) for g in range(g_size)],
-                                  lp.shape[-1])
+        lp = process_logits(
+            model(input_ids=seqs).logits[:, -1, :].float(), s.temperature, s.top_k, s.top_p
+        )
+        noise = noise_for_streams(
+            [(me.key.public.raw, a.nonce, s.seed, g, [t]) for g in range(g_size)], lp.shape[-1]
+        )
         scores = lp.double() + noise  # (G, V)
         near = scores >= scores.max(dim=-1, keepdim=True).values - eps
         pick = lp.masked_fill(~near, float("-inf")).argmax(dim=-1)  # (G,)
@@ -665,14 +767,20 @@ def slack_sample(run: Run, me: Identity, a: WorkAssignment, eps: float) -> list[
 
 PIT = {"audit.pit_alpha": 0.2, "audit.pit_min_tokens": 32}  # the smallest window allowed
 BF16 = {"precision": "bfloat16"}
-SLACK = ("replay grants numerical-noise slack: under the inverse-CDF sampler a changed token passes where "
-         "the keyed uniform lies within replay_slack (2e-4 at float32) of its interval, i.e. next in id "
-         "order to a low-mass draw; under Gumbel-max, within eps = 2 x token_abs of the best score")
-DECLARED = ("the declared precision picks the tolerance and the replay slack; a float32 generator may "
-            "declare bfloat16 and get its bounds (token_abs 0.25, inverse-CDF replay_slack 0.02)")
-SKIPPED = {"honest": "the honest control itself",
-           "malformed-flood": "garbage bytes: refused before judging and never attributed, so nothing to "
-                              "reject or slash (tests/integration/test_validator_node.py covers it)"}
+SLACK = (
+    "replay grants numerical-noise slack: under the inverse-CDF sampler a changed token passes where "
+    "the keyed uniform lies within replay_slack (2e-4 at float32) of its interval, i.e. next in id "
+    "order to a low-mass draw; under Gumbel-max, within eps = 2 x token_abs of the best score"
+)
+DECLARED = (
+    "the declared precision picks the tolerance and the replay slack; a float32 generator may "
+    "declare bfloat16 and get its bounds (token_abs 0.25, inverse-CDF replay_slack 0.02)"
+)
+SKIPPED = {
+    "honest": "the honest control itself",
+    "malformed-flood": "garbage bytes: refused before judging and never attributed, so nothing to "
+    "reject or slash (tests/integration/test_validator_node.py covers it)",
+}
 
 
 def attacks(world: World) -> dict[str, Callable[[], Attack]]:
@@ -685,24 +793,34 @@ def attacks(world: World) -> dict[str, Callable[[], Attack]]:
         "planted": lambda: Forged("chunk_size", planted),
         # Honest control every group: its windows fail one in five at this alpha, which
         # exercises the recording of a PIT failure and the stored answer to a resubmission.
-        "pit-temp0.7": lambda: Forged("pit", cheaper(temperature=0.7), overrides=PIT, honest_every=1),
+        "pit-temp0.7": lambda: Forged(
+            "pit", cheaper(temperature=0.7), overrides=PIT, honest_every=1
+        ),
         "copy-colluder": lambda: Copy(own=False),
         "copy-own": lambda: Copy(own=True),
         "sub-round2": lambda: Forged("substitution", relogged(lambda x: np.round(x, 2))),
         "sub-bf16-cast": lambda: Forged("substitution", relogged(bf16_cast)),
         "sub-noisy-policy": lambda: Forged("substitution", substitute("noisy")),
         "sub-bf16-policy": lambda: Forged("substitution", substitute("bf16")),
-        "sub-replay-slack": lambda: Forged("substitution", replay_slack("float32"), tolerated=SLACK),
+        "sub-replay-slack": lambda: Forged(
+            "substitution", replay_slack("float32"), tolerated=SLACK
+        ),
         # The same, and a substitute model, declaring bfloat16 (any contributor may).
-        "bf16-declared-replay-slack": lambda: Forged("declared_precision", replay_slack("bfloat16"),
-                                                     header=BF16, tolerated=DECLARED),
-        "bf16-declared-noisy-policy": lambda: Forged("declared_precision", substitute("noisy"), header=BF16,
-                                                     tolerated=DECLARED),
+        "bf16-declared-replay-slack": lambda: Forged(
+            "declared_precision", replay_slack("bfloat16"), header=BF16, tolerated=DECLARED
+        ),
+        "bf16-declared-noisy-policy": lambda: Forged(
+            "declared_precision", substitute("noisy"), header=BF16, tolerated=DECLARED
+        ),
         "grind-k3": lambda: Grind(3),
         "grind-k8": lambda: Grind(8),
         "cheap-top20": lambda: Forged("cheaper_sampling", cheaper(top_k=20), tolerated=SLACK),
-        "cheap-temp0.9": lambda: Forged("cheaper_sampling", cheaper(temperature=0.9), tolerated=SLACK),
-        "cheap-temp1.1": lambda: Forged("cheaper_sampling", cheaper(temperature=1.1), tolerated=SLACK),
+        "cheap-temp0.9": lambda: Forged(
+            "cheaper_sampling", cheaper(temperature=0.9), tolerated=SLACK
+        ),
+        "cheap-temp1.1": lambda: Forged(
+            "cheaper_sampling", cheaper(temperature=1.1), tolerated=SLACK
+        ),
     }
     for name in sorted(set(STRATEGIES) - set(SKIPPED)):
         out[name] = lambda name=name: Strategy(name, world)  # type: ignore[misc]
@@ -712,8 +830,15 @@ def attacks(world: World) -> dict[str, Callable[[], Attack]]:
 # -- drivers ------------------------------------------------------------------------------------
 
 
-def play(world: World, honest: Honest, make: Callable[[], Attack], groups: int, rate: float,
-         warmup: int = 0, identities: int = 1_000_000) -> dict:
+def play(
+    world: World,
+    honest: Honest,
+    make: Callable[[], Attack],
+    groups: int,
+    rate: float,
+    warmup: int = 0,
+    identities: int = 1_000_000,
+) -> dict:
     """``groups`` attack groups against a fresh validator auditing at ``rate`` (-1: by
     reputation). A banned attacker goes on under a fresh key, which first submits ``warmup``
     honest groups, while it has ``identities`` to burn."""
@@ -735,8 +860,12 @@ def play(world: World, honest: Honest, make: Callable[[], Attack], groups: int, 
             tally.add(run.submit(crafted.raw), differs)
         if i % attack.honest_every == 0:
             run.honest(run.control)
-    result = {**tally.json(), "honest_mean_reward": _mean(run.control_rewards), **attack.report(run),
-              "honest_slashed_in_ledger": run.honest_slashes()}
+    result = {
+        **tally.json(),
+        "honest_mean_reward": _mean(run.control_rewards),
+        **attack.report(run),
+        "honest_slashed_in_ledger": run.honest_slashes(),
+    }
     if rate < 0:
         result["audit_rate_after_warmup"] = _mean(rates)
     if run.pit:
@@ -749,7 +878,11 @@ def control_duplicate_text(world: World, honest: Honest, groups: int) -> dict:
     """Honest contributors on a pool holding every prompt text under two prompt ids."""
     before = dataclasses.replace(honest, reasons=Counter(honest.reasons))
     run = Run(world, honest, -1.0, problems=duplicated(world.problems))
-    people = [run.control, run.identity("honest-2", honest=True), run.identity("honest-3", honest=True)]
+    people = [
+        run.control,
+        run.identity("honest-2", honest=True),
+        run.identity("honest-3", honest=True),
+    ]
     for i in range(groups):
         run.honest(people[i % len(people)])
     return _control(run, honest, before)
@@ -760,16 +893,22 @@ def control_unchanged_version(world: World, honest: Honest, groups: int) -> dict
     same weights) is published, then every prompt again under version 1."""
     before = dataclasses.replace(honest, reasons=Counter(honest.reasons))
     size = max(2, groups // 2)
-    run = Run(world, honest, -1.0, problems=world.problems[:size + 1], versions=2)
+    run = Run(world, honest, -1.0, problems=world.problems[: size + 1], versions=2)
     people = [run.control, run.identity("honest-2", honest=True)]
     for i in range(size):
         run.honest(people[i % 2])
     held = run.sealed(people[0])
     blob = b"unchanged weights"
     run.v.ledger.blobs.put(blob)  # type: ignore[union-attr]
-    manifest = PolicyManifest(1, 1, b"", model_dir_digest(world.model),
-                              [ShardEntry(0, blob_digest(blob), "int8-block", len(blob), "delta")],
-                              TRAINER.public.raw, run.clock())
+    manifest = PolicyManifest(
+        1,
+        1,
+        b"",
+        model_dir_digest(world.model),
+        [ShardEntry(0, blob_digest(blob), "int8-block", len(blob), "delta")],
+        TRAINER.public.raw,
+        run.clock(),
+    )
     version = run.v.publish_policy(seal(TRAINER, manifest))
     run.honest(people[0], held)  # a version-0 assignment answered after version 1 is out
     for i in range(size + 1):
@@ -782,18 +921,29 @@ def _control(run: Run, honest: Honest, before: Honest, **extra: object) -> dict:
     completions repeating an earlier one for the same prompt text (the case that was slashed)."""
     slashes = sum(isinstance(r, Slashed) for _, r in run.v.ledger.entries())
     run.close()
-    return {"groups": honest.groups - before.groups,
-            "false_rejections": honest.false_rejections - before.false_rejections,
-            "slashes": honest.slashes - before.slashes, "ledger_slashes": slashes,
-            "repeated_completions": run.repeats, "reasons": dict(honest.reasons - before.reasons), **extra}
+    return {
+        "groups": honest.groups - before.groups,
+        "false_rejections": honest.false_rejections - before.false_rejections,
+        "slashes": honest.slashes - before.slashes,
+        "ledger_slashes": slashes,
+        "repeated_completions": run.repeats,
+        "reasons": dict(honest.reasons - before.reasons),
+        **extra,
+    }
 
 
 def world_for(work: Path, pool: int) -> World:
     from bench.validator import model_dir
 
     model = model_dir(work)
-    return World(work, model, HFTextCodec(model), TransformersBackend(model), TransformersOracle({0: model}),
-                 generate("arithmetic", "train", pool, seed=11))
+    return World(
+        work,
+        model,
+        HFTextCodec(model),
+        TransformersBackend(model),
+        TransformersOracle({0: model}),
+        generate("arithmetic", "train", pool, seed=11),
+    )
 
 
 def run_all(args: argparse.Namespace) -> dict:
@@ -811,44 +961,84 @@ def run_all(args: argparse.Namespace) -> dict:
             audit = play(world, honest, make, args.groups, 1.0)
             default = play(world, honest, make, args.groups, -1.0, args.warmup, args.identities)
             attack = make()
-            results[name] = {"family": attack.family, "per_audit": audit, "default_rate": default,
-                             "seconds": round(time.perf_counter() - began, 1)}
+            results[name] = {
+                "family": attack.family,
+                "per_audit": audit,
+                "default_rate": default,
+                "seconds": round(time.perf_counter() - began, 1),
+            }
             if attack.tolerated:
                 results[name]["tolerated"] = attack.tolerated
         log("honest controls")
-        controls = {"duplicate_prompt_text": control_duplicate_text(world, honest, args.groups),
-                    "unchanged_weights_version": control_unchanged_version(world, honest, args.groups)}
+        controls = {
+            "duplicate_prompt_text": control_duplicate_text(world, honest, args.groups),
+            "unchanged_weights_version": control_unchanged_version(world, honest, args.groups),
+        }
         model = str(world.model)
-    missed = {name: {"differing": r["per_audit"]["differing"],
-                     "rejected_of_differing": r["per_audit"]["rejected_of_differing"]}
-              for name, r in results.items()
-              if r["per_audit"]["rejected_of_differing"] < r["per_audit"]["differing"]}
-    same = sorted(name for name, r in results.items()
-                  if r["per_audit"]["differing"] == 0 and r["family"] != "grinding")
-    ledger_slashes = sum(r[mode]["honest_slashed_in_ledger"] for r in results.values()
-                         for mode in ("per_audit", "default_rate"))
+    missed = {
+        name: {
+            "differing": r["per_audit"]["differing"],
+            "rejected_of_differing": r["per_audit"]["rejected_of_differing"],
+        }
+        for name, r in results.items()
+        if r["per_audit"]["rejected_of_differing"] < r["per_audit"]["differing"]
+    }
+    same = sorted(
+        name
+        for name, r in results.items()
+        if r["per_audit"]["differing"] == 0 and r["family"] != "grinding"
+    )
+    ledger_slashes = sum(
+        r[mode]["honest_slashed_in_ledger"]
+        for r in results.values()
+        for mode in ("per_audit", "default_rate")
+    )
     ledger_slashes += sum(c["ledger_slashes"] for c in controls.values())
     return {
-        "bench": "redteam", "groups": args.groups, "warmup_groups": args.warmup,
-        "identities": args.identities, "group_size": GROUP_SIZE, "max_tokens": MAX_TOKENS,
-        "attacks": results, "skipped": SKIPPED, "not_rejected_per_audit": missed,
+        "bench": "redteam",
+        "groups": args.groups,
+        "warmup_groups": args.warmup,
+        "identities": args.identities,
+        "group_size": GROUP_SIZE,
+        "max_tokens": MAX_TOKENS,
+        "attacks": results,
+        "skipped": SKIPPED,
+        "not_rejected_per_audit": missed,
         "never_differed_per_audit": same,
-        "honest": {"groups": honest.groups, "false_rejections": honest.false_rejections,
-                   "slashes": honest.slashes, "ledger_slashes": ledger_slashes,
-                   "expected_pit_rejections": honest.expected_pit_rejections,
-                   "reasons": dict(honest.reasons), "controls": controls},
-        "wall_s": round(time.perf_counter() - start, 1), "model": model,
+        "honest": {
+            "groups": honest.groups,
+            "false_rejections": honest.false_rejections,
+            "slashes": honest.slashes,
+            "ledger_slashes": ledger_slashes,
+            "expected_pit_rejections": honest.expected_pit_rejections,
+            "reasons": dict(honest.reasons),
+            "controls": controls,
+        },
+        "wall_s": round(time.perf_counter() - start, 1),
+        "model": model,
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--groups", type=int, default=30, help="attack groups per attack and mode")
-    parser.add_argument("--warmup", type=int, default=30,
-                        help="honest groups each attacker identity submits before attacking (default rate)")
-    parser.add_argument("--identities", type=int, default=3,
-                        help="identities an attacker burns at the default rate (each warmed up)")
-    parser.add_argument("--quick", action="store_true", help="a tiny run: 2 groups, 2 warm-up, 1 identity")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=30,
+        help="honest groups each attacker identity submits before attacking (default rate)",
+    )
+    parser.add_argument(
+        "--identities",
+        type=int,
+        default=3,
+        help="identities an attacker burns at the default rate (each warmed up)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny run: 2 groups, 2 warm-up, 1 identity"
+    )
     parser.add_argument("--only", default="", help="comma-separated attack names (default: all)")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()

@@ -34,9 +34,15 @@ from verify.samplers import SAMPLERS  # noqa: E402
 VOCABS = (101, 49_152, 151_936)
 KEY, NONCE = bytes(range(32)), b"\x07" * 32
 SMOLLM2_SHAPE: dict[str, Any] = dict(
-    vocab_size=49_152, hidden_size=576, intermediate_size=1_536, num_hidden_layers=30,
-    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2_048,
-    tie_word_embeddings=True)
+    vocab_size=49_152,
+    hidden_size=576,
+    intermediate_size=1_536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    max_position_embeddings=2_048,
+    tie_word_embeddings=True,
+)
 
 
 def log(msg: str) -> None:
@@ -68,14 +74,21 @@ def sampler_costs(tokens: int, rounds: int) -> dict:
             drawn = contribute()
             randomness = sampler.randomness(specs, vocab)
 
-            def replay(sampler=sampler, drawn=drawn, logits=logits, randomness=randomness,  # type: ignore[no-untyped-def]
-                       processed=processed):
-                return sampler.replay(drawn, logits, 1.0, 0, 1.0, randomness, slack=1e-4,
-                                      processed=processed)
+            def replay(
+                sampler=sampler,
+                drawn=drawn,
+                logits=logits,
+                randomness=randomness,  # type: ignore[no-untyped-def]
+                processed=processed,
+            ):
+                return sampler.replay(
+                    drawn, logits, 1.0, 0, 1.0, randomness, slack=1e-4, processed=processed
+                )
 
             out.setdefault(name, {})[str(vocab)] = {
                 "contributor_ms": round(best_ms(contribute, tokens, rounds), 5),
-                "replay_ms": round(best_ms(replay, tokens, rounds), 5)}
+                "replay_ms": round(best_ms(replay, tokens, rounds), 5),
+            }
             log(f"{name} V={vocab}: {out[name][str(vocab)]}")
     return out
 
@@ -113,7 +126,9 @@ def smollm2_shaped() -> torch.nn.Module:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--tokens", type=int, default=64, help="tokens per sampler measurement")
     parser.add_argument("--batch", type=int, default=8, help="forward pass batch")
     parser.add_argument("--seq", type=int, default=256, help="forward pass sequence length")
@@ -130,17 +145,35 @@ def main() -> int:
     log(f"demo policy forward: {fwd_demo:.4f} ms/token")
     fwd_135m = forward_ms(smollm2_shaped(), args.batch, args.seq, 49_152, max(1, args.rounds // 2))
     log(f"SmolLM2-135M-shaped forward: {fwd_135m:.4f} ms/token")
-    ratios = {name: {side: {"ratio_101": round(c["101"][side] / fwd_demo, 4),
-                            "ratio_49152": round(c["49152"][side] / fwd_135m, 4)}
-                     for side in ("contributor_ms", "replay_ms")}
-              for name, c in costs.items()}
+    ratios = {
+        name: {
+            side: {
+                "ratio_101": round(c["101"][side] / fwd_demo, 4),
+                "ratio_49152": round(c["49152"][side] / fwd_135m, 4),
+            }
+            for side in ("contributor_ms", "replay_ms")
+        }
+        for name, c in costs.items()
+    }
     icdf = ratios["icdf-v1"]
-    emit({"bench": "sampler", "tokens": args.tokens, "forward_ms_per_token": {
-              "demo_policy": round(fwd_demo, 5), "smollm2_135m_shape": round(fwd_135m, 5)},
-          "samplers": costs, "ratios": ratios,
-          "icdf_vs_gumbel_contributor_49152": round(
-              costs["gumbel-v1"]["49152"]["contributor_ms"] / costs["icdf-v1"]["49152"]["contributor_ms"], 2),
-          "target_met": max(icdf[s]["ratio_49152"] for s in icdf) <= 0.05})
+    emit(
+        {
+            "bench": "sampler",
+            "tokens": args.tokens,
+            "forward_ms_per_token": {
+                "demo_policy": round(fwd_demo, 5),
+                "smollm2_135m_shape": round(fwd_135m, 5),
+            },
+            "samplers": costs,
+            "ratios": ratios,
+            "icdf_vs_gumbel_contributor_49152": round(
+                costs["gumbel-v1"]["49152"]["contributor_ms"]
+                / costs["icdf-v1"]["49152"]["contributor_ms"],
+                2,
+            ),
+            "target_met": max(icdf[s]["ratio_49152"] for s in icdf) <= 0.05,
+        }
+    )
     return 0
 
 

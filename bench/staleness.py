@@ -64,8 +64,12 @@ sys.path.insert(0, str(REPO))
 from bench._util import emit  # noqa: E402
 
 OFF_POLICY_KEYS = (
-    "off_policy/staleness_mean", "off_policy/ratio_min", "off_policy/ratio_max",
-    "off_policy/clipped_fraction", "off_policy/masked_fraction", "off_policy/kl_behaviour",
+    "off_policy/staleness_mean",
+    "off_policy/ratio_min",
+    "off_policy/ratio_max",
+    "off_policy/clipped_fraction",
+    "off_policy/masked_fraction",
+    "off_policy/kl_behaviour",
 )
 
 
@@ -90,10 +94,13 @@ def run_one(cfg, staleness: int, correction: bool, final_problems: int, seed: in
     from trainer.base_model import ensure_base_model
     from trainer.evals import evaluate
 
-    cfg = cfg.model_copy(update={
-        "rules": cfg.rules.model_copy(update={"max_staleness": staleness + 1}), "seed": seed,
-        "loss": cfg.loss.model_copy(update={"importance_sampling": correction}),
-    })
+    cfg = cfg.model_copy(
+        update={
+            "rules": cfg.rules.model_copy(update={"max_staleness": staleness + 1}),
+            "seed": seed,
+            "loss": cfg.loss.model_copy(update={"importance_sampling": correction}),
+        }
+    )
     model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
     settings = dataclasses.replace(settings_from(cfg), publish_delay=staleness)
     sums: dict[str, float] = {}
@@ -114,15 +121,24 @@ def run_one(cfg, staleness: int, correction: bool, final_problems: int, seed: in
         run_local(cfg, network=net, progress=False, on_metrics=on_metrics)
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         reports = [
-            evaluate((net.model(v), tokenizer), cfg.task, "heldout", n=final_problems, k=1,
-                     samples=1, seed=cfg.seed).metric("pass@1 (greedy)")
+            evaluate(
+                (net.model(v), tokenizer),
+                cfg.task,
+                "heldout",
+                n=final_problems,
+                k=1,
+                samples=1,
+                seed=cfg.seed,
+            ).metric("pass@1 (greedy)")
             for v in (0, cfg.steps)
         ]
     finally:
         net.close()
     base, final = reports
     return RunResult(
-        final=final.value, final_ci=(final.ci_low, final.ci_high), base=base.value,
+        final=final.value,
+        final_ci=(final.ci_low, final.ci_high),
+        base=base.value,
         off_policy={k.split("/", 1)[1]: round(v / max(count, 1), 4) for k, v in sums.items()},
         seconds=time.monotonic() - start,
     )
@@ -130,21 +146,39 @@ def run_one(cfg, staleness: int, correction: bool, final_problems: int, seed: in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", type=Path, default=REPO / "configs" / "trainer.toml",
-                        help="trainer TOML (default: configs/trainer.toml)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=REPO / "configs" / "trainer.toml",
+        help="trainer TOML (default: configs/trainer.toml)",
+    )
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--eval-problems", type=int, default=200,
-                        help="held-out problems of the base and final evals")
+    parser.add_argument(
+        "--eval-problems",
+        type=int,
+        default=200,
+        help="held-out problems of the base and final evals",
+    )
     parser.add_argument("--full", action="store_true", help="300 steps, 1000 eval problems")
     parser.add_argument("--staleness", default="0,4,8")
-    parser.add_argument("--corrections", default="is,no_is",
-                        help="which of is (configured loss) and no_is (ratio 1) to run")
-    parser.add_argument("--lr", type=float, default=7e-5,
-                        help="peak learning rate of every run (default 7e-5; 0 keeps --config's)")
-    parser.add_argument("--seeds", default="0",
-                        help="comma-separated seeds (problem pool, contributors, trainer, eval set); "
-                             "every configuration runs once per seed and the ratios use the "
-                             "mean improvement over seeds")
+    parser.add_argument(
+        "--corrections",
+        default="is,no_is",
+        help="which of is (configured loss) and no_is (ratio 1) to run",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=7e-5,
+        help="peak learning rate of every run (default 7e-5; 0 keeps --config's)",
+    )
+    parser.add_argument(
+        "--seeds",
+        default="0",
+        help="comma-separated seeds (problem pool, contributors, trainer, eval set); "
+        "every configuration runs once per seed and the ratios use the "
+        "mean improvement over seeds",
+    )
     args = parser.parse_args()
     corrections = args.corrections.split(",")
     if not corrections or set(corrections) - {"is", "no_is"}:
@@ -172,8 +206,10 @@ def main() -> None:
                 name = f"s{s}_{'is' if correction else 'no_is'}"
                 r = run_one(cfg, s, correction, n_eval, seed)
                 results.setdefault(name, []).append(r)
-                log(f"seed {seed} {name}: pass@1 {r.base:.3f} -> {r.final:.3f} "
-                    f"[{r.final_ci[0]:.3f}, {r.final_ci[1]:.3f}] in {r.seconds:.0f}s {r.off_policy}")
+                log(
+                    f"seed {seed} {name}: pass@1 {r.base:.3f} -> {r.final:.3f} "
+                    f"[{r.final_ci[0]:.3f}, {r.final_ci[1]:.3f}] in {r.seconds:.0f}s {r.off_policy}"
+                )
     # Each seed has its own eval set and base figure: improvements are per seed, then averaged.
     per_seed = {k: [r.final - r.base for r in rs] for k, rs in results.items()}
     improvement = {k: sum(v) / len(v) for k, v in per_seed.items()}
@@ -187,20 +223,32 @@ def main() -> None:
     def seed_ratios(key: str) -> list[float | None] | None:
         if key not in per_seed or "s0_is" not in per_seed:
             return None
-        return [round(a / b, 4) if b else None for a, b in zip(per_seed[key], per_seed["s0_is"], strict=True)]
+        return [
+            round(a / b, 4) if b else None
+            for a, b in zip(per_seed[key], per_seed["s0_is"], strict=True)
+        ]
 
-    emit({
-        "bench": "staleness", "steps": steps, "eval_problems": n_eval, "seeds": seeds, "lr": cfg.lr,
-        "base": [r.base for r in next(iter(results.values()))],
-        "final": {k: [r.final for r in rs] for k, rs in results.items()},
-        "final_ci": {k: [[round(x, 4) for x in r.final_ci] for r in rs] for k, rs in results.items()},
-        "improvement": {k: round(v, 4) for k, v in improvement.items()},
-        "improvement_per_seed": {k: [round(x, 4) for x in v] for k, v in per_seed.items()},
-        "s8_is_vs_s0_is": ratio("s8_is"), "s8_no_is_vs_s0_is": ratio("s8_no_is"),
-        "s8_is_vs_s0_is_per_seed": seed_ratios("s8_is"),
-        "off_policy": {k: [r.off_policy for r in rs] for k, rs in results.items()},
-        "seconds": {k: [round(r.seconds, 1) for r in rs] for k, rs in results.items()},
-    })
+    emit(
+        {
+            "bench": "staleness",
+            "steps": steps,
+            "eval_problems": n_eval,
+            "seeds": seeds,
+            "lr": cfg.lr,
+            "base": [r.base for r in next(iter(results.values()))],
+            "final": {k: [r.final for r in rs] for k, rs in results.items()},
+            "final_ci": {
+                k: [[round(x, 4) for x in r.final_ci] for r in rs] for k, rs in results.items()
+            },
+            "improvement": {k: round(v, 4) for k, v in improvement.items()},
+            "improvement_per_seed": {k: [round(x, 4) for x in v] for k, v in per_seed.items()},
+            "s8_is_vs_s0_is": ratio("s8_is"),
+            "s8_no_is_vs_s0_is": ratio("s8_no_is"),
+            "s8_is_vs_s0_is_per_seed": seed_ratios("s8_is"),
+            "off_policy": {k: [r.off_policy for r in rs] for k, rs in results.items()},
+            "seconds": {k: [round(r.seconds, 1) for r in rs] for k, rs in results.items()},
+        }
+    )
 
 
 if __name__ == "__main__":

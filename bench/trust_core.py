@@ -34,9 +34,16 @@ def main() -> None:
     rng = np.random.default_rng(0)
     key = SigningKey.from_seed(bytes(range(32)))
     fields = dict(
-        policy_version=7, manifest_digest=os.urandom(32), task_id="arithmetic", prompt_id="heldout/17",
-        prompt_digest=os.urandom(32), assignment_id=os.urandom(16), nonce=os.urandom(32),
-        sampling=SamplingParams(1.0, 1.0, 0, TOKENS, 1234), group_index=0, group_size=8,
+        policy_version=7,
+        manifest_digest=os.urandom(32),
+        task_id="arithmetic",
+        prompt_id="heldout/17",
+        prompt_digest=os.urandom(32),
+        assignment_id=os.urandom(16),
+        nonce=os.urandom(32),
+        sampling=SamplingParams(1.0, 1.0, 0, TOKENS, 1234),
+        group_index=0,
+        group_size=8,
         created_at_ms=1_764_000_000_000,
     )
     tokens = rng.integers(0, 50_000, TOKENS)
@@ -56,17 +63,19 @@ def main() -> None:
     empty_root_header = len(envelope.header) - (32 + 2)  # bin8 prefix (2 bytes) + 32-byte root
     commitment_bytes = len(envelope.header) - empty_root_header
     payload = 8 * TOKENS
-    emit({
-        "bench": "trust_core",
-        "tokens_per_rollout": TOKENS,
-        "envelope_verifies_per_s": round(env_rate, 1),
-        "ed25519_verifies_per_s": round(raw_rate, 1),
-        "ratio": round(env_rate / raw_rate, 3),
-        "ratio_target": 0.5,
-        "commitment_overhead_bytes_per_token": round(commitment_bytes / TOKENS, 4),
-        "envelope_overhead_bytes_per_token": round((len(raw) - payload) / TOKENS, 4),
-        "envelope_bytes": len(raw),
-    })
+    emit(
+        {
+            "bench": "trust_core",
+            "tokens_per_rollout": TOKENS,
+            "envelope_verifies_per_s": round(env_rate, 1),
+            "ed25519_verifies_per_s": round(raw_rate, 1),
+            "ratio": round(env_rate / raw_rate, 3),
+            "ratio_target": 0.5,
+            "commitment_overhead_bytes_per_token": round(commitment_bytes / TOKENS, 4),
+            "envelope_overhead_bytes_per_token": round((len(raw) - payload) / TOKENS, 4),
+            "envelope_bytes": len(raw),
+        }
+    )
 
 
 if __name__ == "__main__":

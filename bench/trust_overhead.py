@@ -168,7 +168,8 @@ def phase_targets() -> list[Target]:
     from trainer.pipeline import PipelineRunner
 
     return [
-        ("generation", hrun.Simulation, "_prefetch"), ("generation", hrun.Simulation, "_answer"),
+        ("generation", hrun.Simulation, "_prefetch"),
+        ("generation", hrun.Simulation, "_answer"),
         ("signing", strategies, "sign_completions"),
         ("admission_and_spot_checks", hrun.Simulation, "_deliver_all"),
         ("rl_forward_backward", PipelineRunner, "forward_backward"),
@@ -214,41 +215,66 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 
     base_config = hrun.trainer_config
     path = work / "scenario.toml"
-    path.write_text(SCENARIO.format(
-        seed=SEED, task=TASK, pool=pool_size(args), contributors=args.contributors,
-        group_size=args.group_size, max_tokens=args.max_tokens, total_steps=args.steps + 1,
-        groups=args.groups, lr=args.lr)
-        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else ""))
+    path.write_text(
+        SCENARIO.format(
+            seed=SEED,
+            task=TASK,
+            pool=pool_size(args),
+            contributors=args.contributors,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            total_steps=args.steps + 1,
+            groups=args.groups,
+            lr=args.lr,
+        )
+        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
+    )
     scenario = load_scenario(path)
     log_path = work / EVENTS_FILE
     start = time.perf_counter()
-    fallback = (patched(GroupGradients, "plan", lambda module, params: None)
-                if args.pass_per_contributor else contextlib.nullcontext())
-    with patched(hrun, "TrainerLoop", TimedLoop), patched(hrun, "trainer_config", config), \
-            fallback, clock.installed(phase_targets()), EventLog(log_path) as log:
+    fallback = (
+        patched(GroupGradients, "plan", lambda module, params: None)
+        if args.pass_per_contributor
+        else contextlib.nullcontext()
+    )
+    with (
+        patched(hrun, "TrainerLoop", TimedLoop),
+        patched(hrun, "trainer_config", config),
+        fallback,
+        clock.installed(phase_targets()),
+        EventLog(log_path) as log,
+    ):
         values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
         timed = clock.snapshot()
     total = time.perf_counter() - start
     rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
     return {
-        "samples": sum(samples[1:]), "wall_s": sum(durations[1:]), "warmup_s": durations[0],
-        "total_wall_s": total, "steps": len(durations) - 1, "audit_ok": values["audit_ok"],
+        "samples": sum(samples[1:]),
+        "wall_s": sum(durations[1:]),
+        "warmup_s": durations[0],
+        "total_wall_s": total,
+        "steps": len(durations) - 1,
+        "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
         "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
-        "peak_rss_mib": peak_rss_mib(), "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
+        "peak_rss_mib": peak_rss_mib(),
+        "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
     }
 
 
 # -- TRL ----------------------------------------------------------------------------------
 
 
-def reward_fn(prompts: list[str], completions: list[str], problem_id: list[str],
-              answer: list[str], **_: Any) -> list[float | None]:
+def reward_fn(
+    prompts: list[str], completions: list[str], problem_id: list[str], answer: list[str], **_: Any
+) -> list[float | None]:
     """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
     from rewards import Problem, reward
 
-    return [reward(TASK, c, Problem(id=i, task=TASK, prompt=p, answer=a))
-            for p, c, i, a in zip(prompts, completions, problem_id, answer, strict=True)]
+    return [
+        reward(TASK, c, Problem(id=i, task=TASK, prompt=p, answer=a))
+        for p, c, i, a in zip(prompts, completions, problem_id, answer, strict=True)
+    ]
 
 
 def run_trl(args: argparse.Namespace, work: Path) -> dict:
@@ -264,8 +290,9 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     torch.manual_seed(SEED)
     model_dir = args.model_dir or ensure_base_model(TASK, SEED, progress=args.progress)
     problems = generate_problems(TASK, "train", pool_size(args), seed=SEED)
-    dataset = Dataset.from_list([{"prompt": p.prompt, "answer": p.answer, "problem_id": p.id}
-                                 for p in problems])
+    dataset = Dataset.from_list(
+        [{"prompt": p.prompt, "answer": p.answer, "problem_id": p.id} for p in problems]
+    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ends: list[float] = []
@@ -275,23 +302,55 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
             ends.append(time.perf_counter())
 
     cfg = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=args.steps + 1, seed=SEED,
-        per_device_train_batch_size=args.groups * args.group_size, gradient_accumulation_steps=1,
-        num_generations=args.group_size, max_completion_length=args.max_tokens,
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=args.lr, lr_scheduler_type="constant",
-        warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.99, max_grad_norm=1.0,
-        beta=0.0, num_iterations=1, scale_rewards="group", use_vllm=False, use_cpu=True,
-        bf16=False, fp16=False, report_to="none", save_strategy="no",
-        logging_steps=args.steps + 1, dataloader_num_workers=0, disable_tqdm=not args.progress,
+        output_dir=str(work / "trl"),
+        max_steps=args.steps + 1,
+        seed=SEED,
+        per_device_train_batch_size=args.groups * args.group_size,
+        gradient_accumulation_steps=1,
+        num_generations=args.group_size,
+        max_completion_length=args.max_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        max_grad_norm=1.0,
+        beta=0.0,
+        num_iterations=1,
+        scale_rewards="group",
+        use_vllm=False,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=args.steps + 1,
+        dataloader_num_workers=0,
+        disable_tqdm=not args.progress,
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=reward_fn, args=cfg, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[StepClock()])
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=reward_fn,
+        args=cfg,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[StepClock()],
+    )
     start = time.perf_counter()
     trainer.train()
     steps = len(ends) - 1
-    return {"samples": steps * args.groups * args.group_size, "wall_s": ends[-1] - ends[0],
-            "warmup_s": ends[0] - start, "total_wall_s": time.perf_counter() - start,
-            "steps": steps, "peak_rss_mib": peak_rss_mib()}
+    return {
+        "samples": steps * args.groups * args.group_size,
+        "wall_s": ends[-1] - ends[0],
+        "warmup_s": ends[0] - start,
+        "total_wall_s": time.perf_counter() - start,
+        "steps": steps,
+        "peak_rss_mib": peak_rss_mib(),
+    }
 
 
 # -- driver -------------------------------------------------------------------------------
@@ -324,10 +383,24 @@ def build_wide_model(width: int, layers: int, out: Path) -> Path:
 
 def run_side(side: str, args: argparse.Namespace) -> dict:
     """Run one side in a fresh Python process; its figures come back as its last stdout line."""
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side,
-           "--steps", str(args.steps), "--groups", str(args.groups),
-           "--group-size", str(args.group_size), "--max-tokens", str(args.max_tokens),
-           "--contributors", str(args.contributors), "--lr", str(args.lr)]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side",
+        side,
+        "--steps",
+        str(args.steps),
+        "--groups",
+        str(args.groups),
+        "--group-size",
+        str(args.group_size),
+        "--max-tokens",
+        str(args.max_tokens),
+        "--contributors",
+        str(args.contributors),
+        "--lr",
+        str(args.lr),
+    ]
     if args.model_dir:
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
     if args.pass_per_contributor:
@@ -343,36 +416,46 @@ def rate(side: dict) -> float:
     return side["samples"] / side["wall_s"]
 
 
-def summarise(args: argparse.Namespace, pts: list[dict], trls: list[dict],
-              skipped: str | None) -> dict:
+def summarise(
+    args: argparse.Namespace, pts: list[dict], trls: list[dict], skipped: str | None
+) -> dict:
     """The best round of each side: the one least disturbed by other load on the machine."""
     pt = max(pts, key=rate)
     trl = max(trls, key=rate) if trls else None
     pt_rate, trl_rate = rate(pt), (rate(trl) if trl else None)
     audited = pt["audit_rate_mean"]
     result = {
-        "bench": "trust_overhead", "steps": args.steps, "warmup_steps": 1, "rounds": args.rounds,
-        "batch_completions": args.groups * args.group_size, "groups": args.groups,
-        "group_size": args.group_size, "max_tokens": args.max_tokens,
-        "contributors": args.contributors, "threads": 1,
+        "bench": "trust_overhead",
+        "steps": args.steps,
+        "warmup_steps": 1,
+        "rounds": args.rounds,
+        "batch_completions": args.groups * args.group_size,
+        "groups": args.groups,
+        "group_size": args.group_size,
+        "max_tokens": args.max_tokens,
+        "contributors": args.contributors,
+        "threads": 1,
         "model": args.model_dir or "demo base model",
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
         "ledger_audit_ok": all(p["audit_ok"] for p in pts),
-        "prooftrain_samples_per_s": round(pt_rate, 2), "prooftrain_wall_s": round(pt["wall_s"], 2),
+        "prooftrain_samples_per_s": round(pt_rate, 2),
+        "prooftrain_wall_s": round(pt["wall_s"], 2),
         "prooftrain_rounds_samples_per_s": [round(rate(p), 2) for p in pts],
         "prooftrain_phases_s": pt.get("phases_s"),
         "prooftrain_peak_rss_mib": pt.get("peak_rss_mib"),
-        "prooftrain_train_reward_mean": (None if pt.get("train_reward_mean") is None
-                                         else round(pt["train_reward_mean"], 4)),
+        "prooftrain_train_reward_mean": (
+            None if pt.get("train_reward_mean") is None else round(pt["train_reward_mean"], 4)
+        ),
         "trl_samples_per_s": None if trl_rate is None else round(trl_rate, 2),
         "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
         "trl_peak_rss_mib": None if trl is None else trl.get("peak_rss_mib"),
         "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
         "ratio_target": RATIO_TARGET,
-        "contributor_gradients": ("a pass per contributor" if args.pass_per_contributor
-                                  else "one pass for all"),
+        "contributor_gradients": (
+            "a pass per contributor" if args.pass_per_contributor else "one pass for all"
+        ),
     }
     if skipped:
         result["skipped"] = skipped
@@ -393,8 +476,11 @@ def compare(args: argparse.Namespace, skipped: str | None) -> dict:
 
 # -- scaling: three model sizes in one run ------------------------------------------------
 
-SIZES = {"demo": "the demo base model", "14m": "random-init Llama, hidden 384, 6 layers",
-         "smollm2-135m": "SmolLM2-135M-Instruct"}
+SIZES = {
+    "demo": "the demo base model",
+    "14m": "random-init Llama, hidden 384, 6 layers",
+    "smollm2-135m": "SmolLM2-135M-Instruct",
+}
 SIZE_STEPS = (20, 10, 3)
 SIZE_ROUNDS = (3, 2, 1)
 MEMORY_CONTRIBUTORS = (4, 8)
@@ -416,16 +502,24 @@ def smollm2_dir(given: str | None) -> tuple[Path | None, str | None]:
     """The SmolLM2-135M directory to use, or None and why it is skipped."""
     if given:
         path = Path(given)
-        return (path, None) if (path / "config.json").is_file() else (
-            None, f"--smollm2-dir {given} holds no model (prooftrain models fetch smollm2-135m)")
+        return (
+            (path, None)
+            if (path / "config.json").is_file()
+            else (
+                None,
+                f"--smollm2-dir {given} holds no model (prooftrain models fetch smollm2-135m)",
+            )
+        )
     try:
         from rollout.pretrained import default_model_dir
     except ImportError:
         return None, "no SmolLM2 fetch in this checkout (rollout.pretrained) and no --smollm2-dir"
     path = default_model_dir("smollm2-135m")
     if not (path / "config.json").is_file():
-        return None, (f"SmolLM2-135M not fetched to {path}: run `prooftrain models fetch "
-                      "smollm2-135m` or pass --smollm2-dir")
+        return None, (
+            f"SmolLM2-135M not fetched to {path}: run `prooftrain models fetch "
+            "smollm2-135m` or pass --smollm2-dir"
+        )
     return path, None
 
 
@@ -451,19 +545,31 @@ def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
                 sizes[size] = {"model": SIZES[size], "skipped": why}
                 continue
             say(f"{size}: {SIZES[size]} from {model_dir}")
-            sub = argparse.Namespace(**{**vars(args), "model_dir": str(model_dir),
-                                        "steps": steps[i], "rounds": rounds[i]})
+            sub = argparse.Namespace(
+                **{
+                    **vars(args),
+                    "model_dir": str(model_dir),
+                    "steps": steps[i],
+                    "rounds": rounds[i],
+                }
+            )
             result = compare(sub, skipped)
             result.update(model=SIZES[size], params=model_params(model_dir))
             sizes[size] = result
     ratios = {k: v.get("ratio") for k, v in sizes.items()}
     measured = [r for r in ratios.values() if r is not None]
     return {
-        "bench": "trust_overhead", "mode": "scaling", "ratio_target": RATIO_TARGET,
-        "ratios": ratios, "ratio_holds_with_size": (
+        "bench": "trust_overhead",
+        "mode": "scaling",
+        "ratio_target": RATIO_TARGET,
+        "ratios": ratios,
+        "ratio_holds_with_size": (
             all(b >= a for a, b in zip(measured, measured[1:], strict=False))
-            if len(measured) > 1 else None),
-        "sizes": sizes, "aggregation_memory": aggregation_memory(args.memory_params),
+            if len(measured) > 1
+            else None
+        ),
+        "sizes": sizes,
+        "aggregation_memory": aggregation_memory(args.memory_params),
         **({"skipped": skipped} if skipped else {}),
     }
 
@@ -472,9 +578,12 @@ def aggregation_memory(params: int) -> dict:
     """The default aggregator's extra peak memory on ``params`` parameters at two
     contributor counts, each in a fresh process."""
     runs = [aggregation_peak(n, params) for n in MEMORY_CONTRIBUTORS]
-    return {"params": params, "runs": runs,
-            "rows": "n x d float32 (the per-contributor gradients the trainer holds)",
-            "extra": "per run: extra_peak_bytes over the rows, and as a multiple of d float32"}
+    return {
+        "params": params,
+        "runs": runs,
+        "rows": "n x d float32 (the per-contributor gradients the trainer holds)",
+        "extra": "per run: extra_peak_bytes over the rows, and as a multiple of d float32",
+    }
 
 
 def counts(text: str) -> tuple[int, ...]:
@@ -482,42 +591,80 @@ def counts(text: str) -> tuple[int, ...]:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
     parser.add_argument("--groups", type=int, default=8, help="prompts per optimizer step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
     parser.add_argument("--contributors", type=int, default=8, help="honest contributors")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of both sides")
-    parser.add_argument("--rounds", type=int, default=3,
-                        help="alternating runs of each side; the best of each counts")
-    parser.add_argument("--model-dir", help="a local Hugging Face model directory for both sides "
-                        "(default: the demo base model)")
-    parser.add_argument("--width", type=int, help="instead: a randomly initialised Llama of this "
-                        "hidden size (and --layers) with the demo tokenizer, built for the run "
-                        "(throughput only; e.g. --width 384 --layers 6 is 14M parameters)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="alternating runs of each side; the best of each counts",
+    )
+    parser.add_argument(
+        "--model-dir",
+        help="a local Hugging Face model directory for both sides (default: the demo base model)",
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        help="instead: a randomly initialised Llama of this "
+        "hidden size (and --layers) with the demo tokenizer, built for the run "
+        "(throughput only; e.g. --width 384 --layers 6 is 14M parameters)",
+    )
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
-    parser.add_argument("--pass-per-contributor", action="store_true",
-                        help="prooftrain's RL step runs a pass per contributor (its fallback)")
-    parser.add_argument("--scaling", action="store_true",
-                        help="compare at every size of --sizes in one run, then measure the "
-                        "aggregator's memory at two contributor counts")
-    parser.add_argument("--sizes", type=lambda t: tuple(t.split(",")), default=tuple(SIZES),
-                        help=f"sizes for --scaling, of {','.join(SIZES)}")
-    parser.add_argument("--scaling-steps", type=counts, default=SIZE_STEPS,
-                        help="timed steps per size for --scaling (comma-separated)")
-    parser.add_argument("--scaling-rounds", type=counts, default=SIZE_ROUNDS,
-                        help="rounds per size for --scaling (comma-separated)")
-    parser.add_argument("--smollm2-dir", help="SmolLM2-135M directory for --scaling (default: "
-                        "where `prooftrain models fetch smollm2-135m` puts it)")
-    parser.add_argument("--memory-params", type=int, default=14_000_000,
-                        help="parameters of the aggregator memory measurement of --scaling")
+    parser.add_argument(
+        "--pass-per-contributor",
+        action="store_true",
+        help="prooftrain's RL step runs a pass per contributor (its fallback)",
+    )
+    parser.add_argument(
+        "--scaling",
+        action="store_true",
+        help="compare at every size of --sizes in one run, then measure the "
+        "aggregator's memory at two contributor counts",
+    )
+    parser.add_argument(
+        "--sizes",
+        type=lambda t: tuple(t.split(",")),
+        default=tuple(SIZES),
+        help=f"sizes for --scaling, of {','.join(SIZES)}",
+    )
+    parser.add_argument(
+        "--scaling-steps",
+        type=counts,
+        default=SIZE_STEPS,
+        help="timed steps per size for --scaling (comma-separated)",
+    )
+    parser.add_argument(
+        "--scaling-rounds",
+        type=counts,
+        default=SIZE_ROUNDS,
+        help="rounds per size for --scaling (comma-separated)",
+    )
+    parser.add_argument(
+        "--smollm2-dir",
+        help="SmolLM2-135M directory for --scaling (default: "
+        "where `prooftrain models fetch smollm2-135m` puts it)",
+    )
+    parser.add_argument(
+        "--memory-params",
+        type=int,
+        default=14_000_000,
+        help="parameters of the aggregator memory measurement of --scaling",
+    )
     parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if min(args.steps, args.groups, args.max_tokens, args.contributors, args.rounds) < 1 \
-            or args.group_size < 2:
+    if (
+        min(args.steps, args.groups, args.max_tokens, args.contributors, args.rounds) < 1
+        or args.group_size < 2
+    ):
         parser.error("need --group-size >= 2 and every other count >= 1")
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")
@@ -526,10 +673,15 @@ def parse_args() -> argparse.Namespace:
         if unknown or not args.sizes:
             parser.error(f"unknown sizes {unknown}; known: {','.join(SIZES)}")
         n = len(SIZES)
-        if len(args.scaling_steps) != n or len(args.scaling_rounds) != n \
-                or min(args.scaling_steps + args.scaling_rounds) < 1:
-            parser.error(f"--scaling-steps and --scaling-rounds need {n} counts >= 1 "
-                         f"(one per size of {','.join(SIZES)})")
+        if (
+            len(args.scaling_steps) != n
+            or len(args.scaling_rounds) != n
+            or min(args.scaling_steps + args.scaling_rounds) < 1
+        ):
+            parser.error(
+                f"--scaling-steps and --scaling-rounds need {n} counts >= 1 "
+                f"(one per size of {','.join(SIZES)})"
+            )
         index = [list(SIZES).index(s) for s in args.sizes]
         args.scaling_steps = tuple(args.scaling_steps[i] for i in index)
         args.scaling_rounds = tuple(args.scaling_rounds[i] for i in index)

@@ -115,8 +115,14 @@ def model_dir(work: Path) -> Path:
         return build_tiny_model(work / "tiny")
 
 
-def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_rate: float = 0.0,  # type: ignore[no-untyped-def]
-                   node: dict | None = None):
+def make_validator(
+    work: Path,
+    model: Path,
+    group_size: int,
+    tokens: int,
+    audit_rate: float = 0.0,  # type: ignore[no-untyped-def]
+    node: dict | None = None,
+):
     from ledger.log import Ledger
     from node.config import ValidatorConfig, load
     from node.validator.core import Validator
@@ -127,20 +133,35 @@ def make_validator(work: Path, model: Path, group_size: int, tokens: int, audit_
     from verify.keys import SigningKey
     from verify.spotcheck import FLOAT32_TOLERANCE
 
-    cfg = load(ValidatorConfig, None, {
-        "assignment.group_size": group_size, "assignment.max_tokens": tokens,
-        "rules.audit_rate": audit_rate, "audit.queue": 64, "limits.requests_per_s": 1e6,
-        "assignment.max_outstanding": 1_024,  # groups are all assigned before any is sent
-        "limits.burst": 1_000_000, "node.checkpoint_every": 1_000_000,
-        **{f"node.{k}": value for k, value in (node or {}).items()},
-    })
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {
+            "assignment.group_size": group_size,
+            "assignment.max_tokens": tokens,
+            "rules.audit_rate": audit_rate,
+            "audit.queue": 64,
+            "limits.requests_per_s": 1e6,
+            "assignment.max_outstanding": 1_024,  # groups are all assigned before any is sent
+            "limits.burst": 1_000_000,
+            "node.checkpoint_every": 1_000_000,
+            **{f"node.{k}": value for k, value in (node or {}).items()},
+        },
+    )
     key = SigningKey.from_seed(b"\x01" * 32)
     codec = HFTextCodec(model)
     work.mkdir(parents=True, exist_ok=True)
-    v = Validator(cfg, key, Ledger.open(work / "ledger.sqlite", signing_key=key, origin="bench"),
-                  StateStore(work / "state.sqlite"), codec, TransformersOracle({0: model}),
-                  generate("arithmetic", "train", 10_000), PolicyVersions(model_dir_digest(model)),
-                  FLOAT32_TOLERANCE)
+    v = Validator(
+        cfg,
+        key,
+        Ledger.open(work / "ledger.sqlite", signing_key=key, origin="bench"),
+        StateStore(work / "state.sqlite"),
+        codec,
+        TransformersOracle({0: model}),
+        generate("arithmetic", "train", 10_000),
+        PolicyVersions(model_dir_digest(model)),
+        FLOAT32_TOLERANCE,
+    )
     return v, codec
 
 
@@ -170,8 +191,15 @@ def synthetic_groups(v, n: int, tokens: int, vocab: int, clients: int):  # type:
 
     def respond(k, sealed):  # type: ignore[no-untyped-def]
         a = open_assignment(sealed, v.key.public, k.public)
-        envs = [build_envelope(k, header_fields(a, g, 0), rng.integers(4, vocab, tokens),
-                               -rng.exponential(1.0, tokens)) for g in range(a.group_size)]
+        envs = [
+            build_envelope(
+                k,
+                header_fields(a, g, 0),
+                rng.integers(4, vocab, tokens),
+                -rng.exponential(1.0, tokens),
+            )
+            for g in range(a.group_size)
+        ]
         return GroupSubmission(a.assignment_id, envs)
 
     return spread_groups(v, n, clients, 10, respond)
@@ -183,12 +211,14 @@ def honest_groups(v, model: Path, codec, n: int, clients: int):  # type: ignore[
     from rollout.worker import answer
 
     backend = TransformersBackend(model)
-    return spread_groups(v, n, clients, 40,
-                         lambda k, sealed: answer(k, sealed, v.key.public, backend, codec))
+    return spread_groups(
+        v, n, clients, 40, lambda k, sealed: answer(k, sealed, v.key.public, backend, codec)
+    )
 
 
-def audited_admission(work: Path, model: Path, group_size: int, groups: int, clients: int,
-                      node: dict) -> dict:
+def audited_admission(
+    work: Path, model: Path, group_size: int, groups: int, clients: int, node: dict
+) -> dict:
     """Honest groups over HTTP with every rollout audited: how many groups share a spot check.
 
     Every client submits real generations, the node spot-checks all of them,
@@ -203,8 +233,12 @@ def audited_admission(work: Path, model: Path, group_size: int, groups: int, cli
     batches = max(v.metrics.get("audit/batches", 0.0), 1.0)
     v.ledger.close()
     v.state.close()
-    return {"audited_groups_per_s": round(groups_per_s, 1), "audited_groups": int(audited),
-            "audit_batch_mean_groups": round(audited / batches, 2), "audit_clients": clients}
+    return {
+        "audited_groups_per_s": round(groups_per_s, 1),
+        "audited_groups": int(audited),
+        "audit_batch_mean_groups": round(audited / batches, 2),
+        "audit_clients": clients,
+    }
 
 
 @dataclass
@@ -256,9 +290,21 @@ def admission(v, per_client: list[list[bytes]], work: Path) -> Admitted:  # type
         run = _timed_run(procs, url)
     latencies = [t for report in run.reports for t in report["latencies"]]
     per_group, node_threads = _cpu_split(run)
-    cpus = (None, None) if placed is None else (sorted(placed.node), [sorted(w) for w in placed.workers])
-    return Admitted(groups / run.elapsed, latencies, run.busy, run.stolen, _ms_per_group(per_group, groups),
-                    _ms_per_group(node_threads, groups), _admission_thread(run), cpus)
+    cpus = (
+        (None, None)
+        if placed is None
+        else (sorted(placed.node), [sorted(w) for w in placed.workers])
+    )
+    return Admitted(
+        groups / run.elapsed,
+        latencies,
+        run.busy,
+        run.stolen,
+        _ms_per_group(per_group, groups),
+        _ms_per_group(node_threads, groups),
+        _admission_thread(run),
+        cpus,
+    )
 
 
 def _start_clients(v, per_client: list[list[bytes]], work: Path, url: str) -> list:  # type: ignore[no-untyped-def,type-arg]
@@ -274,9 +320,14 @@ def _start_clients(v, per_client: list[list[bytes]], work: Path, url: str) -> li
     for i, bodies in enumerate(per_client):
         path = work / f"client{i}.msgpack"
         path.write_bytes(msgspec.msgpack.encode(bodies))
-        procs.append(subprocess.Popen(
-            [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, __file__, "--client-of", url, "--bodies", str(path)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
         if v.placement is not None:  # off the precheck workers' CPUs, as if on other machines
             affinity.pin(v.placement.node, procs[-1].pid)
     return procs
@@ -340,10 +391,21 @@ def _timed_run(procs: list, url: str) -> _Run:  # type: ignore[type-arg]
     counted = {k: v - counted[k] for k, v in _admission_counters(url).items()}  # off the clock
     for proc in procs:  # let them exit, outside the clock
         proc.communicate()
-    node_threads = {part: _spent(threads_before[part], threads_after[part]) if ids else None
-                    for part, ids in threads.items()}
-    return _Run(elapsed, reports, busy, stolen, spent.user + spent.system - own.user - own.system,
-                _spent(before, after), node_threads, len(threads["admission"]) or 1, counted)
+    node_threads = {
+        part: _spent(threads_before[part], threads_after[part]) if ids else None
+        for part, ids in threads.items()
+    }
+    return _Run(
+        elapsed,
+        reports,
+        busy,
+        stolen,
+        spent.user + spent.system - own.user - own.system,
+        _spent(before, after),
+        node_threads,
+        len(threads["admission"]) or 1,
+        counted,
+    )
 
 
 def _cpu_split(run: _Run) -> tuple[dict[str, float | None], dict[str, float | None]]:
@@ -352,9 +414,14 @@ def _cpu_split(run: _Run) -> tuple[dict[str, float | None], dict[str, float | No
     client_cpu = 0.0
     for report in run.reports:
         client_cpu += report["cpu_s"]
-    per_group: dict[str, float | None] = {"node": run.node_cpu, "precheck_workers": run.worker_cpu,
-                                          "clients": client_cpu}
-    if run.busy is not None and run.worker_cpu is not None:  # the kernel's own threads, other processes
+    per_group: dict[str, float | None] = {
+        "node": run.node_cpu,
+        "precheck_workers": run.worker_cpu,
+        "clients": client_cpu,
+    }
+    if (
+        run.busy is not None and run.worker_cpu is not None
+    ):  # the kernel's own threads, other processes
         machine = run.busy * (os.cpu_count() or 1) * run.elapsed
         per_group["rest_of_machine"] = machine - sum(t for t in per_group.values() if t is not None)
     node_threads = dict(run.node_threads)
@@ -373,14 +440,18 @@ def _admission_thread(run: _Run) -> dict[str, float | None]:
     return {
         "busy": round(counted["busy"] / run.elapsed / run.admitting, 3),
         "on_cpu": round(counted["cpu"] / counted["busy"], 3) if counted["busy"] > 0 else None,
-        "batch_mean_groups": round(counted["groups"] / counted["batches"], 2) if counted["batches"] else None,
+        "batch_mean_groups": round(counted["groups"] / counted["batches"], 2)
+        if counted["batches"]
+        else None,
     }
 
 
-_ADMISSION_COUNTERS = {"busy": "prooftrain_verify_admission_busy_seconds_total",
-                       "cpu": "prooftrain_verify_admission_cpu_seconds_total",
-                       "batches": "prooftrain_verify_admission_batch_groups_count",
-                       "groups": "prooftrain_verify_admission_batch_groups_sum"}
+_ADMISSION_COUNTERS = {
+    "busy": "prooftrain_verify_admission_busy_seconds_total",
+    "cpu": "prooftrain_verify_admission_cpu_seconds_total",
+    "batches": "prooftrain_verify_admission_batch_groups_count",
+    "groups": "prooftrain_verify_admission_batch_groups_sum",
+}
 
 
 def _admission_counters(url: str) -> dict[str, float]:
@@ -388,8 +459,11 @@ def _admission_counters(url: str) -> dict[str, float]:
     from urllib.request import urlopen
 
     with urlopen(f"{url}/metrics", timeout=30) as answer:
-        values = dict(line.rsplit(" ", 1) for line in answer.read().decode().splitlines()
-                      if line and not line.startswith("#"))
+        values = dict(
+            line.rsplit(" ", 1)
+            for line in answer.read().decode().splitlines()
+            if line and not line.startswith("#")
+        )
     return {k: float(values[name]) for k, name in _ADMISSION_COUNTERS.items()}
 
 
@@ -399,8 +473,13 @@ def _node_threads() -> dict[str, list[int]]:
 
     found: dict[str, list[int]] = {"http_event_loop": [], "admission": []}
     for t in threading.enumerate():
-        part = ("http_event_loop" if t.name == "validator-http"
-                else "admission" if t.name.startswith("admit-") else None)
+        part = (
+            "http_event_loop"
+            if t.name == "validator-http"
+            else "admission"
+            if t.name.startswith("admit-")
+            else None
+        )
         if part is not None and t.native_id is not None:
             found[part].append(t.native_id)
     return found
@@ -430,8 +509,12 @@ def client(url: str, bodies_path: str) -> None:
     bodies = msgspec.msgpack.decode(Path(bodies_path).read_bytes(), type=list[bytes])
     where = urlsplit(url)
     host = f"{where.hostname}:{where.port}"
-    requests = [f"POST /v1/submit HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n".encode() + body for body in bodies]
+    requests = [
+        f"POST /v1/submit HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/msgpack\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+        for body in bodies
+    ]
     sock = socket.create_connection((where.hostname, where.port), timeout=120)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     reader = _Replies(sock)
@@ -475,8 +558,10 @@ class _Replies:
     def next(self) -> tuple[int, bytes]:
         while (end := self.buf.find(b"\r\n\r\n")) < 0:
             self._more()
-        head, self.buf = self.buf[:end].decode("latin-1").split("\r\n"), self.buf[end + 4:]
-        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])}
+        head, self.buf = self.buf[:end].decode("latin-1").split("\r\n"), self.buf[end + 4 :]
+        fields = {
+            k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head[1:])
+        }
         if "content-length" not in fields:
             raise RuntimeError(f"a response without Content-Length: {head}")
         size = int(fields["content-length"])
@@ -500,8 +585,10 @@ def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-
 
     verdicts = [r for _, r in v.ledger.entries() if isinstance(r, VerdictRecorded)]
     if len(verdicts) != groups * group_size or not all(r.accepted for r in verdicts):
-        raise RuntimeError(f"expected {groups * group_size} accepted verdicts in the ledger, "
-                           f"found {sum(r.accepted for r in verdicts)} of {len(verdicts)}")
+        raise RuntimeError(
+            f"expected {groups * group_size} accepted verdicts in the ledger, "
+            f"found {sum(r.accepted for r in verdicts)} of {len(verdicts)}"
+        )
     if any(v.state.sample(r.envelope_digest, r.assignment_id) is None for r in verdicts):
         raise RuntimeError("an accepted sample's body is missing")
     v.ledger.checkpoint()
@@ -510,8 +597,14 @@ def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-
         raise RuntimeError(f"audit verify failed: {report.findings[:3]}")
 
 
-def spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int = 16,  # type: ignore[no-untyped-def]
-                   reps: int = 9) -> dict:
+def spotcheck_cost(
+    model: Path,
+    codec,
+    group_size: int,
+    batch: int,
+    rounds: int = 16,  # type: ignore[no-untyped-def]
+    reps: int = 9,
+) -> dict:
     """Spot-check (recomputation) time over generation time for the same rollouts.
 
     Generation runs per group, as a contributor runs it (one
@@ -536,7 +629,9 @@ def spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int 
         torch.set_num_threads(threads)
 
 
-def _spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int, reps: int) -> dict:  # type: ignore[no-untyped-def]
+def _spotcheck_cost(
+    model: Path, codec, group_size: int, batch: int, rounds: int, reps: int
+) -> dict:  # type: ignore[no-untyped-def]
     from node.validator.spot import SpotJob, spot_check_jobs
     from rewards.tasks.base import generate
     from rollout.backends import GenerationRequest, TransformersBackend
@@ -557,14 +652,33 @@ def _spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int
     for i, problem in enumerate(generate("arithmetic", "train", rounds, seed=9)):
         prompt = codec.encode(problem.prompt)
         nonce = bytes([i]) * 32
-        req = GenerationRequest(tuple(prompt), group_size, 1.0, 0, 1.0, 32, key.public.raw, nonce, i,
-                                (codec.eos_token_id,))
+        req = GenerationRequest(
+            tuple(prompt),
+            group_size,
+            1.0,
+            0,
+            1.0,
+            32,
+            key.public.raw,
+            nonce,
+            i,
+            (codec.eos_token_id,),
+        )
         rollouts = []
         for c in backend.generate(req):
-            fields = dict(policy_version=0, manifest_digest=b"\0" * 32, task_id="arithmetic",
-                          prompt_id=problem.id, prompt_digest=b"\0" * 32, assignment_id=b"\0" * 16,
-                          nonce=nonce, sampling=SamplingParams(1.0, 1.0, 0, 32, i), group_index=c.group_index,
-                          group_size=group_size, created_at_ms=0)
+            fields = dict(
+                policy_version=0,
+                manifest_digest=b"\0" * 32,
+                task_id="arithmetic",
+                prompt_id=problem.id,
+                prompt_digest=b"\0" * 32,
+                assignment_id=b"\0" * 16,
+                nonce=nonce,
+                sampling=SamplingParams(1.0, 1.0, 0, 32, i),
+                group_index=c.group_index,
+                group_size=group_size,
+                created_at_ms=0,
+            )
             rollouts.append(verify_envelope(build_envelope(key, fields, c.token_ids, c.logprobs)))
             tokens += len(c.token_ids)
         requests.append(req)
@@ -573,11 +687,13 @@ def _spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int
     def generation() -> None:
         for req, job in zip(requests, jobs, strict=True):
             again = backend.generate(req)  # the verifiable sampler makes it the same group
-            assert [c.token_ids for c in again] == [tuple(r.token_ids.tolist()) for r in job.rollouts]
+            assert [c.token_ids for c in again] == [
+                tuple(r.token_ids.tolist()) for r in job.rollouts
+            ]
 
     def check(size: int) -> None:
         for lo in range(0, len(jobs), size):
-            for results in spot_check_jobs(jobs[lo:lo + size], oracle, 2, FLOAT32_TOLERANCE):
+            for results in spot_check_jobs(jobs[lo : lo + size], oracle, 2, FLOAT32_TOLERANCE):
                 assert not any(isinstance(r, Exception) for r in results)
 
     passes = {"generation": generation, "single": lambda: check(1), "batched": lambda: check(batch)}
@@ -589,16 +705,21 @@ def _spotcheck_cost(model: Path, codec, group_size: int, batch: int, rounds: int
             if rep:  # the first round is the warm-up
                 best[name] = min(best[name], time.perf_counter() - start)
     gen_s = best["generation"]
-    return {"generation_s": round(gen_s, 4), "spotcheck_s": round(best["batched"], 4),
-            "spotcheck_cost_ratio": round(best["batched"] / gen_s, 3), "spotcheck_batch_groups": batch,
-            "spotcheck_single_group_s": round(best["single"], 4),
-            "spotcheck_cost_ratio_single_group": round(best["single"] / gen_s, 3),
-            "rollout_tokens": tokens, "spotcheck_rounds": rounds}
+    return {
+        "generation_s": round(gen_s, 4),
+        "spotcheck_s": round(best["batched"], 4),
+        "spotcheck_cost_ratio": round(best["batched"] / gen_s, 3),
+        "spotcheck_batch_groups": batch,
+        "spotcheck_single_group_s": round(best["single"], 4),
+        "spotcheck_cost_ratio_single_group": round(best["single"] / gen_s, 3),
+        "rollout_tokens": tokens,
+        "spotcheck_rounds": rounds,
+    }
 
 
 def _share(items: list, r: int, parts: int) -> list:  # type: ignore[type-arg]
     """The ``r``-th of ``parts`` consecutive, nearly equal slices of ``items``."""
-    return items[len(items) * r // parts:len(items) * (r + 1) // parts]
+    return items[len(items) * r // parts : len(items) * (r + 1) // parts]
 
 
 def _mean(values: Iterable[float | None], digits: int = 3) -> float | None:
@@ -635,52 +756,87 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = model_dir(work)
-        node = {"admission_processes": args.processes, "admission_threads": args.threads,
-                "cpu_affinity": args.cpu_affinity}
+        node = {
+            "admission_processes": args.processes,
+            "admission_threads": args.threads,
+            "cpu_affinity": args.cpu_affinity,
+        }
         v, codec = make_validator(work, model, args.group_size, args.tokens, node=node)
-        log(f"signing {args.repeats} x {args.groups} groups of {args.group_size} x {args.tokens} tokens")
-        per_client = synthetic_groups(v, args.groups * args.repeats, args.tokens, codec.vocab_size,
-                                      args.clients)
+        log(
+            f"signing {args.repeats} x {args.groups} groups of {args.group_size} x {args.tokens} tokens"
+        )
+        per_client = synthetic_groups(
+            v, args.groups * args.repeats, args.tokens, codec.vocab_size, args.clients
+        )
         bracketed = bracketed_admission(v, per_client, work, args.repeats, args.group_size)
         check_admitted(v, args.groups * args.repeats, args.group_size)
         v.ledger.close()
         v.state.close()
         log("admitting honest groups with every rollout audited")
-        audited = audited_admission(work / "audited", model, args.group_size, args.audited_groups,
-                                    args.audited_clients, node)
+        audited = audited_admission(
+            work / "audited",
+            model,
+            args.group_size,
+            args.audited_groups,
+            args.audited_clients,
+            node,
+        )
         log("measuring spot-check cost against generation")
         batch = max(1, round(audited["audit_batch_mean_groups"]))
         cost = spotcheck_cost(model, codec, args.group_size, batch)
-    emit({
-        **_admission_figures(args, bracketed),
-        **cost, **audited,
-        "spotcheck_cost_target": 0.35,
-        "model": str(model),
-    })
+    emit(
+        {
+            **_admission_figures(args, bracketed),
+            **cost,
+            **audited,
+            "spotcheck_cost_target": 0.35,
+            "model": str(model),
+        }
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--groups", type=int, default=200, help="groups of each admission run")
-    parser.add_argument("--repeats", type=int, default=5,
-                        help="admission runs on the same node, each bracketed by its own verify "
-                             "passes; the ratio printed is their median (one run of a few hundred "
-                             "groups swings by a third on a shared machine)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=5,
+        help="admission runs on the same node, each bracketed by its own verify "
+        "passes; the ratio printed is their median (one run of a few hundred "
+        "groups swings by a third on a shared machine)",
+    )
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--clients", type=int, default=8,
-                        help="clients of the admission run, each with one request in flight: enough "
-                             "to keep a small node busy (16 or 32 admit about as much)")
-    parser.add_argument("--audited-groups", type=int, default=96,
-                        help="honest groups of the audited admission run")
-    parser.add_argument("--audited-clients", type=int, default=16,
-                        help="clients of the audited admission run")
-    parser.add_argument("--processes", type=int, default=1,
-                        help="the node's admission_processes (precheck worker processes)")
+    parser.add_argument(
+        "--clients",
+        type=int,
+        default=8,
+        help="clients of the admission run, each with one request in flight: enough "
+        "to keep a small node busy (16 or 32 admit about as much)",
+    )
+    parser.add_argument(
+        "--audited-groups", type=int, default=96, help="honest groups of the audited admission run"
+    )
+    parser.add_argument(
+        "--audited-clients", type=int, default=16, help="clients of the audited admission run"
+    )
+    parser.add_argument(
+        "--processes",
+        type=int,
+        default=1,
+        help="the node's admission_processes (precheck worker processes)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="the node's admission_threads")
-    parser.add_argument("--no-cpu-affinity", dest="cpu_affinity", action="store_false",
-                        help="the node's cpu_affinity off: its threads, its precheck workers and "
-                             "the clients go wherever the operating system puts them")
+    parser.add_argument(
+        "--no-cpu-affinity",
+        dest="cpu_affinity",
+        action="store_false",
+        help="the node's cpu_affinity off: its threads, its precheck workers and "
+        "the clients go wherever the operating system puts them",
+    )
     parser.add_argument("--client-of", help=argparse.SUPPRESS)
     parser.add_argument("--bodies", help=argparse.SUPPRESS)
     return parser
@@ -699,8 +855,13 @@ class Bracketed:
     """Envelopes verified per second, the best of the short runs re-verifying one envelope."""
 
 
-def bracketed_admission(v, per_client: list[list[bytes]], work: Path, repeats: int,  # type: ignore[no-untyped-def]
-                        group_size: int) -> Bracketed:
+def bracketed_admission(
+    v,
+    per_client: list[list[bytes]],
+    work: Path,
+    repeats: int,  # type: ignore[no-untyped-def]
+    group_size: int,
+) -> Bracketed:
     """``repeats`` admission runs on ``v``, each of its share of every client's bodies, with
     verify passes over the same envelopes just before and just after it."""
     from verify.envelope import verify_envelope
@@ -712,8 +873,12 @@ def bracketed_admission(v, per_client: list[list[bytes]], work: Path, repeats: i
     env_best = 0.0
     for r in range(repeats):
         bodies = [_share(b, r, repeats) for b in per_client]
-        envelopes = [env for part in bodies for body in part
-                     for env in decode(GroupSubmission, body, max_bytes=1 << 26).envelopes]
+        envelopes = [
+            env
+            for part in bodies
+            for body in part
+            for env in decode(GroupSubmission, body, max_bytes=1 << 26).envelopes
+        ]
         passes = verify_times(envelopes, verify_envelope)
         env_best = max(env_best, best_rate(functools.partial(verify_envelope, envelopes[0]), 300))
         log(f"admitting over loopback HTTP ({r + 1}/{repeats})")
@@ -734,9 +899,15 @@ def _admission_figures(args: argparse.Namespace, bracketed: Bracketed) -> dict: 
     latencies = [t for run in runs for t in run.latencies]
     return {
         "bench": "validator",
-        "groups": args.groups, "group_size": args.group_size, "tokens_per_rollout": args.tokens,
-        "clients": args.clients, "admission_processes": args.processes, "admission_threads": args.threads,
-        "cpu_affinity": args.cpu_affinity, "node_cpus": placement[0], "precheck_cpus": placement[1],
+        "groups": args.groups,
+        "group_size": args.group_size,
+        "tokens_per_rollout": args.tokens,
+        "clients": args.clients,
+        "admission_processes": args.processes,
+        "admission_threads": args.threads,
+        "cpu_affinity": args.cpu_affinity,
+        "node_cpus": placement[0],
+        "precheck_cpus": placement[1],
         "admission_runs": args.repeats,
         "admitted_groups_per_s": round(groups_per_s, 1),
         "admitted_envelopes_per_s": round(envelopes_per_s, 1),
@@ -752,10 +923,14 @@ def _admission_figures(args: argparse.Namespace, bracketed: Bracketed) -> dict: 
         "admission_cpu_busy": _mean(run.busy for run in runs),
         "admission_cpu_stolen": _mean(run.stolen for run in runs),
         "admission_cpu_ms_per_group": _mean_split(run.cpu_ms_per_group for run in runs),
-        "admission_node_thread_cpu_ms_per_group": _mean_split(run.node_thread_cpu_ms_per_group for run in runs),
+        "admission_node_thread_cpu_ms_per_group": _mean_split(
+            run.node_thread_cpu_ms_per_group for run in runs
+        ),
         "admission_thread_busy": _mean(run.admission_thread["busy"] for run in runs),
         "admission_thread_on_cpu": _mean(run.admission_thread["on_cpu"] for run in runs),
-        "admission_batch_mean_groups": _mean((run.admission_thread["batch_mean_groups"] for run in runs), 2),
+        "admission_batch_mean_groups": _mean(
+            (run.admission_thread["batch_mean_groups"] for run in runs), 2
+        ),
     }
 
 

@@ -63,10 +63,17 @@ def build_model(path: Path, args: argparse.Namespace) -> Path:
 
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64, max_position_embeddings=4096,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -80,9 +87,15 @@ def make_requests(args: argparse.Namespace) -> list[GenerationRequest]:
     return [
         GenerationRequest(
             prompt_ids=tuple(int(x) for x in rng.integers(3, args.vocab, args.prompt_len)),
-            group_size=args.group, temperature=args.temperature, top_k=args.top_k,
-            top_p=args.top_p, max_tokens=args.max_tokens, sampler_key=KEY,
-            nonce=bytes([i]) * 32, seed=1000 + i, stop_token_ids=(EOS,),
+            group_size=args.group,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            max_tokens=args.max_tokens,
+            sampler_key=KEY,
+            nonce=bytes([i]) * 32,
+            seed=1000 + i,
+            stop_token_ids=(EOS,),
         )
         for i in range(args.prompts)
     ]
@@ -107,12 +120,15 @@ def check_against_oracle(groups, requests, oracle, args, tolerance, eps) -> dict
         params = (request.temperature, request.top_k, request.top_p)
         plen = len(request.prompt_ids)
         recomputed = oracle.logprobs_batch(
-            0, [OracleRequest(request.prompt_ids + c.token_ids, plen, *params) for c in group])
+            0, [OracleRequest(request.prompt_ids + c.token_ids, plen, *params) for c in group]
+        )
         for c, r in zip(group, recomputed, strict=True):
             logits = oracle.completion_logits(0, request.prompt_ids + c.token_ids, plen)
             sampler = sampler_named(request.sampler)
-            randomness = sampler.randomness([(KEY, request.nonce, request.seed, c.group_index,
-                                              range(len(c.token_ids)))], args.vocab)
+            randomness = sampler.randomness(
+                [(KEY, request.nonce, request.seed, c.group_index, range(len(c.token_ids)))],
+                args.vocab,
+            )
             tokens += len(c.token_ids)
             try:
                 stats = sampler.replay(c.token_ids, logits, *params, randomness, slack=eps)
@@ -126,8 +142,13 @@ def check_against_oracle(groups, requests, oracle, args, tolerance, eps) -> dict
             for start in range(0, len(c.token_ids), 32):
                 chunks += 1
                 try:
-                    compare_chunk(c.logprobs[start:start + 32], r[start:start + 32], tolerance,
-                                  start // 32, position_offset=start)
+                    compare_chunk(
+                        c.logprobs[start : start + 32],
+                        r[start : start + 32],
+                        tolerance,
+                        start // 32,
+                        position_offset=start,
+                    )
                     chunks_ok += 1
                 except SpotCheckError as exc:
                     log(f"chunk failed: {exc}")
@@ -148,8 +169,14 @@ def compare_backends(ours, theirs) -> dict:
         for a, b in zip(group_a, group_b, strict=True):
             pairs += 1
             same += a.token_ids == b.token_ids
-            n = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False))
-                      if x != y), min(len(a.token_ids), len(b.token_ids)))
+            n = next(
+                (
+                    t
+                    for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False))
+                    if x != y
+                ),
+                min(len(a.token_ids), len(b.token_ids)),
+            )
             if n:
                 worst = max(worst, float(np.abs(a.logprobs[:n] - b.logprobs[:n]).max()))
     return {"identical_completions": same / pairs, "max_logprob_diff_vs_transformers": worst}
@@ -170,19 +197,30 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=0.95)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--cuda-graphs", action="store_true",
-                        help="let vLLM compile and capture CUDA graphs (slower start)")
+    parser.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="let vLLM compile and capture CUDA graphs (slower start)",
+    )
     args = parser.parse_args()
-    missing = ("needs a CUDA GPU" if not torch.cuda.is_available()
-               else None if importlib.util.find_spec("vllm") else "vllm is not installed")
+    missing = (
+        "needs a CUDA GPU"
+        if not torch.cuda.is_available()
+        else None
+        if importlib.util.find_spec("vllm")
+        else "vllm is not installed"
+    )
     if missing:
         log(f"vllm_check skipped: {missing}")
         emit({"bench": "vllm_check", "skipped": missing})
         return 0
     from rollout.vllm_backend import VllmBackend
 
-    tolerance, eps = ((FLOAT32_TOLERANCE, 1e-4) if args.dtype == "float32"
-                      else (BFLOAT16_TOLERANCE, BFLOAT16_TOLERANCE.cdf_slack))
+    tolerance, eps = (
+        (FLOAT32_TOLERANCE, 1e-4)
+        if args.dtype == "float32"
+        else (BFLOAT16_TOLERANCE, BFLOAT16_TOLERANCE.cdf_slack)
+    )
     requests = make_requests(args)
     warm = [GenerationRequest(requests[0].prompt_ids, 2, 1.0, 0, 1.0, 4, KEY, b"w", 0)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -195,8 +233,12 @@ def main() -> int:
         hf = None  # type: ignore[assignment]  # free its GPU memory before vLLM sizes its cache
         torch.cuda.empty_cache()
         start = time.perf_counter()
-        backend = VllmBackend(model_dir, dtype=args.dtype, enforce_eager=not args.cuda_graphs,
-                              gpu_memory_utilization=args.gpu_memory_utilization)
+        backend = VllmBackend(
+            model_dir,
+            dtype=args.dtype,
+            enforce_eager=not args.cuda_graphs,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+        )
         startup_s = time.perf_counter() - start
         backend.generate_many(warm)
         groups, vllm_s = timed(lambda: backend.generate_many(requests))
@@ -210,24 +252,38 @@ def main() -> int:
         checks = check_against_oracle(groups, requests, oracle, args, tolerance, eps)
         backend.close()
     deterministic = [[c.token_ids for c in g] for g in groups] == [
-        [c.token_ids for c in g] for g in seq_groups]
+        [c.token_ids for c in g] for g in seq_groups
+    ]
     vllm_rate = count_tokens(groups) / vllm_s
     seq_rate = count_tokens(seq_groups) / seq_s
     hf_rate = count_tokens(hf_groups) / hf_s
     result = {
-        "bench": "vllm_check", "vllm_version": version, "dtype": args.dtype,
-        "gpu": torch.cuda.get_device_name(), "prompts": args.prompts, "group": args.group,
-        "max_tokens": args.max_tokens, "vocab": args.vocab, "tokens": count_tokens(groups),
-        "vllm_startup_s": round(startup_s, 1), "vllm_tokens_per_s": round(vllm_rate, 1),
+        "bench": "vllm_check",
+        "vllm_version": version,
+        "dtype": args.dtype,
+        "gpu": torch.cuda.get_device_name(),
+        "prompts": args.prompts,
+        "group": args.group,
+        "max_tokens": args.max_tokens,
+        "vocab": args.vocab,
+        "tokens": count_tokens(groups),
+        "vllm_startup_s": round(startup_s, 1),
+        "vllm_tokens_per_s": round(vllm_rate, 1),
         "vllm_sequential_tokens_per_s": round(seq_rate, 1),
         "transformers_tokens_per_s": round(hf_rate, 1),
-        "speedup": round(vllm_rate / hf_rate, 2), "sequential_speedup": round(seq_rate / hf_rate, 2),
-        "batched_equals_sequential": deterministic, "replay_eps": eps,
-        "tolerance_token_abs": tolerance.token_abs, **checks,
+        "speedup": round(vllm_rate / hf_rate, 2),
+        "sequential_speedup": round(seq_rate / hf_rate, 2),
+        "batched_equals_sequential": deterministic,
+        "replay_eps": eps,
+        "tolerance_token_abs": tolerance.token_abs,
+        **checks,
         **compare_backends(groups, hf_groups),
     }
-    result["ok"] = (checks["replay_pass_fraction"] == 1.0
-                    and checks["chunk_pass_fraction"] == 1.0 and deterministic)
+    result["ok"] = (
+        checks["replay_pass_fraction"] == 1.0
+        and checks["chunk_pass_fraction"] == 1.0
+        and deterministic
+    )
     emit(result)
     return 0
 

@@ -54,9 +54,16 @@ def train_and_eval(codec: str, steps: int, eval_problems: int) -> dict:
     from trainer.config import load_trainer_config
 
     name, params = CODECS[codec]
-    cfg = load_trainer_config(REPO / "configs" / "trainer.toml", {
-        "steps": steps, "eval_every": steps, "eval_problems": eval_problems,
-        "publish.codec": name, "publish.codec_params": params})
+    cfg = load_trainer_config(
+        REPO / "configs" / "trainer.toml",
+        {
+            "steps": steps,
+            "eval_every": steps,
+            "eval_problems": eval_problems,
+            "publish.codec": name,
+            "publish.codec_params": params,
+        },
+    )
     history, net = run_local(cfg, progress=True)
     try:
         metric = history.evals[steps].metric("pass@1 (greedy)")
@@ -137,8 +144,9 @@ def sft_proxy(model, tokenizer, pubs: dict[str, StagePublisher], args) -> dict:
     from trainer.evals import evaluate
 
     def pass1(m) -> dict:
-        metric = evaluate((m.eval(), tokenizer), args.task, "heldout", n=args.eval, k=1,
-                          seed=args.seed).metric("pass@1 (greedy)")
+        metric = evaluate(
+            (m.eval(), tokenizer), args.task, "heldout", n=args.eval, k=1, seed=args.seed
+        ).metric("pass@1 (greedy)")
         return {"value": metric.value, "ci95": [round(metric.ci_low, 4), round(metric.ci_high, 4)]}
 
     out = {"uncompressed": pass1(model)}
@@ -159,12 +167,24 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--eval", type=int, default=0,
-                    help="held-out problems for the supervised pass@1 proxy (0: skip)")
-    ap.add_argument("--train-steps", type=int, default=0,
-                    help="RL steps per codec for the pass@1 comparison (0: skip)")
-    ap.add_argument("--train-eval", type=int, default=1000,
-                    help="held-out problems for that comparison (default 1000)")
+    ap.add_argument(
+        "--eval",
+        type=int,
+        default=0,
+        help="held-out problems for the supervised pass@1 proxy (0: skip)",
+    )
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="RL steps per codec for the pass@1 comparison (0: skip)",
+    )
+    ap.add_argument(
+        "--train-eval",
+        type=int,
+        default=1000,
+        help="held-out problems for that comparison (default 1000)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -178,8 +198,15 @@ def main(argv: list[str] | None = None) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     result, pubs = measure(model, tokenizer, args)
     topk = result["codecs"]["topk-2%-int8"]["ratio_vs_bf16"]
-    result.update({"bench": "weights", "model": model_dir.name, "steps": args.steps,
-                   "target_ratio": TARGET_RATIO, "topk_meets_target": topk >= TARGET_RATIO})
+    result.update(
+        {
+            "bench": "weights",
+            "model": model_dir.name,
+            "steps": args.steps,
+            "target_ratio": TARGET_RATIO,
+            "topk_meets_target": topk >= TARGET_RATIO,
+        }
+    )
     if args.eval:
         result["sft_proxy"] = sft_proxy(model, tokenizer, pubs, args)
     if args.train_steps <= 0:
@@ -191,8 +218,10 @@ def main(argv: list[str] | None = None) -> None:
         for run in runs.values():
             run["within_ci_of_uncompressed"] = low <= run["value"] <= high
         result["pass_at_1"] = runs
-        result["pass_at_1_note"] = (f"{args.train_steps} RL steps per codec; fp32 deltas are "
-                                    "lossless (the uncompressed run)")
+        result["pass_at_1_note"] = (
+            f"{args.train_steps} RL steps per codec; fp32 deltas are "
+            "lossless (the uncompressed run)"
+        )
     emit(result)
 
 

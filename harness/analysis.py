@@ -38,8 +38,9 @@ from harness.events import (
     read_run_dir,
 )
 
-BENIGN_REASONS = frozenset({"stale", "expired_assignment", "rate_limited", "backpressure",
-                            "not_found"})
+BENIGN_REASONS = frozenset(
+    {"stale", "expired_assignment", "rate_limited", "backpressure", "not_found"}
+)
 """Rejections an honest contributor on a slow or lossy link can get: not counted as caught."""
 
 
@@ -61,8 +62,11 @@ class RunData:
     def strategies(self) -> dict[str, str]:
         """contributor → strategy, from the start event and every per-contributor event."""
         out = dict(self.start.contributors) if self.start else {}
-        per_contributor: list[Verdict | Slash | Reputation] = [*self.verdicts, *self.slashes,
-                                                               *self.reputation]
+        per_contributor: list[Verdict | Slash | Reputation] = [
+            *self.verdicts,
+            *self.slashes,
+            *self.reputation,
+        ]
         for e in per_contributor:
             out.setdefault(e.contributor, e.strategy)
         return out
@@ -70,8 +74,13 @@ class RunData:
     def end_t(self) -> float:
         """The last simulated time any event of this run mentions."""
         timed: list[Eval | TrainStep | Verdict | Slash | Reputation | Throughput] = [
-            *self.evals, *self.steps, *self.verdicts, *self.slashes, *self.reputation,
-            *self.throughput]
+            *self.evals,
+            *self.steps,
+            *self.verdicts,
+            *self.slashes,
+            *self.reputation,
+            *self.throughput,
+        ]
         ts = [e.t for e in timed]
         return max([*ts, self.summary.t if self.summary else 0.0, 0.0])
 
@@ -92,8 +101,14 @@ class RunData:
         return self.evals[-1].step if self.evals else 0
 
 
-_LISTS = {Eval: "evals", TrainStep: "steps", Verdict: "verdicts", Slash: "slashes",
-          Reputation: "reputation", Throughput: "throughput"}
+_LISTS = {
+    Eval: "evals",
+    TrainStep: "steps",
+    Verdict: "verdicts",
+    Slash: "slashes",
+    Reputation: "reputation",
+    Throughput: "throughput",
+}
 
 
 def group_runs(events: list[Event]) -> dict[str, RunData]:
@@ -155,12 +170,18 @@ def detection_table(run: RunData) -> list[DetectionRow]:
         members = set(by[strategy])
         vs = [v for v in run.verdicts if v.contributor in members]
         bans = [ban_t[c] for c in members if c in ban_t]
-        rows.append(DetectionRow(
-            strategy=strategy, contributors=len(members), submitted=len(vs),
-            audited=sum(v.audited for v in vs),
-            caught=sum(not v.accepted and v.reason not in BENIGN_REASONS for v in vs),
-            slashed=len(members & slashed), banned=len(bans),
-            time_to_ban_s=statistics.median(bans) if bans else None))
+        rows.append(
+            DetectionRow(
+                strategy=strategy,
+                contributors=len(members),
+                submitted=len(vs),
+                audited=sum(v.audited for v in vs),
+                caught=sum(not v.accepted and v.reason not in BENIGN_REASONS for v in vs),
+                slashed=len(members & slashed),
+                banned=len(bans),
+                time_to_ban_s=statistics.median(bans) if bans else None,
+            )
+        )
     return rows
 
 
@@ -227,7 +248,10 @@ class Outcome:
 def outcome(runs: dict[str, RunData]) -> Outcome:
     main = primary(runs)
     audits = [r.audit.ok for r in runs.values() if r.audit is not None]
-    compared = [main, *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main)]
+    compared = [
+        main,
+        *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main),
+    ]
     step = comparison_step(compared)
     last_steps = {r.name: r.last_step() for r in compared if r.evals}
     apart = _ended_apart(last_steps)
@@ -242,4 +266,6 @@ def outcome(runs: dict[str, RunData]) -> Outcome:
         no_defence_gain=gain("no-defence"),
         honest_slashed=sum(honest_slashed(r) for r in runs.values()),
         audit_ok=all(audits) if audits else None,
-        step=step, last_steps=last_steps)
+        step=step,
+        last_steps=last_steps,
+    )

@@ -70,8 +70,16 @@ class BackgroundEvals:
     Use it as a context manager, or :meth:`close` it.
     """
 
-    def __init__(self, model_dir: str | Path, task: str, problems: Sequence[Problem], *,
-                 max_new_tokens: int, seed: int, max_pending: int = 2) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        task: str,
+        problems: Sequence[Problem],
+        *,
+        max_new_tokens: int,
+        seed: int,
+        max_pending: int = 2,
+    ) -> None:
         if max_pending < 1:
             raise ValueError("max_pending must be >= 1")
         self.max_pending = max_pending
@@ -80,8 +88,11 @@ class BackgroundEvals:
         context = multiprocessing.get_context("spawn")
         self._conn, theirs = context.Pipe()
         self._proc = context.Process(
-            target=_serve, args=(theirs, str(model_dir), task, list(problems), max_new_tokens, seed),
-            name="prooftrain-evals", daemon=True)
+            target=_serve,
+            args=(theirs, str(model_dir), task, list(problems), max_new_tokens, seed),
+            name="prooftrain-evals",
+            daemon=True,
+        )
         self._proc.start()
         theirs.close()
 
@@ -153,8 +164,9 @@ class BackgroundEvals:
         self._pending.popleft()
         got, report, error = answer
         if error is not None:
-            raise EvalWorkerError(f"the eval of policy version {version} failed in the eval "
-                                  f"worker:\n{error}")
+            raise EvalWorkerError(
+                f"the eval of policy version {version} failed in the eval worker:\n{error}"
+            )
         if got != version:
             raise EvalWorkerError(f"the eval worker answered version {got} for version {version}")
         return Evaluated(version, report, tag)
@@ -162,11 +174,14 @@ class BackgroundEvals:
     def _gone(self) -> EvalWorkerError:
         self._proc.join(1)
         code = self._proc.exitcode
-        return EvalWorkerError("the eval worker exited" + (f" with code {code}" if code is not None else ""))
+        return EvalWorkerError(
+            "the eval worker exited" + (f" with code {code}" if code is not None else "")
+        )
 
 
-def _serve(conn: Any, model_dir: str, task: str, problems: list[Problem], max_new_tokens: int,
-           seed: int) -> None:
+def _serve(
+    conn: Any, model_dir: str, task: str, problems: list[Problem], max_new_tokens: int, seed: int
+) -> None:
     """The worker: load the architecture once, then evaluate each version sent until told to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle: it stops us
     torch.set_num_threads(1)  # as the run does: one core, and the same kernels' rounding
@@ -192,8 +207,16 @@ def _serve(conn: Any, model_dir: str, task: str, problems: list[Problem], max_ne
         answer: tuple[int, EvalReport | None, str | None]
         try:
             model.load_state_dict(state)
-            report = evaluate((model, tokenizer), task, "heldout", k=1, samples=1, seed=seed,
-                              problems=problems, max_new_tokens=max_new_tokens)
+            report = evaluate(
+                (model, tokenizer),
+                task,
+                "heldout",
+                k=1,
+                samples=1,
+                seed=seed,
+                problems=problems,
+                max_new_tokens=max_new_tokens,
+            )
             answer = (version, report, None)
         except Exception:  # noqa: BLE001 - handed to the run, which raises it with this text
             answer = (version, None, traceback.format_exc())

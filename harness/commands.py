@@ -16,7 +16,8 @@ from verify.errors import ProofTrainError
 
 def register_harness(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "harness", help="run adversarial-contributor scenarios and report on them",
+        "harness",
+        help="run adversarial-contributor scenarios and report on them",
         description="Train against a simulated population of honest and adversarial contributors "
         "over a simulated network, then report whether training still improved and which "
         "cheaters were caught.",
@@ -24,27 +25,41 @@ def register_harness(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(_parser=p)
     sub = p.add_subparsers(dest="harness_command", metavar="ACTION")
 
-    r = sub.add_parser("run", help="run a scenario (and its baselines) and write the report",
-                       description="Run SCENARIO.toml, its all-honest baseline and its no-defence "
-                       "ablation (as the scenario's [baselines] asks), then write report.md and "
-                       "PNG plots into the output directory.")
+    r = sub.add_parser(
+        "run",
+        help="run a scenario (and its baselines) and write the report",
+        description="Run SCENARIO.toml, its all-honest baseline and its no-defence "
+        "ablation (as the scenario's [baselines] asks), then write report.md and "
+        "PNG plots into the output directory.",
+    )
     r.add_argument("scenario", help="scenario TOML file (see configs/scenarios/)")
     r.add_argument("--out", help="output directory (default: runs/<scenario name>)")
-    r.add_argument("--release", action="store_true",
-                   help="also release the scenario run's last policy version into OUT/release "
-                   "and verify it (as `prooftrain demo` does); public keys go to OUT/keys")
+    r.add_argument(
+        "--release",
+        action="store_true",
+        help="also release the scenario run's last policy version into OUT/release "
+        "and verify it (as `prooftrain demo` does); public keys go to OUT/keys",
+    )
     r.set_defaults(func=run_run)
 
-    rep = sub.add_parser("report", help="regenerate report.md and plots from a run's events",
-                         description="Rebuild report.md and the PNG plots of a run directory "
-                         "from its event log alone.")
+    rep = sub.add_parser(
+        "report",
+        help="regenerate report.md and plots from a run's events",
+        description="Rebuild report.md and the PNG plots of a run directory "
+        "from its event log alone.",
+    )
     rep.add_argument("run_dir", metavar="DIR", help="a directory written by `harness run`")
     rep.set_defaults(func=run_report)
 
-    c = sub.add_parser("compare", help="put several runs side by side",
-                       description="A Markdown table comparing run directories (and, with "
-                       "--out, a PNG of their pass@1 curves next to it).")
-    c.add_argument("run_dirs", nargs="+", metavar="DIR", help="directories written by `harness run`")
+    c = sub.add_parser(
+        "compare",
+        help="put several runs side by side",
+        description="A Markdown table comparing run directories (and, with "
+        "--out, a PNG of their pass@1 curves next to it).",
+    )
+    c.add_argument(
+        "run_dirs", nargs="+", metavar="DIR", help="directories written by `harness run`"
+    )
     c.add_argument("--out", help="write the Markdown here (and FILE.png) instead of printing it")
     c.set_defaults(func=run_compare)
 
@@ -55,8 +70,9 @@ def _runner():  # noqa: ANN202
     except ModuleNotFoundError as exc:
         if exc.name != "harness.run":
             raise
-        raise ProofTrainError("the scenario runner (harness/run.py) is not available in this "
-                              "installation") from None
+        raise ProofTrainError(
+            "the scenario runner (harness/run.py) is not available in this installation"
+        ) from None
     return run_scenario
 
 

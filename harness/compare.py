@@ -1,6 +1,6 @@
 """Several harness runs side by side: one Markdown table and one PNG of pass@1 curves.
 
-    md, png = write_comparison(["runs/demo", "runs/adv45"], Path("compare.md"))
+md, png = write_comparison(["runs/demo", "runs/adv45"], Path("compare.md"))
 """
 
 from __future__ import annotations
@@ -39,16 +39,17 @@ def _column(run_dir: Path, runs: dict[str, RunData]) -> dict[str, str]:
         "contributors (adversarial)": f"{n_all} ({n_adv})",
         "strategies": ", ".join(r.strategy for r in adv) or "none",
         "first pass@1": _f(main.evals[0].pass_at_1 if main.evals else None, ".3f"),
-        "last pass@1 [95% CI]": "n/a" if last is None
+        "last pass@1 [95% CI]": "n/a"
+        if last is None
         else f"{last.pass_at_1:.3f} [{last.ci_low:.3f}, {last.ci_high:.3f}]",
         "gain": _f(o.gain, "+.3f"),
         "honest baseline gain": _f(o.honest_gain, "+.3f"),
         "ratio to honest": _f(o.ratio, ".2f"),
         "no-defence gain": _f(o.no_defence_gain, "+.3f"),
-        "gains read at": "each run's end" if not o.ended_apart
+        "gains read at": "each run's end"
+        if not o.ended_apart
         else ("no common step" if o.step is None else f"step {o.step} (runs ended apart)"),
-        "adversarial groups caught / submitted":
-            f"{sum(r.caught for r in adv)}/{sum(r.submitted for r in adv)}",
+        "adversarial groups caught / submitted": f"{sum(r.caught for r in adv)}/{sum(r.submitted for r in adv)}",
         "adversaries banned": f"{sum(r.banned for r in adv)}/{n_adv}",
         "honest slashed": str(o.honest_slashed),
         "ledger audit": "n/a" if o.audit_ok is None else ("ok" if o.audit_ok else "FAILED"),
@@ -61,8 +62,12 @@ def compare_markdown(run_dirs: Sequence[str | Path]) -> str:
     loaded = [load_runs(d) for d in dirs]
     labels = [_label(d, r) for d, r in zip(dirs, loaded, strict=True)]
     cols = [_column(d, r) for d, r in zip(dirs, loaded, strict=True)]
-    lines = ["# Harness runs compared", "", "| | " + " | ".join(labels) + " |",
-             "|---|" + "---|" * len(labels)]
+    lines = [
+        "# Harness runs compared",
+        "",
+        "| | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
     lines += [f"| {key} | " + " | ".join(c[key] for c in cols) + " |" for key in cols[0]]
     return "\n".join(lines) + "\n"
 

@@ -17,8 +17,10 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
 
     start = time.monotonic()
     s = load_scenario(scenario)
-    print(f"prooftrain demo: scenario {s.name} ({len(s.contributors())} contributors, "
-          f"{s.adversarial_fraction():.0%} adversarial), runs: {', '.join(s.runs())}")
+    print(
+        f"prooftrain demo: scenario {s.name} ({len(s.contributors())} contributors, "
+        f"{s.adversarial_fraction():.0%} adversarial), runs: {', '.join(s.runs())}"
+    )
     out_dir = run_scenario(s, out, progress=True)
     report = write_report(out_dir)
     runs = load_runs(out_dir)
@@ -27,9 +29,11 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     for line in summary_lines(runs):
         print(line)
     print(f"report: {report} ({time.monotonic() - start:.0f} s)")
-    print(f"release: {release} (verified; prooftrain release verify {release} "
-          f"--trainer-key {out_dir / 'keys' / 'trainer.pub'} "
-          f"--validator-key {out_dir / 'keys' / 'validator.pub'})")
+    print(
+        f"release: {release} (verified; prooftrain release verify {release} "
+        f"--trainer-key {out_dir / 'keys' / 'trainer.pub'} "
+        f"--validator-key {out_dir / 'keys' / 'validator.pub'})"
+    )
     result = outcome(runs)
     return 0 if result.audit_ok and not result.honest_slashed else 1
 
@@ -54,8 +58,14 @@ def release_demo(out_dir: Path, base_model: Path, *, eval_problems: int = 300, k
     target = out_dir / "release"
     if target.exists():
         shutil.rmtree(target)  # a rerun replaces the previous release
-    build_release(ledger=out_dir / "runs" / "scenario" / "ledger.sqlite", out=target,
-                  base_model=base_model, trainer_key=local_trainer_key(),
-                  eval_problems=eval_problems, k=k, progress=True)
+    build_release(
+        ledger=out_dir / "runs" / "scenario" / "ledger.sqlite",
+        out=target,
+        base_model=base_model,
+        trainer_key=local_trainer_key(),
+        eval_problems=eval_problems,
+        k=k,
+        progress=True,
+    )
     verify_release(target, trainer_key=trainer, validator_key=validator)
     return target

@@ -144,8 +144,17 @@ class Summary(_Event, tag="summary", frozen=True):
 
 
 Event = Start | Eval | TrainStep | Verdict | Slash | Reputation | Throughput | Audit | Summary
-KINDS = ("start", "eval", "train_step", "verdict", "slash", "reputation", "throughput", "audit",
-         "summary")
+KINDS = (
+    "start",
+    "eval",
+    "train_step",
+    "verdict",
+    "slash",
+    "reputation",
+    "throughput",
+    "audit",
+    "summary",
+)
 
 _encoder = msgspec.json.Encoder()
 _decoder = msgspec.json.Decoder(Event)

@@ -34,9 +34,22 @@ from pathlib import Path
 
 def _start(work: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
-    return subprocess.Popen([sys.executable, "-m", "node.cli", "validator", "--config", str(work / "validator.toml"),
-                             "--port", str(port)], cwd=work, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "validator",
+            "--config",
+            str(work / "validator.toml"),
+            "--port",
+            str(port),
+        ],
+        cwd=work,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
         node = _start(work, port)
         wait_healthy(port, node)
         stop = threading.Event()
-        threads = [threading.Thread(target=_contributor, args=(i, port, model, work, stop, told, lock), daemon=True)
-                   for i in range(args.contributors)]
+        threads = [
+            threading.Thread(
+                target=_contributor, args=(i, port, model, work, stop, told, lock), daemon=True
+            )
+            for i in range(args.contributors)
+        ]
         for t in threads:
             t.start()
         node, audits_ok = _kill_and_restart(node, work, port, args.kills, rng, told)
@@ -69,18 +86,28 @@ def main(argv: list[str] | None = None) -> int:
         final_ok, recorded, status = _read_ledger(work)
     mismatched = [d for d, ok in told if status.get(d) is not ok]
     doubled = [d for d, n in recorded.items() if n > 1]
-    result = {"kills": args.kills, "audits_after_kills_ok": sum(audits_ok), "final_audit_ok": final_ok,
-              "verdicts_told": len(told), "verdicts_recorded": sum(recorded.values()),
-              "told_but_not_recorded_as_told": len(mismatched), "recorded_twice": len(doubled)}
+    result = {
+        "kills": args.kills,
+        "audits_after_kills_ok": sum(audits_ok),
+        "final_audit_ok": final_ok,
+        "verdicts_told": len(told),
+        "verdicts_recorded": sum(recorded.values()),
+        "told_but_not_recorded_as_told": len(mismatched),
+        "recorded_twice": len(doubled),
+    }
     print(json.dumps(result))
     return 0 if all(audits_ok) and final_ok and not mismatched and not doubled and told else 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--contributors", type=int, default=3)
-    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the demo base model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -93,11 +120,19 @@ def _write_node_config(work: Path, model: Path) -> None:
     (work / "validator.toml").write_text(
         f'[node]\nkey_file = "validator.key"\nledger = "ledger.sqlite"\ncheckpoint_every = 4\n'
         f'[policy]\nmodel_dir = "{model}"\n[assignment]\nmax_tokens = 8\n'
-        f'[limits]\nrequests_per_s = 1000.0\nburst = 1000\n')
+        f"[limits]\nrequests_per_s = 1000.0\nburst = 1000\n"
+    )
 
 
-def _contributor(i: int, port: int, model: Path, work: Path, stop: threading.Event,
-                 told: list[tuple[bytes, bool]], lock: threading.Lock) -> None:
+def _contributor(
+    i: int,
+    port: int,
+    model: Path,
+    work: Path,
+    stop: threading.Event,
+    told: list[tuple[bytes, bool]],
+    lock: threading.Lock,
+) -> None:
     """Contributor ``i`` until ``stop``: each verdict it is told goes to ``told``; whenever the
     node goes away it starts over with a fresh client (its unacknowledged groups stay on disk)."""
     from node.client import ValidatorClient
@@ -120,8 +155,14 @@ def _contributor(i: int, port: int, model: Path, work: Path, stop: threading.Eve
             time.sleep(0.5)
 
 
-def _kill_and_restart(node: subprocess.Popen, work: Path, port: int, kills: int, rng: random.Random,
-                      told: list[tuple[bytes, bool]]) -> tuple[subprocess.Popen, list[bool]]:
+def _kill_and_restart(
+    node: subprocess.Popen,
+    work: Path,
+    port: int,
+    kills: int,
+    rng: random.Random,
+    told: list[tuple[bytes, bool]],
+) -> tuple[subprocess.Popen, list[bool]]:
     """SIGKILL the node ``kills`` times after random delays, auditing its ledger after each
     kill and restarting it; returns the running node and each audit's result."""
     from ledger.audit import verify_ledger
@@ -138,8 +179,11 @@ def _kill_and_restart(node: subprocess.Popen, work: Path, port: int, kills: int,
         store.close()
         node = _start(work, port)
         wait_healthy(port, node)
-        print(f"kill {k + 1}/{kills}: audit {'ok' if audits_ok[-1] else 'FAILED'}, "
-              f"{len(told)} verdicts told", file=sys.stderr)
+        print(
+            f"kill {k + 1}/{kills}: audit {'ok' if audits_ok[-1] else 'FAILED'}, "
+            f"{len(told)} verdicts told",
+            file=sys.stderr,
+        )
     return node, audits_ok
 
 

@@ -84,17 +84,31 @@ def decoder_targets(seeds: dict[str, bytes]) -> dict[str, Callable[[bytes], obje
         "signed-note": lambda b: parse_note(b.decode("utf-8", "replace")),
         "checkpoint": lambda b: Checkpoint.from_text(b.decode("utf-8", "replace")),
     }
-    for name in ("RolloutHeader", "GroupSubmission", "WorkAssignment", "SignedManifest", "PolicyManifest",
-                 "SampleBatch", "SlashEvidence", "GroupVerdict", "SignedGroupVerdict"):
+    for name in (
+        "RolloutHeader",
+        "GroupSubmission",
+        "WorkAssignment",
+        "SignedManifest",
+        "PolicyManifest",
+        "SampleBatch",
+        "SlashEvidence",
+        "GroupVerdict",
+        "SignedGroupVerdict",
+    ):
         cls = getattr(T, name)
         targets[name] = partial(T.decode, cls, max_bytes=1 << 20)
     validator = SigningKey.from_seed(VALIDATOR_SEED).public
-    targets["open-group-verdict"] = lambda b: open_group_verdict(  # what a contributor runs on an answer
-        T.decode(T.SignedGroupVerdict, b, max_bytes=1 << 20), validator)
+    targets["open-group-verdict"] = lambda b: (
+        open_group_verdict(  # what a contributor runs on an answer
+            T.decode(T.SignedGroupVerdict, b, max_bytes=1 << 20), validator
+        )
+    )
     return {k: v for k, v in targets.items() if k in seeds}
 
 
-def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSubmission, SigningKey]]:
+def build_seeds(
+    work: Path,
+) -> tuple[dict[str, bytes], tuple[Validator, GroupSubmission, SigningKey]]:
     """Valid inputs for every target, and a live validator (tiny random model)."""
     import numpy as np
     import torch
@@ -118,23 +132,58 @@ def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSub
     from verify.spotcheck import FLOAT32_TOLERANCE
 
     key = SigningKey.from_seed(VALIDATOR_SEED)
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 8, "rules.audit_rate": 1.0,
-                                       "assignment.max_outstanding": 1_024,
-                                       "limits.requests_per_s": 1e6, "limits.burst": 1_000_000})
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {
+            "assignment.max_tokens": 8,
+            "rules.audit_rate": 1.0,
+            "assignment.max_outstanding": 1_024,
+            "limits.requests_per_s": 1e6,
+            "limits.burst": 1_000_000,
+        },
+    )
     ledger = Ledger.open(work / "ledger.sqlite", signing_key=key, origin="fuzz")
     codec = HFTextCodec(model)
-    v = Validator(cfg, key, ledger, StateStore(work / "state.sqlite"), codec, TransformersOracle({0: model}),
-                  generate("arithmetic", "train", 4096), PolicyVersions(model_dir_digest(model)),
-                  FLOAT32_TOLERANCE)
+    v = Validator(
+        cfg,
+        key,
+        ledger,
+        StateStore(work / "state.sqlite"),
+        codec,
+        TransformersOracle({0: model}),
+        generate("arithmetic", "train", 4096),
+        PolicyVersions(model_dir_digest(model)),
+        FLOAT32_TOLERANCE,
+    )
     alice = SigningKey.from_seed(b"\x22" * 32)
     v.register(alice.public.raw, "alice")
     group = answer(alice, v.assign(alice.public.raw), key.public, TransformersBackend(model), codec)
     delta = {"w": torch.from_numpy(np.random.default_rng(0).normal(size=(64,)).astype("float32"))}
     batch = v.samples(0)
     a = open_assignment(v.assign(alice.public.raw), key.public, alice.public)
-    answered = seal(key, T.GroupVerdict(b"\x00" * 32, [T.Verdict(
-        T.SCHEMA_VERSION, key.public.raw, a.assignment_id, i, bytes([i]) * 32, i > 0,
-        "" if i else "logprob_mismatch", 0.5, i == 0, b"" if i else b"\x01" * 32, 1) for i in range(4)]))
+    answered = seal(
+        key,
+        T.GroupVerdict(
+            b"\x00" * 32,
+            [
+                T.Verdict(
+                    T.SCHEMA_VERSION,
+                    key.public.raw,
+                    a.assignment_id,
+                    i,
+                    bytes([i]) * 32,
+                    i > 0,
+                    "" if i else "logprob_mismatch",
+                    0.5,
+                    i == 0,
+                    b"" if i else b"\x01" * 32,
+                    1,
+                )
+                for i in range(4)
+            ],
+        ),
+    )
     seeds = {
         "envelope": T.canonical_bytes(group.envelopes[0]),
         "GroupSubmission": T.canonical_bytes(group),
@@ -154,11 +203,17 @@ def build_seeds(work: Path) -> tuple[dict[str, bytes], tuple[Validator, GroupSub
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=600.0, help="campaign length")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--openapi-share", type=float, default=1 / 3,
-                        help="fraction of the time for the OpenAPI (schemathesis) campaign; 0 skips it")
+    parser.add_argument(
+        "--openapi-share",
+        type=float,
+        default=1 / 3,
+        help="fraction of the time for the OpenAPI (schemathesis) campaign; 0 skips it",
+    )
     args = parser.parse_args(argv)
     import httpx
 
@@ -174,24 +229,39 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         seeds, (v, group, alice) = build_seeds(Path(tmp))
         targets = decoder_targets(seeds)
-        endpoints = [("POST", "/v1/submit"), ("POST", "/v1/register"), ("POST", "/v1/assign"),
-                     ("POST", "/v1/policy"), ("POST", "/v1/blobs"), ("GET", "/v1/samples"),
-                     ("GET", "/v1/policy/0"), ("GET", "/v1/blobs/" + "00" * 32)]
+        endpoints = [
+            ("POST", "/v1/submit"),
+            ("POST", "/v1/register"),
+            ("POST", "/v1/assign"),
+            ("POST", "/v1/policy"),
+            ("POST", "/v1/blobs"),
+            ("GET", "/v1/samples"),
+            ("GET", "/v1/policy/0"),
+            ("GET", "/v1/blobs/" + "00" * 32),
+        ]
         http_seed = seeds["GroupSubmission"]
-        with BackgroundServer(create_app(v, alice.public)) as url, httpx.Client(base_url=url) as client:
+        with (
+            BackgroundServer(create_app(v, alice.public)) as url,
+            httpx.Client(base_url=url) as client,
+        ):
             deadline = time.monotonic() + args.seconds * (1 - args.openapi_share)
             last = time.monotonic()
             while time.monotonic() < deadline:
                 if rng.random() < 0.25:
                     method, path = rng.choice(endpoints)
                     body = mutate(http_seed, rng)
-                    headers = (sign_request(alice, method, path, body, time.time_ns() // 1_000_000)
-                               if rng.random() < 0.5 else {})
+                    headers = (
+                        sign_request(alice, method, path, body, time.time_ns() // 1_000_000)
+                        if rng.random() < 0.5
+                        else {}
+                    )
                     name = f"http {method} {path.split('/')[2]}"
                     tried[name] += 1
                     r = client.request(method, path, content=body, headers=headers)
                     if r.status_code >= 500:
-                        crashes.append({"target": name, "status": r.status_code, "input": body.hex()[:400]})
+                        crashes.append(
+                            {"target": name, "status": r.status_code, "input": body.hex()[:400]}
+                        )
                     elif r.status_code >= 400:
                         rejected[name] += 1
                 else:
@@ -203,28 +273,49 @@ def main(argv: list[str] | None = None) -> int:
                     except ProofTrainError:
                         rejected[name] += 1
                     except Exception:  # noqa: BLE001 - the campaign's whole point is to find these
-                        crashes.append({"target": name, "input": data.hex()[:400],
-                                        "error": traceback.format_exc(limit=3)})
+                        crashes.append(
+                            {
+                                "target": name,
+                                "input": data.hex()[:400],
+                                "error": traceback.format_exc(limit=3),
+                            }
+                        )
                 if time.monotonic() - last > 30:
                     last = time.monotonic()
-                    print(f"fuzz: {sum(tried.values())} inputs, {len(crashes)} crashes", file=sys.stderr)
+                    print(
+                        f"fuzz: {sum(tried.values())} inputs, {len(crashes)} crashes",
+                        file=sys.stderr,
+                    )
             healthy = client.get("/healthz").status_code == 200
         openapi = None
         if args.openapi_share > 0:
             from harness.fuzz_openapi import fuzz_validator, summarize
 
-            tally, api_healthy = fuzz_validator(v, alice, args.seconds * args.openapi_share, seeds, args.seed)
+            tally, api_healthy = fuzz_validator(
+                v, alice, args.seconds * args.openapi_share, seeds, args.seed
+            )
             openapi = summarize(tally, api_healthy, True, args.seconds * args.openapi_share)
             healthy = healthy and api_healthy
         audit = verify_ledger(v.ledger.store, blobs=v.ledger.blobs)
         v.ledger.close()
         v.state.close()
-    result = {"seconds": args.seconds, "inputs": sum(tried.values()), "per_target": dict(tried),
-              "rejected": dict(rejected), "crashes": len(crashes), "node_healthy": healthy,
-              "ledger_audit_ok": audit.ok, "first_crashes": crashes[:5], "openapi": openapi}
+    result = {
+        "seconds": args.seconds,
+        "inputs": sum(tried.values()),
+        "per_target": dict(tried),
+        "rejected": dict(rejected),
+        "crashes": len(crashes),
+        "node_healthy": healthy,
+        "ledger_audit_ok": audit.ok,
+        "first_crashes": crashes[:5],
+        "openapi": openapi,
+    }
     print(json.dumps(result))
-    openapi_ok = openapi is None or (openapi["failures"] == 0 and openapi["server_errors"] == 0
-                                     and openapi["operations_exercised"] == openapi["operations"])
+    openapi_ok = openapi is None or (
+        openapi["failures"] == 0
+        and openapi["server_errors"] == 0
+        and openapi["operations_exercised"] == openapi["operations"]
+    )
     return 0 if not crashes and healthy and audit.ok and openapi_ok else 1
 
 

@@ -68,15 +68,23 @@ schemathesis.serializer.alias("application/msgpack", "application/octet-stream")
 
 CALLERS = ("anon", "contributor", "trainer")
 MODES = (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE)
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          negative_data_rejection]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+]
 # A body replaced by a seed mutation is not schemathesis-generated: its positive/negative label is meaningless.
 SEEDED_CHECKS = [check for check in CHECKS if check is not negative_data_rejection]
 # Endpoints whose handler admits the trainer key only (node/validator/service.py, ``trainer_only``).
 TRAINER_ONLY = {"POST /v1/policy", "POST /v1/trainer/eval", "POST /v1/blobs", "GET /v1/samples"}
 # Valid bodies that mutated copies are drawn from, by operation label.
-SEED_OF = {"POST /v1/submit": "GroupSubmission", "POST /v1/policy": "SignedManifest",
-           "POST /v1/blobs": "GroupSubmission"}
+SEED_OF = {
+    "POST /v1/submit": "GroupSubmission",
+    "POST /v1/policy": "SignedManifest",
+    "POST /v1/blobs": "GroupSubmission",
+}
 PROGRESS_EVERY_S = 30.0
 
 
@@ -99,8 +107,15 @@ class SigningSession(requests.Session):
                 raise TypeError(f"cannot sign a streamed request body ({type(body).__name__})")
             for name in (KEY_HEADER, TIME_HEADER, SIG_HEADER):
                 request.headers.pop(name, None)
-            request.headers.update(sign_request(self.key, request.method or "GET", request.path_url,
-                                                bytes(body), time.time_ns() // 1_000_000))
+            request.headers.update(
+                sign_request(
+                    self.key,
+                    request.method or "GET",
+                    request.path_url,
+                    bytes(body),
+                    time.time_ns() // 1_000_000,
+                )
+            )
         return super().send(request, **kwargs)
 
 
@@ -113,13 +128,22 @@ class Tally:
     failures: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict)
     generation_errors: Counter[str] = field(default_factory=Counter)
 
-    def fail(self, label: str, caller: str, check: str, status: int | None, detail: str, repro: str) -> None:
+    def fail(
+        self, label: str, caller: str, check: str, status: int | None, detail: str, repro: str
+    ) -> None:
         key = (label, caller, check)
         if key in self.failures:
             self.failures[key]["count"] += 1
             return
-        self.failures[key] = {"operation": label, "caller": caller, "check": check, "status": status,
-                              "detail": detail[:600], "reproducer": repro[:2_000], "count": 1}
+        self.failures[key] = {
+            "operation": label,
+            "caller": caller,
+            "check": check,
+            "status": status,
+            "detail": detail[:600],
+            "reproducer": repro[:2_000],
+            "count": 1,
+        }
 
 
 def auth_violation(label: str, caller: str, signed: bool, status: int) -> str | None:
@@ -141,8 +165,11 @@ def negatable(raw: dict[str, Any], caller: str) -> bool:
     Hypothesis would spend seconds proving it).
     """
     content = raw.get("requestBody", {}).get("content", {})
-    return bool(raw.get("parameters")) or "application/json" in content or (
-        caller == "anon" and bool(raw.get("security")))
+    return (
+        bool(raw.get("parameters"))
+        or "application/json" in content
+        or (caller == "anon" and bool(raw.get("security")))
+    )
 
 
 def _reproducer(case: schemathesis.Case, response: schemathesis.Response | None) -> str:
@@ -154,8 +181,16 @@ def _reproducer(case: schemathesis.Case, response: schemathesis.Response | None)
         return f"<no curl command: {exc}>"
 
 
-def _run_case(case: schemathesis.Case, label: str, caller: str, signed: bool, url: str,
-              session: SigningSession, tally: Tally, seeded: bool = False) -> None:
+def _run_case(
+    case: schemathesis.Case,
+    label: str,
+    caller: str,
+    signed: bool,
+    url: str,
+    session: SigningSession,
+    tally: Tally,
+    seeded: bool = False,
+) -> None:
     tally.inputs[label] += 1
     try:
         resp = case.call(base_url=url, session=session, timeout=30)
@@ -172,23 +207,47 @@ def _run_case(case: schemathesis.Case, label: str, caller: str, signed: bool, ur
         case.validate_response(resp, checks=SEEDED_CHECKS if seeded else CHECKS)
     except FailureGroup as group:
         for failure in group.exceptions:
-            tally.fail(label, caller, failure.title, status, f"{failure.title}: {failure.message}",
-                       _reproducer(case, resp))
+            tally.fail(
+                label,
+                caller,
+                failure.title,
+                status,
+                f"{failure.title}: {failure.message}",
+                _reproducer(case, resp),
+            )
 
 
-def _cell(op: schemathesis.APIOperation, mode: schemathesis.GenerationMode, caller: str, url: str,
-          session: SigningSession, tally: Tally, seeds: dict[str, bytes], deadline: list[float],
-          batch: int) -> Any:
+def _cell(
+    op: schemathesis.APIOperation,
+    mode: schemathesis.GenerationMode,
+    caller: str,
+    url: str,
+    session: SigningSession,
+    tally: Tally,
+    seeds: dict[str, bytes],
+    deadline: list[float],
+    batch: int,
+) -> Any:
     """One Hypothesis-driven loop over ``batch`` generated cases for (operation, mode, caller)."""
     label = f"{op.method.upper()} {op.path}"
     signed = bool(op.definition.raw.get("security"))
     seed_body = seeds.get(SEED_OF.get(label, ""))
     # A signed caller's auth headers are fixed (so never negated) and rewritten by ``session``.
-    fixed = {name: "0" for name in (KEY_HEADER, TIME_HEADER, SIG_HEADER)} if session.key is not None else None
+    fixed = (
+        {name: "0" for name in (KEY_HEADER, TIME_HEADER, SIG_HEADER)}
+        if session.key is not None
+        else None
+    )
     strategy = op.as_strategy(generation_mode=mode, headers=fixed)
 
-    @settings(max_examples=batch, phases=[Phase.generate], database=None, deadline=None,
-              suppress_health_check=list(HealthCheck), report_multiple_bugs=False)
+    @settings(
+        max_examples=batch,
+        phases=[Phase.generate],
+        database=None,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+    )
     # Everything is drawn up front (no lazy ``st.randoms``): an early return must not change the draws.
     @given(case=strategy, mutation=st.integers(0, 2**32 - 1), use_seed=st.booleans())
     def run(case: schemathesis.Case, mutation: int, use_seed: bool) -> None:
@@ -203,8 +262,16 @@ def _cell(op: schemathesis.APIOperation, mode: schemathesis.GenerationMode, call
     return run
 
 
-def campaign(app: FastAPI, keys: dict[str, SigningKey | None], seconds: float, *, seeds: dict[str, bytes] | None = None,
-             seed_value: int = 0, batch: int = 8, only: set[str] | None = None) -> tuple[Tally, bool]:
+def campaign(
+    app: FastAPI,
+    keys: dict[str, SigningKey | None],
+    seconds: float,
+    *,
+    seeds: dict[str, bytes] | None = None,
+    seed_value: int = 0,
+    batch: int = 8,
+    only: set[str] | None = None,
+) -> tuple[Tally, bool]:
     """Fuzz every operation of ``app`` (served on 127.0.0.1) for ``seconds``; (tally, node still healthy).
 
     ``only`` restricts the campaign to these operation labels (``"GET /healthz"``).
@@ -226,9 +293,13 @@ def campaign(app: FastAPI, keys: dict[str, SigningKey | None], seconds: float, *
                 ops.append(op)
         sessions = {caller: SigningSession(keys.get(caller)) for caller in CALLERS}
         no_deadline = [float("inf")]
-        cells = [_cell(op, mode, caller, url, sessions[caller], tally, seeds or {}, no_deadline, batch)
-                 for op in ops for mode in MODES for caller in CALLERS
-                 if mode is MODES[0] or negatable(op.definition.raw, caller)]
+        cells = [
+            _cell(op, mode, caller, url, sessions[caller], tally, seeds or {}, no_deadline, batch)
+            for op in ops
+            for mode in MODES
+            for caller in CALLERS
+            if mode is MODES[0] or negatable(op.definition.raw, caller)
+        ]
         start = last = time.monotonic()
         rounds = 0
         while cells and (rounds == 0 or time.monotonic() < start + seconds):
@@ -243,8 +314,11 @@ def campaign(app: FastAPI, keys: dict[str, SigningKey | None], seconds: float, *
                     break
                 if time.monotonic() - last > PROGRESS_EVERY_S:
                     last = time.monotonic()
-                    print(f"fuzz-openapi: {sum(tally.inputs.values())} inputs over {len(tally.inputs)} operations, "
-                          f"{len(tally.failures)} distinct failures", file=sys.stderr)
+                    print(
+                        f"fuzz-openapi: {sum(tally.inputs.values())} inputs over {len(tally.inputs)} operations, "
+                        f"{len(tally.failures)} distinct failures",
+                        file=sys.stderr,
+                    )
             rounds += 1
             no_deadline[0] = start + seconds
         for session in sessions.values():
@@ -259,30 +333,59 @@ def campaign(app: FastAPI, keys: dict[str, SigningKey | None], seconds: float, *
 
 def summarize(tally: Tally, healthy: bool, audit_ok: bool, seconds: float) -> dict[str, Any]:
     operations = tally.inputs.pop("operations", 0)
-    failures = sorted(tally.failures.values(), key=lambda f: (f["operation"], f["caller"], f["check"]))
-    return {"seconds": seconds, "operations": operations, "operations_exercised": len(tally.inputs),
-            "inputs": sum(tally.inputs.values()), "per_operation": dict(tally.inputs),
-            "statuses": {op: {str(k): v for k, v in sorted(c.items())} for op, c in tally.statuses.items()},
-            "server_errors": sum(n for c in tally.statuses.values() for s, n in c.items() if s >= 500),
-            "failures": len(failures), "generation_errors": dict(tally.generation_errors), "node_healthy": healthy, "ledger_audit_ok": audit_ok,
-            "first_failures": failures[:10]}
+    failures = sorted(
+        tally.failures.values(), key=lambda f: (f["operation"], f["caller"], f["check"])
+    )
+    return {
+        "seconds": seconds,
+        "operations": operations,
+        "operations_exercised": len(tally.inputs),
+        "inputs": sum(tally.inputs.values()),
+        "per_operation": dict(tally.inputs),
+        "statuses": {
+            op: {str(k): v for k, v in sorted(c.items())} for op, c in tally.statuses.items()
+        },
+        "server_errors": sum(n for c in tally.statuses.values() for s, n in c.items() if s >= 500),
+        "failures": len(failures),
+        "generation_errors": dict(tally.generation_errors),
+        "node_healthy": healthy,
+        "ledger_audit_ok": audit_ok,
+        "first_failures": failures[:10],
+    }
 
 
 def passed(summary: dict[str, Any]) -> bool:
-    return (summary["failures"] == 0 and summary["server_errors"] == 0 and summary["node_healthy"]
-            and summary["ledger_audit_ok"] and summary["operations_exercised"] == summary["operations"])
+    return (
+        summary["failures"] == 0
+        and summary["server_errors"] == 0
+        and summary["node_healthy"]
+        and summary["ledger_audit_ok"]
+        and summary["operations_exercised"] == summary["operations"]
+    )
 
 
-def fuzz_validator(v: Any, contributor: SigningKey, seconds: float, seeds: dict[str, bytes], seed_value: int = 0,
-                   batch: int = 8) -> tuple[Tally, bool]:
+def fuzz_validator(
+    v: Any,
+    contributor: SigningKey,
+    seconds: float,
+    seeds: dict[str, bytes],
+    seed_value: int = 0,
+    batch: int = 8,
+) -> tuple[Tally, bool]:
     """Serve validator ``v`` with a fixed trainer key and fuzz it; ``contributor`` must be registered."""
     from node.validator.service import create_app
 
     trainer = SigningKey.from_seed(b"\x23" * 32)
     manifest = v.state.manifest(v.versions.current)
     seeds = {**seeds, **({"SignedManifest": manifest} if manifest is not None else {})}
-    return campaign(create_app(v, trainer.public), {"anon": None, "contributor": contributor, "trainer": trainer},
-                    seconds, seeds=seeds, seed_value=seed_value, batch=batch)
+    return campaign(
+        create_app(v, trainer.public),
+        {"anon": None, "contributor": contributor, "trainer": trainer},
+        seconds,
+        seeds=seeds,
+        seed_value=seed_value,
+        batch=batch,
+    )
 
 
 def run_on_fresh_node(seconds: float, seed_value: int = 0, batch: int = 8) -> dict[str, Any]:
@@ -300,10 +403,14 @@ def run_on_fresh_node(seconds: float, seed_value: int = 0, batch: int = 8) -> di
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--seconds", type=float, default=600.0, help="campaign length")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch", type=int, default=8, help="cases per (operation, mode, caller) turn")
+    parser.add_argument(
+        "--batch", type=int, default=8, help="cases per (operation, mode, caller) turn"
+    )
     args = parser.parse_args(argv)
     summary = run_on_fresh_node(args.seconds, args.seed, args.batch)
     print(json.dumps(summary))

@@ -48,24 +48,33 @@ def main(argv: list[str] | None = None) -> int:
         v.state.close()
     latencies = tally.latencies
     result = {
-        "contributors": args.contributors, "seconds": round(elapsed, 2), "groups": len(latencies),
+        "contributors": args.contributors,
+        "seconds": round(elapsed, 2),
+        "groups": len(latencies),
         "admissions_per_s": round(len(latencies) / elapsed, 2),
         "p50_ms": round(1000 * float(np.percentile(latencies, 50)), 1) if latencies else None,
         "p99_ms": round(1000 * float(np.percentile(latencies, 99)), 1) if latencies else None,
         "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "rollouts_told": len(tally.told), "accepted_lost": len(lost),
-        "rejected_stored_as_accepted": len(wrongly_accepted), "errors": tally.errors, "ledger_audit_ok": audit_ok,
+        "rollouts_told": len(tally.told),
+        "accepted_lost": len(lost),
+        "rejected_stored_as_accepted": len(wrongly_accepted),
+        "errors": tally.errors,
+        "ledger_audit_ok": audit_ok,
     }
     print(json.dumps(result))
     return 0 if not lost and not wrongly_accepted and audit_ok else 1
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--contributors", type=int, default=16)
     parser.add_argument("--groups", type=int, default=20, help="groups per contributor at most")
     parser.add_argument("--seconds", type=float, default=120.0, help="wall-clock bound")
-    parser.add_argument("--model", type=Path, default=None, help="model dir (default: the demo base model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+    )
     return parser
 
 
@@ -95,18 +104,34 @@ def _validator(work: Path, model: Path, contributors: int) -> tuple[Validator, H
     from verify.spotcheck import FLOAT32_TOLERANCE
 
     key = SigningKey.from_seed(b"\x31" * 32)
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 8, "audit.queue": 4 * contributors,
-                                       "limits.requests_per_s": 1e4, "limits.burst": 10_000})
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {
+            "assignment.max_tokens": 8,
+            "audit.queue": 4 * contributors,
+            "limits.requests_per_s": 1e4,
+            "limits.burst": 10_000,
+        },
+    )
     codec = HFTextCodec(model)
-    v = Validator(cfg, key, Ledger.open(work / "ledger.sqlite", signing_key=key, origin="load"),
-                  StateStore(work / "state.sqlite"), codec, TransformersOracle({0: model}),
-                  generate("arithmetic", "train", 10_000), PolicyVersions(model_dir_digest(model)),
-                  FLOAT32_TOLERANCE)
+    v = Validator(
+        cfg,
+        key,
+        Ledger.open(work / "ledger.sqlite", signing_key=key, origin="load"),
+        StateStore(work / "state.sqlite"),
+        codec,
+        TransformersOracle({0: model}),
+        generate("arithmetic", "train", 10_000),
+        PolicyVersions(model_dir_digest(model)),
+        FLOAT32_TOLERANCE,
+    )
     return v, codec
 
 
-def _run_contributors(v: Validator, codec: HFTextCodec, model: Path, args: argparse.Namespace,
-                      tally: _Tally) -> float:
+def _run_contributors(
+    v: Validator, codec: HFTextCodec, model: Path, args: argparse.Namespace, tally: _Tally
+) -> float:
     """Serve ``v`` on 127.0.0.1 and run the contributor threads against it until each is
     done or the deadline passes; returns the seconds they ran."""
     from node.client import ServiceError, ValidatorClient
@@ -148,7 +173,9 @@ def _run_contributors(v: Validator, codec: HFTextCodec, model: Path, args: argpa
                         tally.told[verdict.envelope_digest] = verdict.accepted
             client.close()
 
-        threads = [threading.Thread(target=contributor, args=(i,)) for i in range(args.contributors)]
+        threads = [
+            threading.Thread(target=contributor, args=(i,)) for i in range(args.contributors)
+        ]
         start = time.monotonic()
         for t in threads:
             t.start()
@@ -164,11 +191,16 @@ def _check_ledger(v: Validator, told: dict[bytes, bool]) -> tuple[list[bytes], l
     from ledger.audit import verify_ledger
     from ledger.records import VerdictRecorded
 
-    recorded = {rec.envelope_digest: rec.accepted for _, rec in v.ledger.entries()
-                if isinstance(rec, VerdictRecorded)}
+    recorded = {
+        rec.envelope_digest: rec.accepted
+        for _, rec in v.ledger.entries()
+        if isinstance(rec, VerdictRecorded)
+    }
     served = _served(v)
     lost = [d for d, ok in told.items() if ok and (recorded.get(d) is not True or d not in served)]
-    wrongly_accepted = [d for d, ok in told.items() if not ok and (recorded.get(d) is not False or d in served)]
+    wrongly_accepted = [
+        d for d, ok in told.items() if not ok and (recorded.get(d) is not False or d in served)
+    ]
     return lost, wrongly_accepted, verify_ledger(v.ledger.store, blobs=v.ledger.blobs).ok
 
 

@@ -20,8 +20,14 @@ class AdversarialNetwork(LocalNetwork):
     def check_strategy(self, name: str) -> None:
         make_strategy(name)  # ConfigError names the known strategies
 
-    def answer_as(self, strategy: str, key: SigningKey, sealed: SignedAssignment,
-                  a: WorkAssignment) -> bytes:
-        ctx = Context(key, TransformersBackend(self.registry[a.policy_version]), self.codec,
-                      self.validator.key.public, oracle=RegistryOracle(self.registry))
+    def answer_as(
+        self, strategy: str, key: SigningKey, sealed: SignedAssignment, a: WorkAssignment
+    ) -> bytes:
+        ctx = Context(
+            key,
+            TransformersBackend(self.registry[a.policy_version]),
+            self.codec,
+            self.validator.key.public,
+            oracle=RegistryOracle(self.registry),
+        )
         return make_strategy(strategy).answer(ctx, sealed)

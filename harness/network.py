@@ -53,7 +53,9 @@ class LatencyModel(Protocol):
 LATENCY_MODELS: dict[str, Callable[..., LatencyModel]] = {}
 
 
-def register_latency_model(name: str) -> Callable[[Callable[..., LatencyModel]], Callable[..., LatencyModel]]:
+def register_latency_model(
+    name: str,
+) -> Callable[[Callable[..., LatencyModel]], Callable[..., LatencyModel]]:
     def deco(factory: Callable[..., LatencyModel]) -> Callable[..., LatencyModel]:
         if name in LATENCY_MODELS:
             raise ValueError(f"latency model {name!r} registered twice")
@@ -106,7 +108,9 @@ class LogNormal:
     def quantile(self, q: float) -> float:
         from statistics import NormalDist  # noqa: PLC0415
 
-        return min(self.median_ms / 1e3 * math.exp(self.sigma * NormalDist().inv_cdf(q)), MAX_DELAY_S)
+        return min(
+            self.median_ms / 1e3 * math.exp(self.sigma * NormalDist().inv_cdf(q)), MAX_DELAY_S
+        )
 
 
 @register_latency_model("pareto")
@@ -272,8 +276,13 @@ class SimulatedNetwork:
     ``churning`` is None) and never to the others.
     """
 
-    def __init__(self, profiles: Mapping[str, NetworkProfile], seed: int,
-                 churn: ChurnModel | None = None, churning: set[str] | None = None) -> None:
+    def __init__(
+        self,
+        profiles: Mapping[str, NetworkProfile],
+        seed: int,
+        churn: ChurnModel | None = None,
+        churning: set[str] | None = None,
+    ) -> None:
         self.profiles = dict(profiles)
         self.seed = int(seed)
         self.churn = churn
@@ -290,7 +299,9 @@ class SimulatedNetwork:
     def _rng(self, contributor: str, kind: str) -> np.random.Generator:
         key = (contributor, kind)
         if key not in self._rngs:
-            self._rngs[key] = np.random.default_rng(stream_seed(self.seed, "net", contributor, kind))
+            self._rngs[key] = np.random.default_rng(
+                stream_seed(self.seed, "net", contributor, kind)
+            )
         return self._rngs[key]
 
     def delay(self, contributor: str, kind: str) -> float | None:
@@ -346,8 +357,9 @@ class SimulatedNetwork:
             return t
         return sched.flips[bisect.bisect_right(sched.flips, t)]
 
-    def send(self, queue: DeliveryQueue, contributor: str, kind: str, message: Any,
-             now: float) -> bool:
+    def send(
+        self, queue: DeliveryQueue, contributor: str, kind: str, message: Any, now: float
+    ) -> bool:
         """Queue ``message`` for delivery at ``now + delay``; False (and nothing queued) if dropped."""
         d = self.delay(contributor, kind)
         if d is None:

@@ -15,8 +15,13 @@ from harness.analysis import RunData, primary
 from harness.events import HONEST, Reputation
 
 RUN_COLORS = {"scenario": "tab:blue", "honest": "tab:green", "no-defence": "tab:red"}
-PLOTS = {"pass_at_1": "Held-out pass@1", "reward": "Training reward", "reputation": "Reputation",
-         "staleness": "Staleness", "throughput": "Throughput"}
+PLOTS = {
+    "pass_at_1": "Held-out pass@1",
+    "reward": "Training reward",
+    "reputation": "Reputation",
+    "staleness": "Staleness",
+    "throughput": "Throughput",
+}
 
 
 def _figure(title: str, xlabel: str, ylabel: str):  # noqa: ANN202
@@ -55,9 +60,21 @@ def plot_pass_at_1(runs: dict[str, RunData], path: Path, title: str = PLOTS["pas
     for i, (name, r) in enumerate(runs.items()):
         if r.evals:
             t = [e.t for e in r.evals]
-            ax.plot(t, [e.pass_at_1 for e in r.evals], marker="o", ms=3, label=name, color=_color(name, i))
-            ax.fill_between(t, [e.ci_low for e in r.evals], [e.ci_high for e in r.evals],
-                            alpha=0.2, color=_color(name, i))
+            ax.plot(
+                t,
+                [e.pass_at_1 for e in r.evals],
+                marker="o",
+                ms=3,
+                label=name,
+                color=_color(name, i),
+            )
+            ax.fill_between(
+                t,
+                [e.ci_low for e in r.evals],
+                [e.ci_high for e in r.evals],
+                alpha=0.2,
+                color=_color(name, i),
+            )
     return _save(fig, ax, path, not any(r.evals for r in runs.values()))
 
 
@@ -65,17 +82,26 @@ def _plot_reward(runs: dict[str, RunData], path: Path) -> Path:
     fig, ax = _figure(PLOTS["reward"], "simulated time (s)", "mean reward of the step's samples")
     for i, (name, r) in enumerate(runs.items()):
         if r.steps:
-            ax.plot([s.t for s in r.steps], [s.reward_mean for s in r.steps], label=name,
-                    color=_color(name, i))
+            ax.plot(
+                [s.t for s in r.steps],
+                [s.reward_mean for s in r.steps],
+                label=name,
+                color=_color(name, i),
+            )
     return _save(fig, ax, path, not any(r.steps for r in runs.values()))
 
 
 def _plot_reputation(run: RunData, path: Path) -> Path:
-    fig, ax = _figure(f"{PLOTS['reputation']} per contributor ({run.name} run)",
-                      "simulated time (s)", "reputation score")
+    fig, ax = _figure(
+        f"{PLOTS['reputation']} per contributor ({run.name} run)",
+        "simulated time (s)",
+        "reputation score",
+    )
     strategies = sorted(set(run.strategies().values()), key=lambda s: (s != HONEST, s))
-    colors = {s: ("tab:green" if s == HONEST else f"C{(i % 9) + (i % 9 >= 2)}")
-              for i, s in enumerate(strategies)}
+    colors = {
+        s: ("tab:green" if s == HONEST else f"C{(i % 9) + (i % 9 >= 2)}")
+        for i, s in enumerate(strategies)
+    }
     series: dict[str, list[Reputation]] = defaultdict(list)
     for r in run.reputation:
         series[r.contributor].append(r)
@@ -84,8 +110,16 @@ def _plot_reputation(run: RunData, path: Path) -> Path:
     for _c, rs in sorted(series.items(), key=lambda kv: (kv[1][0].strategy != HONEST, kv[0])):
         s = rs[0].strategy
         ts, ys = [r.t for r in rs] + [max(end, rs[-1].t)], [r.score for r in rs] + [rs[-1].score]
-        ax.step(ts, ys, where="post", color=colors[s], alpha=0.8, marker=".", markevery=len(rs) * [True] + [False],
-                label=None if s in labelled else s)
+        ax.step(
+            ts,
+            ys,
+            where="post",
+            color=colors[s],
+            alpha=0.8,
+            marker=".",
+            markevery=len(rs) * [True] + [False],
+            label=None if s in labelled else s,
+        )
         labelled.add(s)
         banned = next((r for r in rs if r.banned), None)
         if banned is not None:
@@ -94,8 +128,11 @@ def _plot_reputation(run: RunData, path: Path) -> Path:
 
 
 def _plot_staleness(runs: dict[str, RunData], path: Path) -> Path:
-    fig, ax = _figure(PLOTS["staleness"] + " of trained samples", "staleness (policy versions)",
-                      "fraction of samples")
+    fig, ax = _figure(
+        PLOTS["staleness"] + " of trained samples",
+        "staleness (policy versions)",
+        "fraction of samples",
+    )
     data = {n: [s for st in r.steps for s in st.staleness] for n, r in runs.items()}
     data = {n: v for n, v in data.items() if v}
     if data:
@@ -103,8 +140,13 @@ def _plot_staleness(runs: dict[str, RunData], path: Path) -> Path:
         width = 0.8 / len(data)
         for i, (name, values) in enumerate(data.items()):
             counts = [values.count(k) / len(values) for k in range(top + 1)]
-            ax.bar([k + (i - (len(data) - 1) / 2) * width for k in range(top + 1)], counts,
-                   width=width, label=name, color=_color(name, i))
+            ax.bar(
+                [k + (i - (len(data) - 1) / 2) * width for k in range(top + 1)],
+                counts,
+                width=width,
+                label=name,
+                color=_color(name, i),
+            )
         ax.set_xticks(range(top + 1))
     return _save(fig, ax, path, not data)
 
@@ -113,8 +155,12 @@ def _plot_throughput(runs: dict[str, RunData], path: Path) -> Path:
     fig, ax = _figure(PLOTS["throughput"], "simulated time (s)", "accepted samples / s")
     for i, (name, r) in enumerate(runs.items()):
         if r.throughput:
-            ax.plot([e.t for e in r.throughput], [e.samples_per_s for e in r.throughput],
-                    label=name, color=_color(name, i))
+            ax.plot(
+                [e.t for e in r.throughput],
+                [e.samples_per_s for e in r.throughput],
+                label=name,
+                color=_color(name, i),
+            )
     return _save(fig, ax, path, not any(r.throughput for r in runs.values()))
 
 

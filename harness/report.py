@@ -85,8 +85,11 @@ def summary_lines(runs: dict[str, RunData]) -> list[str]:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-            *("| " + " | ".join(r) + " |" for r in rows)]
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "---|" * len(header),
+        *("| " + " | ".join(r) + " |" for r in rows),
+    ]
 
 
 def _runs_table(runs: dict[str, RunData]) -> list[str]:
@@ -94,21 +97,60 @@ def _runs_table(runs: dict[str, RunData]) -> list[str]:
     for name, r in runs.items():
         last = r.evals[-1] if r.evals else None
         acc = sum(v.accepted for v in r.verdicts)
-        rows.append([name, _f(r.evals[0].pass_at_1 if r.evals else None, ".3f"),
-                     "n/a" if last is None else f"{last.pass_at_1:.3f} [{last.ci_low:.3f}, {last.ci_high:.3f}]",
-                     _f(r.gain()), str(r.steps[-1].step if r.steps else 0),
-                     str(sum(s.samples for s in r.steps)), f"{acc}/{len(r.verdicts)}"])
-    return _table(["run", "first pass@1", "last pass@1 [95% CI]", "gain", "steps",
-                   "samples trained", "groups accepted"], rows)
+        rows.append(
+            [
+                name,
+                _f(r.evals[0].pass_at_1 if r.evals else None, ".3f"),
+                "n/a"
+                if last is None
+                else f"{last.pass_at_1:.3f} [{last.ci_low:.3f}, {last.ci_high:.3f}]",
+                _f(r.gain()),
+                str(r.steps[-1].step if r.steps else 0),
+                str(sum(s.samples for s in r.steps)),
+                f"{acc}/{len(r.verdicts)}",
+            ]
+        )
+    return _table(
+        [
+            "run",
+            "first pass@1",
+            "last pass@1 [95% CI]",
+            "gain",
+            "steps",
+            "samples trained",
+            "groups accepted",
+        ],
+        rows,
+    )
 
 
 def _detection(run: RunData) -> list[str]:
-    rows = [[r.strategy, str(r.contributors), str(r.submitted), str(r.audited), str(r.caught),
-             str(r.slashed), f"{r.banned}/{r.contributors}",
-             "n/a" if r.time_to_ban_s is None else f"{r.time_to_ban_s:.1f}"]
-            for r in detection_table(run)]
-    return _table(["strategy", "contributors", "submitted", "audited", "caught", "slashed",
-                   "banned", "median time to ban (s)"], rows)
+    rows = [
+        [
+            r.strategy,
+            str(r.contributors),
+            str(r.submitted),
+            str(r.audited),
+            str(r.caught),
+            str(r.slashed),
+            f"{r.banned}/{r.contributors}",
+            "n/a" if r.time_to_ban_s is None else f"{r.time_to_ban_s:.1f}",
+        ]
+        for r in detection_table(run)
+    ]
+    return _table(
+        [
+            "strategy",
+            "contributors",
+            "submitted",
+            "audited",
+            "caught",
+            "slashed",
+            "banned",
+            "median time to ban (s)",
+        ],
+        rows,
+    )
 
 
 def _audit_lines(runs: dict[str, RunData]) -> list[str]:
@@ -120,7 +162,9 @@ def _audit_lines(runs: dict[str, RunData]) -> list[str]:
         elif a.ok:
             out.append(f"- `{name}`: ok, {a.size} entries verified")
         else:
-            out.append(f"- `{name}`: FAILED ({len(a.findings)} findings), first: {a.findings[0] if a.findings else '?'}")
+            out.append(
+                f"- `{name}`: FAILED ({len(a.findings)} findings), first: {a.findings[0] if a.findings else '?'}"
+            )
     return out
 
 
@@ -129,10 +173,16 @@ def _comparison_note(o: Outcome) -> list[str]:
     if not o.ended_apart:
         return []
     ends = ", ".join(f"{name} {step}" for name, step in o.last_steps.items())
-    where = "no step that every run evaluated" if o.step is None else f"step {o.step}, the last step every run evaluated"
-    return [f"- The runs' last evals are at different steps ({ends}; a run stops at "
-            f"`trainer.budget_s` before `trainer.steps` on a slow machine): the gains above are "
-            f"read at {where}; the runs table gives each run's own last figures."]
+    where = (
+        "no step that every run evaluated"
+        if o.step is None
+        else f"step {o.step}, the last step every run evaluated"
+    )
+    return [
+        f"- The runs' last evals are at different steps ({ends}; a run stops at "
+        f"`trainer.budget_s` before `trainer.steps` on a slow machine): the gains above are "
+        f"read at {where}; the runs table gives each run's own last figures."
+    ]
 
 
 def render_markdown(runs: dict[str, RunData], plots: dict[str, Path]) -> str:
@@ -140,22 +190,40 @@ def render_markdown(runs: dict[str, RunData], plots: dict[str, Path]) -> str:
     title = main.start.scenario if main.start else main.name
     lines = [f"# Harness report: {title}", ""]
     lines += ["## Verdict", "", *(f"- {s}" for s in summary_lines(runs))]
-    lines += [f"- Held-out pass@1 gain: scenario {_f(o.gain)}, honest baseline "
-              f"{_f(o.honest_gain)}, no-defence ablation {_f(o.no_defence_gain)}.",
-              f"- Improvement ratio (scenario / honest): {_f(o.ratio, '.2f')}.",
-              *_comparison_note(o),
-              f"- No-defence ablation worse than the defended run: {_yn(o.no_defence_worse)}.", ""]
+    lines += [
+        f"- Held-out pass@1 gain: scenario {_f(o.gain)}, honest baseline "
+        f"{_f(o.honest_gain)}, no-defence ablation {_f(o.no_defence_gain)}.",
+        f"- Improvement ratio (scenario / honest): {_f(o.ratio, '.2f')}.",
+        *_comparison_note(o),
+        f"- No-defence ablation worse than the defended run: {_yn(o.no_defence_worse)}.",
+        "",
+    ]
     lines += ["## Runs", "", *_runs_table(runs), ""]
-    lines += [f"## Detection by strategy (`{main.name}` run)", "",
-              "caught: rejections for anything but benign network causes "
-              f"({', '.join(sorted(BENIGN_REASONS))}); time to ban: simulated seconds from the "
-              "run's start.", "", *_detection(main), ""]
-    lines += ["## Honest contributors slashed", "",
-              *(f"- `{n}`: {honest_slashed(r)}" + ("" if honest_slashed(r) == 0 else " (must be 0)")
-                for n, r in runs.items()), ""]
+    lines += [
+        f"## Detection by strategy (`{main.name}` run)",
+        "",
+        "caught: rejections for anything but benign network causes "
+        f"({', '.join(sorted(BENIGN_REASONS))}); time to ban: simulated seconds from the "
+        "run's start.",
+        "",
+        *_detection(main),
+        "",
+    ]
+    lines += [
+        "## Honest contributors slashed",
+        "",
+        *(
+            f"- `{n}`: {honest_slashed(r)}" + ("" if honest_slashed(r) == 0 else " (must be 0)")
+            for n, r in runs.items()
+        ),
+        "",
+    ]
     lines += ["## Ledger audit (`prooftrain audit verify`)", "", *_audit_lines(runs), ""]
-    details = [f"- `{n}`: " + ", ".join(f"{k} = {v}" for k, v in sorted(r.summary.values.items()))
-               for n, r in runs.items() if r.summary is not None and r.summary.values]
+    details = [
+        f"- `{n}`: " + ", ".join(f"{k} = {v}" for k, v in sorted(r.summary.values.items()))
+        for n, r in runs.items()
+        if r.summary is not None and r.summary.values
+    ]
     if details:
         lines += ["## Run details", "", *details, ""]
     lines += ["## Plots", ""]

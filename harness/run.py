@@ -102,8 +102,9 @@ def free_after(uploading: list[float], ready: float, uploads: int) -> tuple[list
 class Simulation:
     """The simulated population around one validator (see the module docstring)."""
 
-    def __init__(self, scenario: Scenario, net: LocalNetwork, sim: SimulatedNetwork, log: EventLog,
-                 run: str) -> None:
+    def __init__(
+        self, scenario: Scenario, net: LocalNetwork, sim: SimulatedNetwork, log: EventLog, run: str
+    ) -> None:
         self.net, self.sim, self.log, self.run = net, sim, log, run
         self.t = 0.0
         self._pumped_at = 0.0
@@ -114,8 +115,14 @@ class Simulation:
         for spec in scenario.contributors():
             key = SigningKey.from_seed(spec.seed.to_bytes(32, "little"))
             net.validator.register(key.public.raw, spec.id)
-            ctx = Context(key, self._backend(0), net.codec, net.validator.key.public,
-                          oracle=RegistryOracle(net.registry), shared=shared)
+            ctx = Context(
+                key,
+                self._backend(0),
+                net.codec,
+                net.validator.key.public,
+                oracle=RegistryOracle(net.registry),
+                shared=shared,
+            )
             ctx.rng = np.random.default_rng(spec.seed)
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
@@ -139,8 +146,11 @@ class Simulation:
         and each round's plain generations run as one batch (:meth:`_prefetch`).
         """
         for r in range(max((m.spec.uploads for m in self.members), default=0)):
-            due = [(m, max(m.free_at, self._pumped_at)) for m in self.members
-                   if r < m.spec.uploads and self._idle(m)]
+            due = [
+                (m, max(m.free_at, self._pumped_at))
+                for m in self.members
+                if r < m.spec.uploads and self._idle(m)
+            ]
             if not due:
                 break
             jobs = self._assign_all(due)
@@ -159,7 +169,9 @@ class Simulation:
     def _idle(self, m: Member) -> bool:
         return not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t)
 
-    def _assign_all(self, due: list[tuple[Member, float]]) -> list[tuple[Member, SignedAssignment, float]]:
+    def _assign_all(
+        self, due: list[tuple[Member, float]]
+    ) -> list[tuple[Member, SignedAssignment, float]]:
         """Ask the validator for work for each ``(member, at)``; a refusal idles (or, banned,
         retires) the contributor."""
         jobs = []
@@ -181,7 +193,9 @@ class Simulation:
         network every contributor generates on its own hardware, and here a
         batch is how this machine gets through the same work.
         """
-        plain = [(m, m.ctx.assignment(sealed)) for m, sealed, _ in jobs if plain_generation(m.strategy)]
+        plain = [
+            (m, m.ctx.assignment(sealed)) for m, sealed, _ in jobs if plain_generation(m.strategy)
+        ]
         requests = [(a.policy_version, m.ctx.request(a)) for m, a in plain]
         # A request alone in its batch is left to its strategy: nothing to share.
         done = generate_grouped(requests, self._backend, min_batch=2)
@@ -190,7 +204,9 @@ class Simulation:
                 m.ctx.prefetched[req] = got
 
     def _answer(self, m: Member, sealed: SignedAssignment, at: float) -> None:
-        version = open_assignment(sealed, self.net.validator.key.public, m.key.public).policy_version
+        version = open_assignment(
+            sealed, self.net.validator.key.public, m.key.public
+        ).policy_version
         m.ctx.backend = self._backend(version)
         m.ctx.prefetch_s = 0.0
         start = time.perf_counter()
@@ -221,53 +237,110 @@ class Simulation:
     def _deliver(self, m: Member, result: SubmitResult | VerificationError) -> None:
         v = self.net.validator
         if not isinstance(result, SubmitResult):
-            self.log.write(VerdictEvent(t=self.t, run=self.run, contributor=m.spec.id,
-                                        strategy=m.spec.strategy, accepted=False,
-                                        reason=result.reason.value, audited=False, reward=None))
+            self.log.write(
+                VerdictEvent(
+                    t=self.t,
+                    run=self.run,
+                    contributor=m.spec.id,
+                    strategy=m.spec.strategy,
+                    accepted=False,
+                    reason=result.reason.value,
+                    audited=False,
+                    reward=None,
+                )
+            )
             return
         verdicts = result.verdicts
         accepted = all(x.accepted for x in verdicts)
-        reasons = [x.reason for x in verdicts if x.reason and x.reason != Reason.GROUP_REJECTED.value]
+        reasons = [
+            x.reason for x in verdicts if x.reason and x.reason != Reason.GROUP_REJECTED.value
+        ]
         reason = "" if accepted else (reasons[0] if reasons else Reason.GROUP_REJECTED.value)
         self.accepted_samples += sum(x.accepted for x in verdicts)
-        self.log.write(VerdictEvent(
-            t=self.t, run=self.run, contributor=m.spec.id, strategy=m.spec.strategy, accepted=accepted,
-            reason=reason, audited=any(x.audited for x in verdicts),
-            reward=sum(x.reward for x in verdicts) / len(verdicts)))
+        self.log.write(
+            VerdictEvent(
+                t=self.t,
+                run=self.run,
+                contributor=m.spec.id,
+                strategy=m.spec.strategy,
+                accepted=accepted,
+                reason=reason,
+                audited=any(x.audited for x in verdicts),
+                reward=sum(x.reward for x in verdicts) / len(verdicts),
+            )
+        )
         if reason and Reason(reason) in SLASHED:
-            self.log.write(Slash(t=self.t, run=self.run, contributor=m.spec.id,
-                                 strategy=m.spec.strategy, reason=reason))
+            self.log.write(
+                Slash(
+                    t=self.t,
+                    run=self.run,
+                    contributor=m.spec.id,
+                    strategy=m.spec.strategy,
+                    reason=reason,
+                )
+            )
         rep = v.ledger.reputation(m.key.public.raw)
-        self.log.write(Reputation(t=self.t, run=self.run, contributor=m.spec.id,
-                                  strategy=m.spec.strategy, score=rep.score, banned=rep.banned,
-                                  audit_rate=v.ledger.audit_rate(m.key.public.raw)))
+        self.log.write(
+            Reputation(
+                t=self.t,
+                run=self.run,
+                contributor=m.spec.id,
+                strategy=m.spec.strategy,
+                score=rep.score,
+                banned=rep.banned,
+                audit_rate=v.ledger.audit_rate(m.key.public.raw),
+            )
+        )
 
 
 def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
     t, v = s.trainer, s.validator
     return TrainerConfig(
-        model_dir=model_dir, task=s.task.name, steps=t.steps or 1_000_000, lr=t.learning_rate,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio,
+        model_dir=model_dir,
+        task=s.task.name,
+        steps=t.steps or 1_000_000,
+        lr=t.learning_rate,
+        lr_schedule=t.lr_schedule,
+        warmup_steps=t.warmup_steps,
+        min_lr_ratio=t.min_lr_ratio,
         loss=LossSection(name=t.loss.name, params=t.loss.params),
         aggregator=AggregatorSection(name=t.aggregator.name, params=t.aggregator.params),
-        rules=s.rules, batch_groups=t.batch_groups, mode=t.mode,
-        eval_every=t.eval_every, eval_problems=min(t.eval_problems, s.task.heldout), seed=s.seed,
-        starve_timeout_s=600.0, skip_uniform_groups=t.skip_uniform_groups,
-        local=LocalSection(group_size=max(2, v.group_size), max_tokens=v.max_tokens,
-                           temperature=v.temperature),
+        rules=s.rules,
+        batch_groups=t.batch_groups,
+        mode=t.mode,
+        eval_every=t.eval_every,
+        eval_problems=min(t.eval_problems, s.task.heldout),
+        seed=s.seed,
+        starve_timeout_s=600.0,
+        skip_uniform_groups=t.skip_uniform_groups,
+        local=LocalSection(
+            group_size=max(2, v.group_size), max_tokens=v.max_tokens, temperature=v.temperature
+        ),
     )
 
 
-def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True,
-                say: Callable[[str], None] = print) -> dict:
+def run_variant(
+    s: Scenario,
+    work: Path,
+    log: EventLog,
+    *,
+    progress: bool = True,
+    say: Callable[[str], None] = print,
+) -> dict:
     """One run (``s.run`` names it); returns its summary figures."""
     run = s.run
     model_dir = s.model.ensure(s.task.name, progress=progress)
     cfg = trainer_config(s, model_dir)
     net = _local_network(s, model_dir, work)
     sim = Simulation(s, net, s.network_model(), log, run)
-    log.write(Start(run=run, scenario=s.name, seed=s.seed,
-                    contributors={m.spec.id: m.spec.strategy for m in sim.members}))
+    log.write(
+        Start(
+            run=run,
+            scenario=s.name,
+            seed=s.seed,
+            contributors={m.spec.id: m.spec.strategy for m in sim.members},
+        )
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     # The held-out set and its generation length, drawn once: drawing them costs about as much
     # as an eval's greedy pass on the demo model, and the scenario run evaluates every version.
@@ -276,24 +349,38 @@ def run_variant(s: Scenario, work: Path, log: EventLog, *, progress: bool = True
     reports = _EvalRecorder(net, log, run, s.seed)
     stage = load_stage(model_dir, 0, 1)
     runner = PipelineRunner(stage, 0, 1, temperature=s.validator.temperature, seed=s.seed)
-    loop = TrainerLoop(cfg, runner, net, publish=net.publish, weights=net.weights,
-                       wait=sim.pump, progress=False)
+    loop = TrainerLoop(
+        cfg, runner, net, publish=net.publish, weights=net.weights, wait=sim.pump, progress=False
+    )
     # Evals run beside training in a process of their own (``harness.background_evals``).
-    with BackgroundEvals(model_dir, s.task.name, heldout, max_new_tokens=max_new, seed=s.seed) as evals:
+    with BackgroundEvals(
+        model_dir, s.task.name, heldout, max_new_tokens=max_new, seed=s.seed
+    ) as evals:
         evals.submit(0, net.model(0), tag=sim.t)
         wall0 = time.monotonic()
         trained = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
         reports.record(evals.drain())
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
-    log.write(Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings]))
+    log.write(
+        Audit(run=run, ok=report.ok, size=report.size, findings=[str(f) for f in report.findings])
+    )
     first, last = reports.first, reports.last
-    values = {"steps": loop.version, "samples_trained": trained, "sim_seconds": round(sim.t, 2),
-              "wall_seconds": round(time.monotonic() - wall0, 2), "pass_at_1_first": first,
-              "pass_at_1_last": last, "ledger": str(work / "ledger.sqlite"),
-              "ledger_entries": report.size, "audit_ok": report.ok}
+    values = {
+        "steps": loop.version,
+        "samples_trained": trained,
+        "sim_seconds": round(sim.t, 2),
+        "wall_seconds": round(time.monotonic() - wall0, 2),
+        "pass_at_1_first": first,
+        "pass_at_1_last": last,
+        "ledger": str(work / "ledger.sqlite"),
+        "ledger_entries": report.size,
+        "audit_ok": report.ok,
+    }
     log.write(Summary(run=run, t=sim.t, values=values))
-    say(f"{run}: pass@1 {first:.3f} -> {last:.3f} in {loop.version} steps; audit "
-        f"{'ok' if report.ok else 'FAILED'}")
+    say(
+        f"{run}: pass@1 {first:.3f} -> {last:.3f} in {loop.version} steps; audit "
+        f"{'ok' if report.ok else 'FAILED'}"
+    )
     net.close()
     return values
 
@@ -302,9 +389,17 @@ def _local_network(s: Scenario, model_dir: Path, work: Path) -> LocalNetwork:
     """The run's in-process network (validator core, ledger, version registry) in ``work``,
     with no contributors of its own (the simulation brings them) and torch seeded."""
     v = s.validator
-    settings = LocalSettings(contributors=0, group_size=v.group_size, max_tokens=v.max_tokens,
-                             temperature=v.temperature, pool=s.task.train_pool, task=s.task.name,
-                             seed=s.task.seed, rules=s.rules, groups_per_fetch=0)
+    settings = LocalSettings(
+        contributors=0,
+        group_size=v.group_size,
+        max_tokens=v.max_tokens,
+        temperature=v.temperature,
+        pool=s.task.train_pool,
+        task=s.task.name,
+        seed=s.task.seed,
+        rules=s.rules,
+        groups_per_fetch=0,
+    )
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # tiny models: more threads only contend on a shared machine
     torch.manual_seed(s.seed)
@@ -331,15 +426,33 @@ class _EvalRecorder:
             self.net.record_eval(e.version, e.report, seed=self.seed)
             p = e.report.metric("pass@1 (greedy)")
             reward = e.report.metric("mean reward (greedy)").value
-            self.log.write(Eval(t=e.tag, run=self.run, step=e.version, version=e.version, pass_at_1=p.value,
-                                ci_low=p.ci_low, ci_high=p.ci_high, mean_reward=reward))
+            self.log.write(
+                Eval(
+                    t=e.tag,
+                    run=self.run,
+                    step=e.version,
+                    version=e.version,
+                    pass_at_1=p.value,
+                    ci_low=p.ci_low,
+                    ci_high=p.ci_high,
+                    mean_reward=reward,
+                )
+            )
             self.last = p.value
             if e.version == 0:
                 self.first = p.value
 
 
-def _train(s: Scenario, eval_every: int, loop: TrainerLoop, sim: Simulation, evals: BackgroundEvals,
-           reports: _EvalRecorder, wall0: float, progress: bool) -> int:
+def _train(
+    s: Scenario,
+    eval_every: int,
+    loop: TrainerLoop,
+    sim: Simulation,
+    evals: BackgroundEvals,
+    reports: _EvalRecorder,
+    wall0: float,
+    progress: bool,
+) -> int:
     """Train until ``s.trainer.steps`` or its wall-clock budget (counted from ``wall0``), each
     step advancing simulated time by its measured duration and logged; versions go to
     ``evals`` as they are due (the last one always), and their reports to ``reports`` as they
@@ -359,8 +472,10 @@ def _train(s: Scenario, eval_every: int, loop: TrainerLoop, sim: Simulation, eva
         _log_step(log, run, sim.t, loop.version, metrics)
         log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
         bar.update(1)
-        bar.set_postfix(reward=f"{metrics.get('train/reward', 0.0):.2f}",
-                        pass1="-" if math.isnan(reports.last) else f"{reports.last:.2f}")
+        bar.set_postfix(
+            reward=f"{metrics.get('train/reward', 0.0):.2f}",
+            pass1="-" if math.isnan(reports.last) else f"{reports.last:.2f}",
+        )
         if every_version or (eval_every and loop.version % eval_every == 0):
             evals.submit(loop.version, sim.net.model(loop.version), tag=sim.t)
             evaluated = loop.version
@@ -373,16 +488,31 @@ def _train(s: Scenario, eval_every: int, loop: TrainerLoop, sim: Simulation, eva
 
 def _log_step(log: EventLog, run: str, t: float, version: int, metrics: dict[str, float]) -> None:
     """One optimizer step's ``TrainStep`` event from its metrics."""
-    stale = [int(k.rsplit("/", 1)[1]) for k in metrics if k.startswith("off_policy/staleness/")
-             for _ in range(int(metrics[k]))]
-    log.write(TrainStep(
-        t=t, run=run, step=version, version=version,
-        samples=int(metrics.get("train/samples", 0)), staleness=stale,
-        loss=metrics.get("train/loss", 0.0), reward_mean=metrics.get("train/reward", 0.0),
-        ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
-        masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
-        grad_norms={k.rsplit("/", 1)[1]: val for k, val in metrics.items()
-                    if k.startswith("aggregate/grad_norm/")}))
+    stale = [
+        int(k.rsplit("/", 1)[1])
+        for k in metrics
+        if k.startswith("off_policy/staleness/")
+        for _ in range(int(metrics[k]))
+    ]
+    log.write(
+        TrainStep(
+            t=t,
+            run=run,
+            step=version,
+            version=version,
+            samples=int(metrics.get("train/samples", 0)),
+            staleness=stale,
+            loss=metrics.get("train/loss", 0.0),
+            reward_mean=metrics.get("train/reward", 0.0),
+            ratio_mean=metrics.get("off_policy/ratio_mean", 1.0),
+            masked_fraction=metrics.get("off_policy/masked_fraction", 0.0),
+            grad_norms={
+                k.rsplit("/", 1)[1]: val
+                for k, val in metrics.items()
+                if k.startswith("aggregate/grad_norm/")
+            },
+        )
+    )
 
 
 def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True) -> Path:

@@ -129,12 +129,19 @@ class ProfileSpec(_Section):
     """Hardware multiplier: generation takes base time / compute_speed (2.0 = twice as fast)."""
 
     def build(self) -> NetworkProfile:
-        return NetworkProfile(make_latency(self.latency.model, **self.latency.params),
-                              self.jitter_ms, self.drop_rate, self.reorder_rate, self.compute_speed)
+        return NetworkProfile(
+            make_latency(self.latency.model, **self.latency.params),
+            self.jitter_ms,
+            self.drop_rate,
+            self.reorder_rate,
+            self.compute_speed,
+        )
 
 
 class NetworkSpec(_Section):
-    profiles: dict[str, ProfileSpec] = Field(default_factory=lambda: {DEFAULT_PROFILE: ProfileSpec()})
+    profiles: dict[str, ProfileSpec] = Field(
+        default_factory=lambda: {DEFAULT_PROFILE: ProfileSpec()}
+    )
     """Named link/hardware profiles that population groups refer to."""
 
 
@@ -175,8 +182,9 @@ class GroupSpec(_Section):
         from harness.adversaries import available_strategies, make_strategy  # noqa: PLC0415
 
         if self.strategy not in available_strategies():
-            raise ValueError(f"unknown strategy {self.strategy!r} (known: "
-                             f"{', '.join(available_strategies())})")
+            raise ValueError(
+                f"unknown strategy {self.strategy!r} (known: {', '.join(available_strategies())})"
+            )
         try:
             make_strategy(self.strategy, **self.params)
         except ConfigError as exc:
@@ -318,8 +326,10 @@ class Scenario(_Section):
         known = self.network.profiles
         for i, g in enumerate(self.population.groups):
             if g.network not in known:
-                raise ValueError(f"population.groups.{i}.network: no profile {g.network!r} "
-                                 f"(known: {', '.join(sorted(known))})")
+                raise ValueError(
+                    f"population.groups.{i}.network: no profile {g.network!r} "
+                    f"(known: {', '.join(sorted(known))})"
+                )
         if sum(g.count for g in self.population.groups) < 1:
             raise ValueError("population: at least one contributor is needed")
         if self.trainer.eval_problems > self.task.heldout:
@@ -340,10 +350,17 @@ class Scenario(_Section):
         for g in self.population.groups:
             for _ in range(g.count):
                 cid = f"c{len(out):02d}"
-                out.append(ContributorSpec(id=f"{cid}-{g.strategy}", strategy=g.strategy,
-                                           params=dict(g.params), network=g.network,
-                                           churn=g.churn, uploads=g.uploads,
-                                           seed=self.seed_for("contributor", cid)))
+                out.append(
+                    ContributorSpec(
+                        id=f"{cid}-{g.strategy}",
+                        strategy=g.strategy,
+                        params=dict(g.params),
+                        network=g.network,
+                        churn=g.churn,
+                        uploads=g.uploads,
+                        seed=self.seed_for("contributor", cid),
+                    )
+                )
         return out
 
     def adversarial_fraction(self) -> float:
@@ -355,8 +372,12 @@ class Scenario(_Section):
         """The simulated network over ``contributors()`` (ids as keys)."""
         people = self.contributors()
         built = {name: p.build() for name, p in self.network.profiles.items()}
-        return SimulatedNetwork({c.id: built[c.network] for c in people}, self.seed_for("network"),
-                                churn=self.churn.build(), churning={c.id for c in people if c.churn})
+        return SimulatedNetwork(
+            {c.id: built[c.network] for c in people},
+            self.seed_for("network"),
+            churn=self.churn.build(),
+            churning={c.id for c in people if c.churn},
+        )
 
     def validator_config(self) -> ValidatorConfig:
         """The validator node configuration this scenario describes."""
@@ -364,8 +385,9 @@ class Scenario(_Section):
         return ValidatorConfig(
             rules=self.rules,
             audit=AuditSection(chunks_per_audit=v.chunks_per_audit),
-            assignment=AssignmentSection(group_size=v.group_size, max_tokens=v.max_tokens,
-                                         temperature=v.temperature),
+            assignment=AssignmentSection(
+                group_size=v.group_size, max_tokens=v.max_tokens, temperature=v.temperature
+            ),
             task=TaskSection(name=self.task.name, seed=self.task.seed, pool=self.task.train_pool),
         )
 
@@ -384,21 +406,32 @@ class Scenario(_Section):
         if run == "scenario":
             return self
         if run == "honest":
-            groups = [g if g.strategy == HONEST else g.model_copy(update={"strategy": HONEST, "params": {}})
-                      for g in self.population.groups]
+            groups = [
+                g
+                if g.strategy == HONEST
+                else g.model_copy(update={"strategy": HONEST, "params": {}})
+                for g in self.population.groups
+            ]
             return self.model_copy(update={"run": run, "population": PopulationSpec(groups=groups)})
         if run == "no-defence":
-            return self.model_copy(update={
-                "run": run,
-                "rules": self.rules.model_copy(update={"audit_rate": 0.0}),
-                "trainer": self.trainer.model_copy(update={"aggregator": NamedParams(name="mean")}),
-            })
+            return self.model_copy(
+                update={
+                    "run": run,
+                    "rules": self.rules.model_copy(update={"audit_rate": 0.0}),
+                    "trainer": self.trainer.model_copy(
+                        update={"aggregator": NamedParams(name="mean")}
+                    ),
+                }
+            )
         raise ConfigError(f"unknown run variant {run!r} (known: {', '.join(RUNS)})")
 
 
 def _problems(exc: ValidationError) -> str:
-    return "; ".join(f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: "
-                     f"{str(err['msg']).removeprefix('Value error, ')}" for err in exc.errors())
+    return "; ".join(
+        f"{'.'.join(str(x) for x in err['loc']) or '(top)'}: "
+        f"{str(err['msg']).removeprefix('Value error, ')}"
+        for err in exc.errors()
+    )
 
 
 def load_scenario(path: str | Path) -> Scenario:

@@ -55,8 +55,15 @@ def tiny_config(model: Path, checkpoint_dir: Path, steps: int, **extra: object) 
     """A trainer TOML small enough that a life of the trainer lasts seconds."""
     local: dict[str, object] = {"contributors": 2, "group_size": 4, "groups_per_fetch": 3}
     local.update({k.removeprefix("local."): v for k, v in extra.items() if k.startswith("local.")})
-    top = {"model_dir": str(model), "checkpoint_dir": str(checkpoint_dir), "steps": steps,
-           "batch_groups": 2, "checkpoint_every": 3, "eval_every": 0, "starve_timeout_s": 120.0}
+    top = {
+        "model_dir": str(model),
+        "checkpoint_dir": str(checkpoint_dir),
+        "steps": steps,
+        "batch_groups": 2,
+        "checkpoint_every": 3,
+        "eval_every": 0,
+        "starve_timeout_s": 120.0,
+    }
     top.update({k: v for k, v in extra.items() if not k.startswith("local.")})
     lines = [f"{k} = {json.dumps(v)}" for k, v in top.items()]
     lines += ["[rules]", f"max_staleness = {TINY_RULES.max_staleness}"]
@@ -71,8 +78,11 @@ def published_versions(ledger_path: Path) -> list:
 
     store = open_store(str(ledger_path), readonly=True)
     try:
-        return [r for _, _, body in store.entries(0, None)
-                if isinstance(r := decode_record(body), PolicyPublished)]
+        return [
+            r
+            for _, _, body in store.entries(0, None)
+            if isinstance(r := decode_record(body), PolicyPublished)
+        ]
     finally:
         store.close()
 
@@ -100,8 +110,10 @@ def check_versions(network: Path, model: Path, steps: int, problems: list[str]) 
     versions = [r.version for r in recs]
     if versions != list(range(1, steps + 1)):
         dup = sorted(v for v, n in Counter(versions).items() if n > 1)
-        problems.append(f"published versions are not 1..{steps} once each: {len(versions)} "
-                        f"records, repeated {dup[:10]}, last {versions[-3:]}")
+        problems.append(
+            f"published versions are not 1..{steps} once each: {len(versions)} "
+            f"records, repeated {dup[:10]}, last {versions[-3:]}"
+        )
     for prev, rec in zip(recs, recs[1:], strict=False):
         if rec.parent_digest != prev.manifest_digest:
             problems.append(f"version {rec.version} does not extend version {prev.version}")
@@ -148,8 +160,11 @@ def accepted_samples(network: Path) -> tuple[dict[int, int], set[int]]:
             rec = decode_record(body)
             if isinstance(rec, VerdictRecorded) and rec.accepted:
                 raw = state.sample(rec.envelope_digest, rec.assignment_id)
-                accepted[index] = -1 if raw is None else decode(
-                    AcceptedSample, raw, max_bytes=len(raw)).policy_version
+                accepted[index] = (
+                    -1
+                    if raw is None
+                    else decode(AcceptedSample, raw, max_bytes=len(raw)).policy_version
+                )
             else:
                 other.add(index)
     finally:
@@ -158,8 +173,9 @@ def accepted_samples(network: Path) -> tuple[dict[int, int], set[int]]:
     return accepted, other
 
 
-def check_samples(checkpoint_dir: Path, model: Path, ranks: int, max_staleness: int,
-                  problems: list[str]) -> dict[str, int]:
+def check_samples(
+    checkpoint_dir: Path, model: Path, ranks: int, max_staleness: int, problems: list[str]
+) -> dict[str, int]:
     """The sample-accounting and final-weights invariants (module docstring)."""
     import torch
 
@@ -174,17 +190,21 @@ def check_samples(checkpoint_dir: Path, model: Path, ranks: int, max_staleness: 
         problems.append("the step journal is not versions 1..N once each")
     for r, other in enumerate(journals[1:], 1):
         if [(x.version, x.trained, x.dropped) for x in other] != [
-                (x.version, x.trained, x.dropped) for x in main]:
+            (x.version, x.trained, x.dropped) for x in main
+        ]:
             problems.append(f"rank {r}'s journal disagrees with rank 0's about the samples")
     accepted, not_accepted = accepted_samples(checkpoint_dir / "network")
     final = checkpoint_version(checkpoint_dir)
     state = torch.load(checkpoint_dir / f"v{final:08d}" / "stage0.pt", weights_only=False)
-    held = [decode(AcceptedSample, raw, max_bytes=len(raw)).ledger_index
-            for raw in state["buffer"]["held"]]
+    held = [
+        decode(AcceptedSample, raw, max_bytes=len(raw)).ledger_index
+        for raw in state["buffer"]["held"]
+    ]
     cursor = int(state["buffer"]["cursor"])
     if main and final != main[-1].version:
-        problems.append(f"final checkpoint v{final} is not the journal's last version "
-                        f"{main[-1].version}")
+        problems.append(
+            f"final checkpoint v{final} is not the journal's last version {main[-1].version}"
+        )
     uses = Counter(i for rec in main for i in (*rec.trained, *rec.dropped)) + Counter(held)
     twice = sorted(i for i, n in uses.items() if n > 1)
     if twice:
@@ -194,14 +214,20 @@ def check_samples(checkpoint_dir: Path, model: Path, ranks: int, max_staleness: 
         problems.append(f"{len(skipped)} accepted samples skipped, e.g. ledger index {skipped[:5]}")
     bogus = sorted(i for i in uses if i not in accepted or i >= cursor)
     if bogus:
-        problems.append(f"{len(bogus)} consumed ledger indices are not accepted samples before "
-                        f"the cursor, e.g. {bogus[:5]}")
+        problems.append(
+            f"{len(bogus)} consumed ledger indices are not accepted samples before "
+            f"the cursor, e.g. {bogus[:5]}"
+        )
     for rec in main:
-        bad = [i for i in rec.trained
-               if not 0 <= rec.version - 1 - accepted.get(i, -10**9) <= max_staleness]
+        bad = [
+            i
+            for i in rec.trained
+            if not 0 <= rec.version - 1 - accepted.get(i, -(10**9)) <= max_staleness
+        ]
         if bad:
-            problems.append(f"version {rec.version} trained samples outside the staleness "
-                            f"window: {bad[:5]}")
+            problems.append(
+                f"version {rec.version} trained samples outside the staleness window: {bad[:5]}"
+            )
     for r in range(ranks):
         ck = torch.load(checkpoint_dir / f"v{final:08d}" / f"stage{r}.pt", weights_only=False)
         stage = load_stage(model, r, ranks)
@@ -210,13 +236,25 @@ def check_samples(checkpoint_dir: Path, model: Path, ranks: int, max_staleness: 
             problems.append(f"rank {r}'s final checkpoint is not the weights its journal names")
     trained = sum(len(rec.trained) for rec in main)
     dropped = sum(len(rec.dropped) for rec in main)
-    return {"steps_journaled": len(main), "accepted_samples": len(accepted),
-            "other_ledger_entries": len(not_accepted), "samples_trained": trained,
-            "samples_dropped": dropped, "samples_held_at_end": len(held), "final_cursor": cursor}
+    return {
+        "steps_journaled": len(main),
+        "accepted_samples": len(accepted),
+        "other_ledger_entries": len(not_accepted),
+        "samples_trained": trained,
+        "samples_dropped": dropped,
+        "samples_held_at_end": len(held),
+        "final_cursor": cursor,
+    }
 
 
-def check_run(checkpoint_dir: Path, model: Path, steps: int, *, ranks: int = 1,
-              rules: NetworkRules = TINY_RULES) -> tuple[dict, list[str]]:
+def check_run(
+    checkpoint_dir: Path,
+    model: Path,
+    steps: int,
+    *,
+    ranks: int = 1,
+    rules: NetworkRules = TINY_RULES,
+) -> tuple[dict, list[str]]:
     """Every invariant of the module docstring on a finished run; (figures, problems)."""
     problems: list[str] = []
     network = checkpoint_dir / "network"
@@ -246,7 +284,9 @@ def _kill_at_random(proc: subprocess.Popen, journal: Path, rng: random.Random) -
     if rng.random() < 0.25:
         moment, deadline = "start-up", time.monotonic() + rng.uniform(0.5, 8.0)
         start = _journal_lines(journal)  # before this process journals its first step
-        while time.monotonic() < deadline and proc.poll() is None and _journal_lines(journal) == start:
+        while (
+            time.monotonic() < deadline and proc.poll() is None and _journal_lines(journal) == start
+        ):
             time.sleep(0.05)
     else:
         moment, seen = "training", _journal_lines(journal)
@@ -269,12 +309,14 @@ def _kill_at_random(proc: subprocess.Popen, journal: Path, rng: random.Random) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the run")
-    parser.add_argument("--model", type=Path, default=None,
-                        help="model dir (default: the demo base model)")
+    parser.add_argument(
+        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="keep the run here")
     args = parser.parse_args(argv)
@@ -290,8 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         work.mkdir(parents=True, exist_ok=True)
         ckpt = work / "ckpt"
         (work / "trainer.toml").write_text(tiny_config(model, ckpt, args.steps))
-        cmd = [sys.executable, "-m", "node.cli", "trainer", "--config", str(work / "trainer.toml"),
-               "--resume", "--quiet"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "trainer",
+            "--config",
+            str(work / "trainer.toml"),
+            "--resume",
+            "--quiet",
+        ]
         journal, ledger = journal_path(ckpt, 0), ckpt / "network" / "ledger.sqlite"
         moments: Counter[str] = Counter()
         audits, ahead, unpublished, reruns, problems = [], 0, 0, 0, []
@@ -301,8 +351,10 @@ def main(argv: list[str] | None = None) -> int:
             moment = _kill_at_random(proc, journal, rng)
             if moment == "exited":
                 if proc.returncode != 0:
-                    problems.append(f"the trainer exited {proc.returncode} after "
-                                    f"{sum(moments.values())} kills (see trainer.log)")
+                    problems.append(
+                        f"the trainer exited {proc.returncode} after "
+                        f"{sum(moments.values())} kills (see trainer.log)"
+                    )
                 break
             moments[moment] += 1
             if ledger.is_file():
@@ -311,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
                 ahead += head > checkpoint_version(ckpt)
                 unpublished += _journal_lines(journal) > head
                 reruns += max(0, _journal_lines(journal) - checkpoint_version(ckpt))
-            print(f"kill {sum(moments.values())}/{args.kills} ({moment}): "
-                  f"{_journal_lines(journal)} steps journaled, audit "
-                  f"{'ok' if not audits or audits[-1] else 'FAILED'}", file=sys.stderr)
+            print(
+                f"kill {sum(moments.values())}/{args.kills} ({moment}): "
+                f"{_journal_lines(journal)} steps journaled, audit "
+                f"{'ok' if not audits or audits[-1] else 'FAILED'}",
+                file=sys.stderr,
+            )
         if not problems:
             proc = _start(cmd, work / "trainer.log")
             if proc.wait(timeout=1800) != 0:
@@ -323,13 +378,20 @@ def main(argv: list[str] | None = None) -> int:
             figures, problems = check_run(ckpt, model, args.steps)
         if problems:
             print((work / "trainer.log").read_text()[-3000:], file=sys.stderr)
-    result = {"kills": sum(moments.values()), "kills_during_start_up": moments["start-up"],
-              "kills_during_training": moments["training"],
-              "audits_after_kills_ok": sum(audits), "audits_after_kills": len(audits),
-              "kills_with_publication_ahead_of_checkpoint": ahead,
-              "kills_with_a_journaled_step_not_yet_published": unpublished,
-              "journaled_steps_re_run": reruns, "steps": args.steps, **figures,
-              "seconds": round(time.monotonic() - t0, 1), "problems": problems}
+    result = {
+        "kills": sum(moments.values()),
+        "kills_during_start_up": moments["start-up"],
+        "kills_during_training": moments["training"],
+        "audits_after_kills_ok": sum(audits),
+        "audits_after_kills": len(audits),
+        "kills_with_publication_ahead_of_checkpoint": ahead,
+        "kills_with_a_journaled_step_not_yet_published": unpublished,
+        "journaled_steps_re_run": reruns,
+        "steps": args.steps,
+        **figures,
+        "seconds": round(time.monotonic() - t0, 1),
+        "problems": problems,
+    }
     print(json.dumps(result))
     return 0 if not problems and all(audits) and result["kills"] == args.kills else 1
 

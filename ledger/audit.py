@@ -82,8 +82,10 @@ class AuditReport:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["ok"] = self.ok
-        out["findings"] = [dict(asdict(f), expected=_hex(f.expected), computed=_hex(f.computed))
-                           for f in self.findings]
+        out["findings"] = [
+            dict(asdict(f), expected=_hex(f.expected), computed=_hex(f.computed))
+            for f in self.findings
+        ]
         return out
 
 
@@ -91,9 +93,14 @@ def _hex(value: Any) -> Any:
     return value.hex() if isinstance(value, bytes | bytearray) else value
 
 
-def verify_ledger(store: LedgerStore, *, log_key: Verifier | None = None,
-                  witnesses: Sequence[Verifier] = (), blobs: FileBlobStore | None = None,
-                  progress: Callable[[int], None] | None = None) -> AuditReport:
+def verify_ledger(
+    store: LedgerStore,
+    *,
+    log_key: Verifier | None = None,
+    witnesses: Sequence[Verifier] = (),
+    blobs: FileBlobStore | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> AuditReport:
     """Audit a whole ledger; never raises on bad data, reports it."""
     start = time.perf_counter()
     report = AuditReport()
@@ -105,14 +112,21 @@ def verify_ledger(store: LedgerStore, *, log_key: Verifier | None = None,
     return report
 
 
-def _audit(store: LedgerStore, report: AuditReport, log_key: Verifier | None,
-           witnesses: Sequence[Verifier], blobs: FileBlobStore | None,
-           progress: Callable[[int], None] | None) -> None:
+def _audit(
+    store: LedgerStore,
+    report: AuditReport,
+    log_key: Verifier | None,
+    witnesses: Sequence[Verifier],
+    blobs: FileBlobStore | None,
+    progress: Callable[[int], None] | None,
+) -> None:
     leaves, replay, genesis = _check_entries(store, report, blobs, progress)
     report.size = size = len(leaves)
     levels = _check_nodes(store, report, leaves)
     if genesis is None:
-        report.add(Finding("entry 0", "the ledger has no log_created entry", Reason.LEDGER_CORRUPT, 0))
+        report.add(
+            Finding("entry 0", "the ledger has no log_created entry", Reason.LEDGER_CORRUPT, 0)
+        )
         return
     trusted = Verifier(genesis.origin, 0x01, PublicKey(genesis.log_key))
     if log_key is None:
@@ -121,25 +135,44 @@ def _audit(store: LedgerStore, report: AuditReport, log_key: Verifier | None,
     elif log_key.public != trusted.public or log_key.name != trusted.name:
         # One finding, not one per checkpoint: none can verify under a key that is not the log's.
         count = sum(1 for _ in store.checkpoints())
-        report.add(Finding("entry 0", f"the log key differs from the key the auditor trusts (--key), "
-                           f"so none of the ledger's {count} checkpoints can verify under it; they "
-                           "are checked against the key entry 0 names", Reason.WRONG_SIGNER, 0,
-                           log_key.vkey(), trusted.vkey()))
+        report.add(
+            Finding(
+                "entry 0",
+                f"the log key differs from the key the auditor trusts (--key), "
+                f"so none of the ledger's {count} checkpoints can verify under it; they "
+                "are checked against the key entry 0 names",
+                Reason.WRONG_SIGNER,
+                0,
+                log_key.vkey(),
+                trusted.vkey(),
+            )
+        )
         log_key = trusted
     _check_checkpoints(store, report, levels, size, genesis.origin, log_key, witnesses)
     _check_reputation(store, report, replay)
     meta = store.meta()
     want_meta = {"origin": genesis.origin, "vkey": trusted.vkey()}
     if meta != want_meta:
-        report.add(Finding("meta", "stored metadata differs from entry 0", Reason.INCONSISTENT,
-                           None, want_meta, meta))
+        report.add(
+            Finding(
+                "meta",
+                "stored metadata differs from entry 0",
+                Reason.INCONSISTENT,
+                None,
+                want_meta,
+                meta,
+            )
+        )
     for problem in store.integrity_problems():
         report.add(Finding("storage", f"integrity check: {problem}", Reason.LEDGER_CORRUPT))
 
 
-def _check_entries(store: LedgerStore, report: AuditReport, blobs: FileBlobStore | None,
-                   progress: Callable[[int], None] | None
-                   ) -> tuple[list[bytes], Replay, LogCreated | None]:
+def _check_entries(
+    store: LedgerStore,
+    report: AuditReport,
+    blobs: FileBlobStore | None,
+    progress: Callable[[int], None] | None,
+) -> tuple[list[bytes], Replay, LogCreated | None]:
     leaves: list[bytes] = []
     replay = Replay()
     genesis: LogCreated | None = None
@@ -150,19 +183,43 @@ def _check_entries(store: LedgerStore, report: AuditReport, blobs: FileBlobStore
         if progress is not None and expected % 10_000 == 0:
             progress(expected)
         if idx != expected:
-            report.add(Finding(where, f"missing (next stored index is {idx})", Reason.LEDGER_CORRUPT,
-                               expected, expected, idx))
+            report.add(
+                Finding(
+                    where,
+                    f"missing (next stored index is {idx})",
+                    Reason.LEDGER_CORRUPT,
+                    expected,
+                    expected,
+                    idx,
+                )
+            )
             break
         if not isinstance(body, bytes | bytearray | memoryview):
-            report.add(Finding(where, "entry bytes have the wrong storage type",
-                               Reason.LEDGER_CORRUPT, idx, "bytes", type(body).__name__))
+            report.add(
+                Finding(
+                    where,
+                    "entry bytes have the wrong storage type",
+                    Reason.LEDGER_CORRUPT,
+                    idx,
+                    "bytes",
+                    type(body).__name__,
+                )
+            )
             body = str(body).encode()
         body = bytes(body)
         leaf = merkle.leaf_hash(body)
         leaves.append(leaf)
         if stored_leaf != leaf:
-            report.add(Finding(where, "stored leaf hash differs from the hash of the entry bytes",
-                               Reason.DIGEST_MISMATCH, idx, leaf, stored_leaf))
+            report.add(
+                Finding(
+                    where,
+                    "stored leaf hash differs from the hash of the entry bytes",
+                    Reason.DIGEST_MISMATCH,
+                    idx,
+                    leaf,
+                    stored_leaf,
+                )
+            )
         try:
             record = decode_record(body)
         except VerificationError as exc:
@@ -178,15 +235,26 @@ def _check_entries(store: LedgerStore, report: AuditReport, blobs: FileBlobStore
             report.add(Finding(where, "entry 0 is not log_created", Reason.INCONSISTENT, idx))
         if isinstance(record, EpochCommitted):
             if record.epoch in commits:
-                report.add(Finding(where, f"epoch {record.epoch} committed twice",
-                                   Reason.INCONSISTENT, idx))
+                report.add(
+                    Finding(
+                        where, f"epoch {record.epoch} committed twice", Reason.INCONSISTENT, idx
+                    )
+                )
             commits[record.epoch] = record.commitment
         elif isinstance(record, EpochRevealed):
             want = commits.get(record.epoch)
             got = epoch_commitment(record.epoch, record.secret)
             if want != got:
-                report.add(Finding(where, f"epoch {record.epoch} secret does not match its commitment",
-                                   Reason.COMMITMENT_MISMATCH, idx, want, got))
+                report.add(
+                    Finding(
+                        where,
+                        f"epoch {record.epoch} secret does not match its commitment",
+                        Reason.COMMITMENT_MISMATCH,
+                        idx,
+                        want,
+                        got,
+                    )
+                )
         elif isinstance(record, Slashed) and not record.evidence and blobs is not None:
             try:
                 blobs.get(record.evidence_digest)
@@ -212,19 +280,42 @@ def _check_nodes(store: LedgerStore, report: AuditReport, leaves: list[bytes]) -
                 report.add(Finding(where, "node beyond the tree", Reason.LEDGER_CORRUPT))
                 continue
             if idx != expected:
-                report.add(Finding(f"node (level {level}, index {expected})", "node is missing",
-                                   Reason.LEDGER_CORRUPT))
+                report.add(
+                    Finding(
+                        f"node (level {level}, index {expected})",
+                        "node is missing",
+                        Reason.LEDGER_CORRUPT,
+                    )
+                )
             expected = idx + 1
             if stored != current[idx]:
-                report.add(Finding(where, "stored node hash differs from the recomputed one",
-                                   Reason.ROOT_MISMATCH, idx << level, current[idx], stored))
+                report.add(
+                    Finding(
+                        where,
+                        "stored node hash differs from the recomputed one",
+                        Reason.ROOT_MISMATCH,
+                        idx << level,
+                        current[idx],
+                        stored,
+                    )
+                )
         if expected != len(current):
-            report.add(Finding(f"node (level {level}, index {expected})", "node is missing",
-                               Reason.LEDGER_CORRUPT))
+            report.add(
+                Finding(
+                    f"node (level {level}, index {expected})",
+                    "node is missing",
+                    Reason.LEDGER_CORRUPT,
+                )
+            )
         level += 1
     for extra, _ in store.level(level):
-        report.add(Finding(f"node (level {level}, index {extra})", "node beyond the tree",
-                           Reason.LEDGER_CORRUPT))
+        report.add(
+            Finding(
+                f"node (level {level}, index {extra})",
+                "node beyond the tree",
+                Reason.LEDGER_CORRUPT,
+            )
+        )
         break
     return levels
 
@@ -234,8 +325,15 @@ def _root(levels: list[list[bytes]], size: int) -> bytes:
     return merkle.fold([levels[lv][i] for lv, i in nodes]) if nodes else merkle.EMPTY_ROOT
 
 
-def _check_checkpoints(store: LedgerStore, report: AuditReport, levels: list[list[bytes]], size: int,
-                       origin: str, log_key: Verifier, witnesses: Sequence[Verifier]) -> None:
+def _check_checkpoints(
+    store: LedgerStore,
+    report: AuditReport,
+    levels: list[list[bytes]],
+    size: int,
+    origin: str,
+    log_key: Verifier,
+    witnesses: Sequence[Verifier],
+) -> None:
     previous: Checkpoint | None = None
     for row_size, text in store.checkpoints():
         report.checkpoints += 1
@@ -250,19 +348,51 @@ def _check_checkpoints(store: LedgerStore, report: AuditReport, levels: list[lis
             report.add(Finding(where, f"checkpoint does not verify: {exc}", Reason.BAD_SIGNATURE))
             continue
         if cp.size != row_size:
-            report.add(Finding(where, "signed size differs from the stored size",
-                               Reason.INCONSISTENT, None, row_size, cp.size))
+            report.add(
+                Finding(
+                    where,
+                    "signed size differs from the stored size",
+                    Reason.INCONSISTENT,
+                    None,
+                    row_size,
+                    cp.size,
+                )
+            )
         if cp.origin != origin:
-            report.add(Finding(where, "origin differs from the log's", Reason.INCONSISTENT,
-                               None, origin, cp.origin))
+            report.add(
+                Finding(
+                    where,
+                    "origin differs from the log's",
+                    Reason.INCONSISTENT,
+                    None,
+                    origin,
+                    cp.origin,
+                )
+            )
         if cp.size > size:
-            report.add(Finding(where, "checkpoint is larger than the log", Reason.PROOF_WRONG_SIZE,
-                               None, f"<= {size}", cp.size))
+            report.add(
+                Finding(
+                    where,
+                    "checkpoint is larger than the log",
+                    Reason.PROOF_WRONG_SIZE,
+                    None,
+                    f"<= {size}",
+                    cp.size,
+                )
+            )
             continue
         root = _root(levels, cp.size)
         if cp.root != root:
-            report.add(Finding(where, "signed root differs from the tree recomputed from the entries",
-                               Reason.ROOT_MISMATCH, None, root, cp.root))
+            report.add(
+                Finding(
+                    where,
+                    "signed root differs from the tree recomputed from the entries",
+                    Reason.ROOT_MISMATCH,
+                    None,
+                    root,
+                    cp.root,
+                )
+            )
             continue
         if previous is not None:
             try:
@@ -270,12 +400,20 @@ def _check_checkpoints(store: LedgerStore, report: AuditReport, levels: list[lis
                 proof = merkle.assemble(plan, store.nodes(merkle.plan_ids(plan)))
                 merkle.verify_consistency(previous.size, cp.size, proof, previous.root, cp.root)
             except (VerificationError, KeyError) as exc:
-                report.add(Finding(where, f"not consistent with checkpoint {previous.size}: {exc!r}",
-                                   Reason.CHECKPOINT_INCONSISTENT))
+                report.add(
+                    Finding(
+                        where,
+                        f"not consistent with checkpoint {previous.size}: {exc!r}",
+                        Reason.CHECKPOINT_INCONSISTENT,
+                    )
+                )
         previous = cp
     if previous is None and size:
-        report.warnings.append(f"none of the ledger's {report.checkpoints} checkpoints verified"
-                               if report.checkpoints else "the ledger has no checkpoint")
+        report.warnings.append(
+            f"none of the ledger's {report.checkpoints} checkpoints verified"
+            if report.checkpoints
+            else "the ledger has no checkpoint"
+        )
     elif previous is not None and previous.size < size:
         report.warnings.append(f"{size - previous.size} entries are after the latest checkpoint")
 
@@ -291,14 +429,27 @@ def _check_reputation(store: LedgerStore, report: AuditReport, replay: Replay) -
         got = stored.get(key)
         where = f"reputation of {bytes(key).hex()}"
         if want is None or got is None:
-            report.add(Finding(where, "row is missing" if got is None else "row should not exist",
-                               Reason.REPUTATION_MISMATCH))
+            report.add(
+                Finding(
+                    where,
+                    "row is missing" if got is None else "row should not exist",
+                    Reason.REPUTATION_MISMATCH,
+                )
+            )
             continue
         for name in _FIELDS:
             a, b = getattr(want, name), getattr(got, name)
             if a != b or type(a) is not type(b):
-                report.add(Finding(where, f"{name} differs from the replay of the log",
-                                   Reason.REPUTATION_MISMATCH, want.last_index, a, b))
+                report.add(
+                    Finding(
+                        where,
+                        f"{name} differs from the replay of the log",
+                        Reason.REPUTATION_MISMATCH,
+                        want.last_index,
+                        a,
+                        b,
+                    )
+                )
                 break
 
 

@@ -63,15 +63,20 @@ class FileBlobStore:
 
     def path(self, digest: bytes) -> Path:
         if len(digest) != 32:
-            raise LedgerError("a blob digest is 32 bytes", reason=Reason.MALFORMED,
-                              computed=len(digest))
+            raise LedgerError(
+                "a blob digest is 32 bytes", reason=Reason.MALFORMED, computed=len(digest)
+            )
         h = digest.hex()
         return self.root / h[:2] / h
 
     def put(self, data: bytes) -> bytes:
         if len(data) > MAX_BLOB_BYTES:
-            raise LedgerError("blob is too large", reason=Reason.TOO_LARGE,
-                              expected=f"<= {MAX_BLOB_BYTES}", computed=len(data))
+            raise LedgerError(
+                "blob is too large",
+                reason=Reason.TOO_LARGE,
+                expected=f"<= {MAX_BLOB_BYTES}",
+                computed=len(data),
+            )
         digest = blob_digest(data)
         target = self.path(digest)
         if target.exists():
@@ -84,12 +89,17 @@ class FileBlobStore:
         try:
             data = target.read_bytes()
         except FileNotFoundError:
-            raise LedgerError("blob is missing", reason=Reason.LEDGER_CORRUPT,
-                              expected=digest.hex()) from None
+            raise LedgerError(
+                "blob is missing", reason=Reason.LEDGER_CORRUPT, expected=digest.hex()
+            ) from None
         computed = blob_digest(data)
         if computed != digest:
-            raise LedgerError("blob does not match its digest", reason=Reason.DIGEST_MISMATCH,
-                              expected=digest, computed=computed)
+            raise LedgerError(
+                "blob does not match its digest",
+                reason=Reason.DIGEST_MISMATCH,
+                expected=digest,
+                computed=computed,
+            )
         return data
 
     def has(self, digest: bytes) -> bool:

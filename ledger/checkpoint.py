@@ -34,8 +34,9 @@ MAX_PROOF_BYTES = 4 << 20
 
 def _decimal(text: str, what: str) -> int:
     if not text.isascii() or not text.isdigit() or (len(text) > 1 and text[0] == "0"):
-        raise DecodeError(f"{what} is not a decimal without leading zeros",
-                          reason=Reason.MALFORMED, computed=text)
+        raise DecodeError(
+            f"{what} is not a decimal without leading zeros", reason=Reason.MALFORMED, computed=text
+        )
     value = int(text)
     if value >= 1 << 63:
         raise DecodeError(f"{what} is out of range", reason=Reason.MALFORMED, computed=text)
@@ -50,19 +51,26 @@ class Checkpoint:
     extensions: tuple[str, ...] = ()
 
     def text(self) -> str:
-        lines = [self.origin, str(self.size), base64.b64encode(self.root).decode(), *self.extensions]
+        lines = [
+            self.origin,
+            str(self.size),
+            base64.b64encode(self.root).decode(),
+            *self.extensions,
+        ]
         return "\n".join(lines) + "\n"
 
     @classmethod
     def from_text(cls, text: str) -> Checkpoint:
         lines = text.split("\n")
         if len(lines) < 4 or lines[-1] != "" or any(not line for line in lines[:-1]):
-            raise DecodeError("checkpoint text is not three or more non-empty lines",
-                              reason=Reason.MALFORMED)
+            raise DecodeError(
+                "checkpoint text is not three or more non-empty lines", reason=Reason.MALFORMED
+            )
         root = _b64decode(lines[2], "checkpoint root")
         if len(root) != merkle.HASH_SIZE:
-            raise DecodeError("checkpoint root is not 32 bytes", reason=Reason.MALFORMED,
-                              computed=len(root))
+            raise DecodeError(
+                "checkpoint root is not 32 bytes", reason=Reason.MALFORMED, computed=len(root)
+            )
         return cls(lines[0], _decimal(lines[1], "tree size"), root, tuple(lines[3:-1]))
 
 
@@ -83,8 +91,9 @@ def sign_checkpoint(cp: Checkpoint, signer: Signer) -> SignedCheckpoint:
     return SignedCheckpoint(cp, Note(text, (signer.sign(text),)))
 
 
-def open_checkpoint(data: str | bytes, log: Verifier, witnesses: Sequence[Verifier] = (),
-                    quorum: int = 0) -> SignedCheckpoint:
+def open_checkpoint(
+    data: str | bytes, log: Verifier, witnesses: Sequence[Verifier] = (), quorum: int = 0
+) -> SignedCheckpoint:
     """Parse and verify a signed checkpoint: the log key must sign; ``quorum`` witnesses must cosign."""
     note = parse_note(data)
     cp = Checkpoint.from_text(note.text)
@@ -92,8 +101,12 @@ def open_checkpoint(data: str | bytes, log: Verifier, witnesses: Sequence[Verifi
     if quorum:
         signed = {v.key_id for v in verify_note(note, witnesses)} if witnesses else set()
         if len(signed) < quorum:
-            raise LedgerError("too few witness cosignatures", reason=Reason.UNKNOWN_KEY,
-                              expected=quorum, computed=len(signed))
+            raise LedgerError(
+                "too few witness cosignatures",
+                reason=Reason.UNKNOWN_KEY,
+                expected=quorum,
+                computed=len(signed),
+            )
     elif witnesses and any(w.matches(s) for w in witnesses for s in note.signatures):
         verify_note(note, witnesses)
     return SignedCheckpoint(cp, note)
@@ -111,17 +124,26 @@ class Witness:
         cp, old = signed.checkpoint, self.latest
         if old is not None:
             if cp.origin != old.origin:
-                raise LedgerError("checkpoint is for another log", reason=Reason.INCONSISTENT,
-                                  expected=old.origin, computed=cp.origin)
+                raise LedgerError(
+                    "checkpoint is for another log",
+                    reason=Reason.INCONSISTENT,
+                    expected=old.origin,
+                    computed=cp.origin,
+                )
             if cp.size < old.size:
-                raise LedgerError("checkpoint is older than one already cosigned",
-                                  reason=Reason.CHECKPOINT_INCONSISTENT, expected=f">= {old.size}",
-                                  computed=cp.size)
+                raise LedgerError(
+                    "checkpoint is older than one already cosigned",
+                    reason=Reason.CHECKPOINT_INCONSISTENT,
+                    expected=f">= {old.size}",
+                    computed=cp.size,
+                )
             try:
                 merkle.verify_consistency(old.size, cp.size, proof, old.root, cp.root)
             except ProofError as exc:
-                raise LedgerError(f"checkpoint is not consistent with size {old.size}: {exc}",
-                                  reason=Reason.CHECKPOINT_INCONSISTENT) from None
+                raise LedgerError(
+                    f"checkpoint is not consistent with size {old.size}: {exc}",
+                    reason=Reason.CHECKPOINT_INCONSISTENT,
+                ) from None
         self.latest = cp
         return self.signer.sign(signed.note.text, timestamp)
 
@@ -148,8 +170,12 @@ class TlogProof:
     def from_text(cls, data: str | bytes) -> TlogProof:
         raw = data.encode() if isinstance(data, str) else bytes(data)
         if len(raw) > MAX_PROOF_BYTES:
-            raise DecodeError("proof file is too large", reason=Reason.TOO_LARGE,
-                              expected=f"<= {MAX_PROOF_BYTES}", computed=len(raw))
+            raise DecodeError(
+                "proof file is too large",
+                reason=Reason.TOO_LARGE,
+                expected=f"<= {MAX_PROOF_BYTES}",
+                computed=len(raw),
+            )
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError:
@@ -167,7 +193,7 @@ class TlogProof:
         index = _decimal(lines[pos][6:], "index")
         if len(lines) - pos - 1 > merkle.MAX_PROOF_HASHES:
             raise DecodeError("too many proof hashes", reason=Reason.TOO_LARGE)
-        hashes = tuple(_b64decode(line, "proof hash") for line in lines[pos + 1:])
+        hashes = tuple(_b64decode(line, "proof hash") for line in lines[pos + 1 :])
         return cls(index, hashes, checkpoint, extra)
 
 
@@ -175,8 +201,13 @@ def make_proof(entry: bytes, index: int, hashes: Sequence[bytes], checkpoint: st
     return TlogProof(index, tuple(hashes), checkpoint, entry)
 
 
-def check_proof(proof: TlogProof, log: Verifier, witnesses: Sequence[Verifier] = (),
-                quorum: int = 0, entry: bytes | None = None) -> SignedCheckpoint:
+def check_proof(
+    proof: TlogProof,
+    log: Verifier,
+    witnesses: Sequence[Verifier] = (),
+    quorum: int = 0,
+    entry: bytes | None = None,
+) -> SignedCheckpoint:
     """Verify a tlog proof: checkpoint signatures, then inclusion of the entry at its index.
 
     ``entry`` defaults to the proof's ``extra`` bytes (unauthenticated until

@@ -56,8 +56,14 @@ def now_ms() -> int:
 class Ledger:
     """A tamper-evident log of typed records with signed checkpoints and reputation."""
 
-    def __init__(self, store: LedgerStore, genesis: LogCreated, signer: Signer | None,
-                 blobs: FileBlobStore | None, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        store: LedgerStore,
+        genesis: LogCreated,
+        signer: Signer | None,
+        blobs: FileBlobStore | None,
+        clock: Callable[[], int],
+    ) -> None:
         self.store, self.genesis, self.blobs, self.clock = store, genesis, blobs, clock
         self.params = ReputationParams.from_record(genesis)
         self.origin = genesis.origin
@@ -69,9 +75,16 @@ class Ledger:
         self._known_size: int | None = None
 
     @classmethod
-    def open(cls, url: str | Path, *, signing_key: SigningKey | None = None,
-             origin: str | None = None, params: ReputationParams | None = None,
-             blobs: str | Path | None = None, clock: Callable[[], int] = now_ms) -> Ledger:
+    def open(
+        cls,
+        url: str | Path,
+        *,
+        signing_key: SigningKey | None = None,
+        origin: str | None = None,
+        params: ReputationParams | None = None,
+        blobs: str | Path | None = None,
+        clock: Callable[[], int] = now_ms,
+    ) -> Ledger:
         """Open a ledger, creating it (entry 0) when the store is empty.
 
         Creating needs ``signing_key`` and ``origin``. Reopening checks that
@@ -87,9 +100,20 @@ class Ledger:
                 store.close()
                 raise ConfigError("creating a ledger needs a signing key and an origin")
             p = params or ReputationParams()
-            genesis = LogCreated(origin, signing_key.public.raw, p.prior_pass, p.prior_fail,
-                                 p.fail_weight, p.slash_weight, p.decay, p.ban_threshold,
-                                 p.min_audit_rate, p.novelty, p.risk_gain, clock())
+            genesis = LogCreated(
+                origin,
+                signing_key.public.raw,
+                p.prior_pass,
+                p.prior_fail,
+                p.fail_weight,
+                p.slash_weight,
+                p.decay,
+                p.ban_threshold,
+                p.min_audit_rate,
+                p.novelty,
+                p.risk_gain,
+                clock(),
+            )
             ledger = cls(store, genesis, Signer(origin, signing_key), blob_store, clock)
             ledger.append_many([genesis], _genesis=True)
             return ledger
@@ -121,8 +145,14 @@ class Ledger:
     def append(self, record: Record) -> int:
         return self.append_many([record])[0]
 
-    def append_many(self, records: Sequence[Record], *, checkpoint: bool = False,
-                    before_commit: Callable[[], object] | None = None, _genesis: bool = False) -> range:
+    def append_many(
+        self,
+        records: Sequence[Record],
+        *,
+        checkpoint: bool = False,
+        before_commit: Callable[[], object] | None = None,
+        _genesis: bool = False,
+    ) -> range:
         """Append records in one transaction; return their indices.
 
         ``before_commit``: called once the records are written into the transaction and
@@ -138,15 +168,23 @@ class Ledger:
         with self._write_lock:
             return self._append_locked(records, bodies, checkpoint, before_commit, _genesis)
 
-    def _append_locked(self, records: Sequence[Record], bodies: list[bytes], checkpoint: bool,
-                       before_commit: Callable[[], object] | None, _genesis: bool) -> range:
+    def _append_locked(
+        self,
+        records: Sequence[Record],
+        bodies: list[bytes],
+        checkpoint: bool,
+        before_commit: Callable[[], object] | None,
+        _genesis: bool,
+    ) -> range:
         with self.store.write() as tx:
             size = tx.size()
             if size != self._known_size:  # another writer appended: what we knew may be stale
                 self._states.clear()
             if _genesis:
                 if size != 0:
-                    raise LedgerError("the ledger was created concurrently", reason=Reason.INCONSISTENT)
+                    raise LedgerError(
+                        "the ledger was created concurrently", reason=Reason.INCONSISTENT
+                    )
                 tx.set_meta("origin", self.origin)
                 tx.set_meta("vkey", self.verifier.vkey())
             ids = merkle.range_nodes(0, size)
@@ -178,8 +216,14 @@ class Ledger:
         self._known_size = size + len(records)
         return range(size, size + len(records))
 
-    def slash(self, contributor: bytes, reason: Reason, evidence: bytes, detail: str = "",
-              at_ms: int | None = None) -> int:
+    def slash(
+        self,
+        contributor: bytes,
+        reason: Reason,
+        evidence: bytes,
+        detail: str = "",
+        at_ms: int | None = None,
+    ) -> int:
         """Append a slash; large evidence goes to the blob store and is referenced by digest."""
         digest = evidence_digest(evidence)
         inline = evidence
@@ -188,8 +232,14 @@ class Ledger:
                 raise ConfigError("large slash evidence needs a blob store")
             self.blobs.put(evidence)
             inline = b""
-        rec = Slashed(contributor, reason.value, detail[:256], digest, inline,
-                      self.clock() if at_ms is None else at_ms)
+        rec = Slashed(
+            contributor,
+            reason.value,
+            detail[:256],
+            digest,
+            inline,
+            self.clock() if at_ms is None else at_ms,
+        )
         return self.append(rec)
 
     # -- checkpoints and proofs
@@ -215,14 +265,19 @@ class Ledger:
             plan = merkle.consistency_plan(old.size, size) if old.size <= size else None
             try:
                 if plan is None:
-                    raise ProofError("the tree is smaller than the latest checkpoint",
-                                     reason=Reason.PROOF_WRONG_SIZE, expected=f">= {old.size}",
-                                     computed=size)
+                    raise ProofError(
+                        "the tree is smaller than the latest checkpoint",
+                        reason=Reason.PROOF_WRONG_SIZE,
+                        expected=f">= {old.size}",
+                        computed=size,
+                    )
                 proof = merkle.assemble(plan, tx.nodes(merkle.plan_ids(plan)))
                 merkle.verify_consistency(old.size, size, proof, old.root, root)
             except ProofError as exc:
-                raise LedgerError(f"refusing to sign a head inconsistent with checkpoint {old.size}: "
-                                  f"{exc}", reason=Reason.CHECKPOINT_INCONSISTENT) from None
+                raise LedgerError(
+                    f"refusing to sign a head inconsistent with checkpoint {old.size}: {exc}",
+                    reason=Reason.CHECKPOINT_INCONSISTENT,
+                ) from None
         cp = sign_checkpoint(Checkpoint(self.origin, size, root), self._signer)
         tx.put_checkpoint(size, cp.to_text())
         return cp

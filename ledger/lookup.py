@@ -72,11 +72,19 @@ def contributor_report(store: LedgerStore, key: bytes, blobs: FileBlobStore | No
 
 
 def _slash_evidence(idx: int, record: Slashed, blobs: FileBlobStore | None) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": idx, "reason": record.reason, "detail": record.detail,
-                           "evidence_digest": record.evidence_digest.hex()}
+    out: dict[str, Any] = {
+        "index": idx,
+        "reason": record.reason,
+        "detail": record.detail,
+        "evidence_digest": record.evidence_digest.hex(),
+    }
     if record.evidence:
-        out.update(evidence_source="inline", evidence_bytes=len(record.evidence),
-                   evidence_verified=True, evidence_hex=record.evidence[:4096].hex())
+        out.update(
+            evidence_source="inline",
+            evidence_bytes=len(record.evidence),
+            evidence_verified=True,
+            evidence_hex=record.evidence[:4096].hex(),
+        )
         return out
     out["evidence_source"] = "blob"
     if blobs is None:
@@ -96,8 +104,11 @@ def find_entry(store: LedgerStore, digest: bytes) -> int:
     index = store.find_leaf(digest)
     if index is not None:
         return index
-    hits = [idx for idx, _leaf, body in store.entries()
-            if digest in subject_digests(decode_record(bytes(body)))]
+    hits = [
+        idx
+        for idx, _leaf, body in store.entries()
+        if digest in subject_digests(decode_record(bytes(body)))
+    ]
     if not hits:
         raise ProofTrainError(f"no entry with digest {digest.hex()}")
     if len(hits) > 1:
@@ -112,8 +123,9 @@ def prove_entry(store: LedgerStore, index: int) -> TlogProof:
     if row is None:
         raise LedgerError(f"no entry {index}", reason=Reason.PROOF_WRONG_INDEX)
     if latest is None or latest[0] <= index:
-        raise LedgerError(f"entry {index} is not covered by a checkpoint yet",
-                          reason=Reason.PROOF_WRONG_SIZE)
+        raise LedgerError(
+            f"entry {index} is not covered by a checkpoint yet", reason=Reason.PROOF_WRONG_SIZE
+        )
     size, text = latest
     cp = Checkpoint.from_text(parse_note(text).text)
     plan = merkle.inclusion_plan(index, size)
@@ -122,8 +134,9 @@ def prove_entry(store: LedgerStore, index: int) -> TlogProof:
     return TlogProof(index, tuple(hashes), text, row[1])
 
 
-def check_proof_text(text: str | bytes, log: Verifier, witnesses: Sequence[Verifier] = (),
-                     quorum: int = 0) -> dict:
+def check_proof_text(
+    text: str | bytes, log: Verifier, witnesses: Sequence[Verifier] = (), quorum: int = 0
+) -> dict:
     """Verify a tlog-proof file offline; return what it proves."""
     proof = TlogProof.from_text(text)
     signed = check_proof(proof, log, witnesses, quorum)

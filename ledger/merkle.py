@@ -78,7 +78,9 @@ def inclusion_plan(index: int, size: int) -> Plan:
     if not 0 <= index < size:
         raise ProofError(
             f"leaf index {index} is outside a tree of size {size}",
-            reason=Reason.PROOF_WRONG_INDEX, expected=f"< {size}", computed=index,
+            reason=Reason.PROOF_WRONG_INDEX,
+            expected=f"< {size}",
+            computed=index,
         )
     path: Plan = []
     start, end, m = 0, size, index
@@ -99,7 +101,9 @@ def consistency_plan(size1: int, size2: int) -> Plan:
     if not 0 <= size1 <= size2:
         raise ProofError(
             f"cannot prove consistency from size {size1} to size {size2}",
-            reason=Reason.PROOF_WRONG_SIZE, expected=f"<= {size2}", computed=size1,
+            reason=Reason.PROOF_WRONG_SIZE,
+            expected=f"<= {size2}",
+            computed=size1,
         )
     if size1 == 0 or size1 == size2:
         return []
@@ -128,7 +132,9 @@ def assemble(plan: Plan, hashes: Mapping[NodeId, bytes]) -> list[bytes]:
     return [fold([hashes[node] for node in group]) for group in plan]
 
 
-def root_from_nodes(size: int, lookup: Callable[[Iterable[NodeId]], Mapping[NodeId, bytes]]) -> bytes:
+def root_from_nodes(
+    size: int, lookup: Callable[[Iterable[NodeId]], Mapping[NodeId, bytes]]
+) -> bytes:
     """MTH(D[0:size]) from stored perfect subtrees."""
     if size == 0:
         return EMPTY_ROOT
@@ -173,12 +179,20 @@ class CompactRange:
 
 def _check_hashes(proof: Sequence[bytes]) -> None:
     if len(proof) > MAX_PROOF_HASHES:
-        raise ProofError("proof is too long", reason=Reason.PROOF_WRONG_LENGTH,
-                         expected=f"<= {MAX_PROOF_HASHES}", computed=len(proof))
+        raise ProofError(
+            "proof is too long",
+            reason=Reason.PROOF_WRONG_LENGTH,
+            expected=f"<= {MAX_PROOF_HASHES}",
+            computed=len(proof),
+        )
     for i, h in enumerate(proof):
         if len(h) != HASH_SIZE:
-            raise ProofError(f"proof hash {i} is not {HASH_SIZE} bytes",
-                             reason=Reason.PROOF_WRONG_LENGTH, expected=HASH_SIZE, computed=len(h))
+            raise ProofError(
+                f"proof hash {i} is not {HASH_SIZE} bytes",
+                reason=Reason.PROOF_WRONG_LENGTH,
+                expected=HASH_SIZE,
+                computed=len(h),
+            )
 
 
 def _inclusion_length(index: int, size: int) -> int:
@@ -189,17 +203,29 @@ def _inclusion_length(index: int, size: int) -> int:
 def root_from_inclusion_proof(index: int, size: int, leaf: bytes, proof: Sequence[bytes]) -> bytes:
     """The root an inclusion proof implies for ``leaf`` (a leaf hash) at ``index``."""
     if size <= 0:
-        raise ProofError("tree size must be positive", reason=Reason.PROOF_WRONG_SIZE,
-                         expected="> 0", computed=size)
+        raise ProofError(
+            "tree size must be positive",
+            reason=Reason.PROOF_WRONG_SIZE,
+            expected="> 0",
+            computed=size,
+        )
     # 1. index < size
     if not 0 <= index < size:
-        raise ProofError(f"leaf index {index} is outside a tree of size {size}",
-                         reason=Reason.PROOF_WRONG_INDEX, expected=f"< {size}", computed=index)
+        raise ProofError(
+            f"leaf index {index} is outside a tree of size {size}",
+            reason=Reason.PROOF_WRONG_INDEX,
+            expected=f"< {size}",
+            computed=index,
+        )
     _check_hashes(proof)
     want = _inclusion_length(index, size)
     if len(proof) != want or len(leaf) != HASH_SIZE:
-        raise ProofError("inclusion proof has the wrong length", reason=Reason.PROOF_WRONG_LENGTH,
-                         expected=want, computed=len(proof))
+        raise ProofError(
+            "inclusion proof has the wrong length",
+            reason=Reason.PROOF_WRONG_LENGTH,
+            expected=want,
+            computed=len(proof),
+        )
     # 2.-4. walk up from the leaf
     fn, sn, r = index, size - 1, leaf
     for p in proof:
@@ -221,11 +247,17 @@ def root_from_inclusion_proof(index: int, size: int, leaf: bytes, proof: Sequenc
     return r
 
 
-def verify_inclusion(index: int, size: int, leaf: bytes, proof: Sequence[bytes], root: bytes) -> None:
+def verify_inclusion(
+    index: int, size: int, leaf: bytes, proof: Sequence[bytes], root: bytes
+) -> None:
     computed = root_from_inclusion_proof(index, size, leaf, proof)
     if computed != root:
-        raise ProofError("inclusion proof does not lead to the root", reason=Reason.ROOT_MISMATCH,
-                         expected=root, computed=computed)
+        raise ProofError(
+            "inclusion proof does not lead to the root",
+            reason=Reason.ROOT_MISMATCH,
+            expected=root,
+            computed=computed,
+        )
 
 
 def _consistency_length(size1: int, size2: int) -> int:
@@ -244,14 +276,21 @@ def roots_from_consistency_proof(
     Only for ``0 < size1 < size2``; :func:`verify_consistency` handles the trivial cases.
     """
     if not 0 < size1 < size2:
-        raise ProofError(f"no consistency proof exists from size {size1} to {size2}",
-                         reason=Reason.PROOF_WRONG_SIZE, expected=f"0 < size1 < {size2}",
-                         computed=size1)
+        raise ProofError(
+            f"no consistency proof exists from size {size1} to {size2}",
+            reason=Reason.PROOF_WRONG_SIZE,
+            expected=f"0 < size1 < {size2}",
+            computed=size1,
+        )
     _check_hashes(proof)
     want = _consistency_length(size1, size2)
     if len(proof) != want:
-        raise ProofError("consistency proof has the wrong length", reason=Reason.PROOF_WRONG_LENGTH,
-                         expected=want, computed=len(proof))
+        raise ProofError(
+            "consistency proof has the wrong length",
+            reason=Reason.PROOF_WRONG_LENGTH,
+            expected=want,
+            computed=len(proof),
+        )
     # 1.-2. a power-of-two old tree is its own first node
     path = list(proof)
     if size1 & (size1 - 1) == 0:
@@ -287,20 +326,40 @@ def verify_consistency(
     size1: int, size2: int, proof: Sequence[bytes], root1: bytes, root2: bytes
 ) -> None:
     if size1 < 0 or size2 < size1:
-        raise ProofError(f"size {size2} is smaller than size {size1}",
-                         reason=Reason.PROOF_WRONG_SIZE, expected=f">= {size1}", computed=size2)
+        raise ProofError(
+            f"size {size2} is smaller than size {size1}",
+            reason=Reason.PROOF_WRONG_SIZE,
+            expected=f">= {size1}",
+            computed=size2,
+        )
     if size1 == size2 or size1 == 0:
         if proof:
-            raise ProofError("a trivial consistency proof must be empty",
-                             reason=Reason.PROOF_WRONG_LENGTH, expected=0, computed=len(proof))
+            raise ProofError(
+                "a trivial consistency proof must be empty",
+                reason=Reason.PROOF_WRONG_LENGTH,
+                expected=0,
+                computed=len(proof),
+            )
         if size1 == size2 and root1 != root2:
-            raise ProofError("equal sizes but different roots", reason=Reason.ROOT_MISMATCH,
-                             expected=root1, computed=root2)
+            raise ProofError(
+                "equal sizes but different roots",
+                reason=Reason.ROOT_MISMATCH,
+                expected=root1,
+                computed=root2,
+            )
         return
     fr, sr = roots_from_consistency_proof(size1, size2, proof, root1)
     if fr != root1:
-        raise ProofError("consistency proof does not lead to the old root",
-                         reason=Reason.ROOT_MISMATCH, expected=root1, computed=fr)
+        raise ProofError(
+            "consistency proof does not lead to the old root",
+            reason=Reason.ROOT_MISMATCH,
+            expected=root1,
+            computed=fr,
+        )
     if sr != root2:
-        raise ProofError("consistency proof does not lead to the new root",
-                         reason=Reason.ROOT_MISMATCH, expected=root2, computed=sr)
+        raise ProofError(
+            "consistency proof does not lead to the new root",
+            reason=Reason.ROOT_MISMATCH,
+            expected=root2,
+            computed=sr,
+        )

@@ -46,8 +46,11 @@ def _b64decode(text: str, what: str) -> bytes:
 
 def _check_name(name: str) -> None:
     if not name or any(c.isspace() or c == "+" for c in name):
-        raise DecodeError("key names are non-empty and contain no spaces or '+'",
-                          reason=Reason.MALFORMED, computed=name)
+        raise DecodeError(
+            "key names are non-empty and contain no spaces or '+'",
+            reason=Reason.MALFORMED,
+            computed=name,
+        )
 
 
 def key_id(name: str, alg: int, public: bytes) -> bytes:
@@ -81,8 +84,12 @@ def parse_note(data: str | bytes) -> Note:
     """Split a signed note into text and signature lines; enforce the format and limits."""
     raw = data.encode("utf-8", "surrogateescape") if isinstance(data, str) else bytes(data)
     if len(raw) > MAX_NOTE_BYTES:
-        raise DecodeError("signed note is too large", reason=Reason.TOO_LARGE,
-                          expected=f"<= {MAX_NOTE_BYTES}", computed=len(raw))
+        raise DecodeError(
+            "signed note is too large",
+            reason=Reason.TOO_LARGE,
+            expected=f"<= {MAX_NOTE_BYTES}",
+            computed=len(raw),
+        )
     try:
         msg = raw.decode("utf-8")
     except UnicodeDecodeError:
@@ -94,18 +101,22 @@ def parse_note(data: str | bytes) -> Note:
     split = msg.rfind("\n\n")
     if split < 0:
         raise DecodeError("signed note has no signature block", reason=Reason.MALFORMED)
-    text, block = msg[: split + 1], msg[split + 2:]
+    text, block = msg[: split + 1], msg[split + 2 :]
     lines = block[:-1].split("\n") if block else []
     if not lines:
         raise DecodeError("signed note has no signatures", reason=Reason.MALFORMED)
     if len(lines) > MAX_SIGNATURES:
-        raise DecodeError("signed note has too many signatures", reason=Reason.TOO_LARGE,
-                          expected=f"<= {MAX_SIGNATURES}", computed=len(lines))
+        raise DecodeError(
+            "signed note has too many signatures",
+            reason=Reason.TOO_LARGE,
+            expected=f"<= {MAX_SIGNATURES}",
+            computed=len(lines),
+        )
     sigs = []
     for line in lines:
         if not line.startswith(SIG_PREFIX):
             raise DecodeError("malformed signature line", reason=Reason.MALFORMED, computed=line)
-        name, sep, b64 = line[len(SIG_PREFIX):].partition(" ")
+        name, sep, b64 = line[len(SIG_PREFIX) :].partition(" ")
         _check_name(name)
         blob = _b64decode(b64, "signature") if sep else b""
         if len(blob) < 5:
@@ -132,12 +143,19 @@ class Verifier:
         name, hex_id, b64 = parts
         material = _b64decode(b64, "verifier key")
         if len(material) != 33:
-            raise DecodeError("verifier key material is not type byte + 32 bytes",
-                              reason=Reason.BAD_KEY, computed=len(material))
+            raise DecodeError(
+                "verifier key material is not type byte + 32 bytes",
+                reason=Reason.BAD_KEY,
+                computed=len(material),
+            )
         verifier = cls(name, material[0], PublicKey(material[1:]))
         if verifier.key_id.hex() != hex_id.lower():
-            raise DecodeError("verifier key id does not match its name and key",
-                              reason=Reason.BAD_KEY, expected=verifier.key_id.hex(), computed=hex_id)
+            raise DecodeError(
+                "verifier key id does not match its name and key",
+                reason=Reason.BAD_KEY,
+                expected=verifier.key_id.hex(),
+                computed=hex_id,
+            )
         return verifier
 
     def vkey(self) -> str:
@@ -153,8 +171,9 @@ class Verifier:
             self.public.verify(text.encode(), sig.payload)
             return None
         if len(sig.payload) != 8 + 64:
-            raise SignatureError("cosignature is not timestamp + signature",
-                                 expected=72, computed=len(sig.payload))
+            raise SignatureError(
+                "cosignature is not timestamp + signature", expected=72, computed=len(sig.payload)
+            )
         (timestamp,) = struct.unpack(">Q", sig.payload[:8])
         if timestamp >= 1 << 63:
             raise SignatureError("cosignature timestamp is out of range", computed=timestamp)
@@ -179,7 +198,9 @@ class Signer:
         else:
             if timestamp is None or not 0 <= timestamp < 1 << 63:
                 raise ValueError("a cosignature needs a timestamp in [0, 2^63)")
-            payload = struct.pack(">Q", timestamp) + self._key.sign(cosigned_message(text, timestamp))
+            payload = struct.pack(">Q", timestamp) + self._key.sign(
+                cosigned_message(text, timestamp)
+            )
         return Signature(self.name, self.verifier.key_id, payload)
 
 
@@ -203,11 +224,15 @@ def verify_note(note: Note, verifiers: Iterable[Verifier]) -> list[Verifier]:
                 try:
                     verifier.check(note.text, sig)
                 except SignatureError as exc:
-                    raise SignatureError(f"signature by {sig.name} does not verify: {exc}") from None
+                    raise SignatureError(
+                        f"signature by {sig.name} does not verify: {exc}"
+                    ) from None
                 good.append(verifier)
     if not good:
-        raise SignatureError("no signature from a trusted key",
-                             reason=Reason.UNKNOWN_KEY,
-                             expected=[v.vkey() for v in known][:2],
-                             computed=[s.name for s in note.signatures][:4])
+        raise SignatureError(
+            "no signature from a trusted key",
+            reason=Reason.UNKNOWN_KEY,
+            expected=[v.vkey() for v in known][:2],
+            computed=[s.name for s in note.signatures][:4],
+        )
     return good

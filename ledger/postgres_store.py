@@ -29,7 +29,9 @@ class PostgresStore(SqlStore):
         try:
             import psycopg  # noqa: PLC0415
         except ImportError:
-            raise ConfigError("the PostgreSQL ledger needs psycopg: pip install 'psycopg[binary]'") from None
+            raise ConfigError(
+                "the PostgreSQL ledger needs psycopg: pip install 'psycopg[binary]'"
+            ) from None
         self.url = dsn
         try:
             self._conn = psycopg.connect(dsn, autocommit=True)

@@ -146,8 +146,16 @@ class Note(_Record, tag="note", frozen=True):
 
 
 Record = (
-    LogCreated | ContributorRegistered | AssignmentIssued | VerdictRecorded | Slashed
-    | PolicyPublished | EpochCommitted | EpochRevealed | Note | EvalRecorded
+    LogCreated
+    | ContributorRegistered
+    | AssignmentIssued
+    | VerdictRecorded
+    | Slashed
+    | PolicyPublished
+    | EpochCommitted
+    | EpochRevealed
+    | Note
+    | EvalRecorded
 )
 
 _ENCODER = msgspec.msgpack.Encoder()
@@ -162,8 +170,12 @@ def canonical_bytes(record: Record) -> bytes:
 def decode_record(data: bytes) -> Record:
     """Parse entry bytes; enforce the size limit first and reject non-canonical input."""
     if len(data) > MAX_ENTRY_BYTES:
-        raise DecodeError("ledger entry is too large", reason=Reason.TOO_LARGE,
-                          expected=f"<= {MAX_ENTRY_BYTES}", computed=len(data))
+        raise DecodeError(
+            "ledger entry is too large",
+            reason=Reason.TOO_LARGE,
+            expected=f"<= {MAX_ENTRY_BYTES}",
+            computed=len(data),
+        )
     try:
         record = _DECODER.decode(data)
     except msgspec.DecodeError as exc:
@@ -178,18 +190,27 @@ def check_record(record: Record) -> None:
     """Invariants beyond the schema: reason codes are known, inline evidence matches its digest."""
     if isinstance(record, VerdictRecorded):
         if record.accepted != (record.reason == ""):
-            raise DecodeError("a verdict has a reason exactly when it rejects",
-                              reason=Reason.INCONSISTENT, computed=record.reason)
+            raise DecodeError(
+                "a verdict has a reason exactly when it rejects",
+                reason=Reason.INCONSISTENT,
+                computed=record.reason,
+            )
         if record.reason and record.reason not in REASONS:
-            raise DecodeError("unknown verdict reason", reason=Reason.MALFORMED,
-                              computed=record.reason)
+            raise DecodeError(
+                "unknown verdict reason", reason=Reason.MALFORMED, computed=record.reason
+            )
     elif isinstance(record, Slashed):
         if record.reason not in REASONS:
-            raise DecodeError("unknown slash reason", reason=Reason.MALFORMED, computed=record.reason)
+            raise DecodeError(
+                "unknown slash reason", reason=Reason.MALFORMED, computed=record.reason
+            )
         if record.evidence and evidence_digest(record.evidence) != record.evidence_digest:
-            raise DecodeError("inline slash evidence does not match its digest",
-                              reason=Reason.DIGEST_MISMATCH, expected=record.evidence_digest,
-                              computed=evidence_digest(record.evidence))
+            raise DecodeError(
+                "inline slash evidence does not match its digest",
+                reason=Reason.DIGEST_MISMATCH,
+                expected=record.evidence_digest,
+                computed=evidence_digest(record.evidence),
+            )
 
 
 def evidence_digest(evidence: bytes) -> bytes:
@@ -200,7 +221,9 @@ def evidence_digest(evidence: bytes) -> bytes:
 def subject_digests(record: Record) -> tuple[bytes, ...]:
     """Digests a person may use to name this record (``audit prove``)."""
     if isinstance(record, VerdictRecorded):
-        return (record.envelope_digest,) + ((record.evidence_digest,) if record.evidence_digest else ())
+        return (record.envelope_digest,) + (
+            (record.evidence_digest,) if record.evidence_digest else ()
+        )
     if isinstance(record, Slashed):
         return (record.evidence_digest,)
     if isinstance(record, PolicyPublished):

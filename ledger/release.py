@@ -91,8 +91,14 @@ class ReleaseReport:
     seconds: float
 
 
-def verify_release(directory: Path, *, trainer_key: PublicKey, validator_key: PublicKey,
-                   blobs: Path | None = None, base_model: Path | None = None) -> ReleaseReport:
+def verify_release(
+    directory: Path,
+    *,
+    trainer_key: PublicKey,
+    validator_key: PublicKey,
+    blobs: Path | None = None,
+    base_model: Path | None = None,
+) -> ReleaseReport:
     """Run steps 1-9 on ``directory``; ``blobs``/``base_model`` replace the shipped chain data."""
     start = time.perf_counter()
     root = Path(directory)
@@ -113,9 +119,17 @@ def verify_release(directory: Path, *, trainer_key: PublicKey, validator_key: Pu
     manifests = _check_chain(files, rel, trainer_key)  # 7
     n_evals = check_evals(files, rel, facts.evals, trainer_key)  # 8
     _check_weights(root, rel, manifests, blobs, base_model)  # 9
-    return ReleaseReport(rel.version, rel.base_digest.hex(), rel.weights_digest.hex(),
-                         len(rel.files) + 1, len(wanted), len(facts.verdicts), n_evals, cp.size,
-                         round(time.perf_counter() - start, 3))
+    return ReleaseReport(
+        rel.version,
+        rel.base_digest.hex(),
+        rel.weights_digest.hex(),
+        len(rel.files) + 1,
+        len(wanted),
+        len(facts.verdicts),
+        n_evals,
+        cp.size,
+        round(time.perf_counter() - start, 3),
+    )
 
 
 def _open_manifest(root: Path, trainer: PublicKey) -> ReleaseManifest:
@@ -139,8 +153,9 @@ def _check_files(root: Path, rel: ReleaseManifest) -> dict[str, bytes]:
     present = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()}
     present.discard(L.MANIFEST_FILE)
     for path in sorted(present - set(listed)):
-        raise ReleaseError(path, "file is not listed in the release manifest",
-                           reason=Reason.INCONSISTENT)
+        raise ReleaseError(
+            path, "file is not listed in the release manifest", reason=Reason.INCONSISTENT
+        )
     for path in sorted(set(listed) - present):
         raise ReleaseError(path, "listed file is missing", reason=Reason.NOT_FOUND)
     out: dict[str, bytes] = {}
@@ -150,15 +165,32 @@ def _check_files(root: Path, rel: ReleaseManifest) -> dict[str, bytes]:
             raise ReleaseError(path, "unsafe path in the release manifest", reason=Reason.MALFORMED)
         size, got, data = _digest_file(root / path, keep=not _bulky(path))
         if size != entry.nbytes:
-            raise ReleaseError(path, "file size differs from the release manifest",
-                               reason=Reason.DIGEST_MISMATCH, expected=entry.nbytes, computed=size)
+            raise ReleaseError(
+                path,
+                "file size differs from the release manifest",
+                reason=Reason.DIGEST_MISMATCH,
+                expected=entry.nbytes,
+                computed=size,
+            )
         if got != entry.digest:
-            raise ReleaseError(path, "file digest differs from the release manifest",
-                               reason=Reason.DIGEST_MISMATCH, expected=entry.digest, computed=got)
+            raise ReleaseError(
+                path,
+                "file digest differs from the release manifest",
+                reason=Reason.DIGEST_MISMATCH,
+                expected=entry.digest,
+                computed=got,
+            )
         if data is not None:
             out[path] = data
-    for required in (L.MODEL_WEIGHTS, "config.json", L.CHECKPOINT_FILE, L.LEAVES_FILE,
-                     L.RECORDS_FILE, L.EVALS_FILE, L.CARD_FILE):
+    for required in (
+        L.MODEL_WEIGHTS,
+        "config.json",
+        L.CHECKPOINT_FILE,
+        L.LEAVES_FILE,
+        L.RECORDS_FILE,
+        L.EVALS_FILE,
+        L.CARD_FILE,
+    ):
         if required not in listed:
             raise ReleaseError(required, "required file is missing", reason=Reason.NOT_FOUND)
     return out
@@ -184,15 +216,25 @@ def _digest_file(path: Path, *, keep: bool) -> tuple[int, bytes, bytes | None]:
 
 def _check_leaves(data: bytes, size: int, root: bytes) -> list[bytes]:
     if len(data) != 32 * size:
-        raise ReleaseError(L.LEAVES_FILE, "wrong length for the checkpoint's tree size",
-                           reason=Reason.PROOF_WRONG_SIZE, expected=32 * size, computed=len(data))
-    leaves = [data[i:i + 32] for i in range(0, len(data), 32)]
+        raise ReleaseError(
+            L.LEAVES_FILE,
+            "wrong length for the checkpoint's tree size",
+            reason=Reason.PROOF_WRONG_SIZE,
+            expected=32 * size,
+            computed=len(data),
+        )
+    leaves = [data[i : i + 32] for i in range(0, len(data), 32)]
     tree = merkle.CompactRange()
     for leaf in leaves:
         tree.append(leaf)
     if tree.root() != root:
-        raise ReleaseError(L.LEAVES_FILE, "leaf hashes do not fold to the checkpoint root",
-                           reason=Reason.ROOT_MISMATCH, expected=root, computed=tree.root())
+        raise ReleaseError(
+            L.LEAVES_FILE,
+            "leaf hashes do not fold to the checkpoint root",
+            reason=Reason.ROOT_MISMATCH,
+            expected=root,
+            computed=tree.root(),
+        )
     return leaves
 
 
@@ -204,8 +246,9 @@ class _Facts:
     verdicts: list[int]  # ledger indices, in order
 
 
-def _check_records(data: bytes, leaves: list[bytes], rel: ReleaseManifest, trainer: PublicKey,
-                   validator: PublicKey) -> _Facts:
+def _check_records(
+    data: bytes, leaves: list[bytes], rel: ReleaseManifest, trainer: PublicKey, validator: PublicKey
+) -> _Facts:
     f = L.RECORDS_FILE
     with about(f):
         entries = L.decode_records(data)
@@ -214,12 +257,22 @@ def _check_records(data: bytes, leaves: list[bytes], rel: ReleaseManifest, train
     for index, body in entries:
         where = f"entry {index}"
         if index >= len(leaves):
-            raise ReleaseError(f, f"{where} is beyond the checkpoint", reason=Reason.PROOF_WRONG_INDEX,
-                               expected=f"< {len(leaves)}", computed=index)
+            raise ReleaseError(
+                f,
+                f"{where} is beyond the checkpoint",
+                reason=Reason.PROOF_WRONG_INDEX,
+                expected=f"< {len(leaves)}",
+                computed=index,
+            )
         leaf = merkle.leaf_hash(body)
         if leaf != leaves[index]:
-            raise ReleaseError(f, f"{where} does not hash to the logged leaf",
-                               reason=Reason.DIGEST_MISMATCH, expected=leaves[index], computed=leaf)
+            raise ReleaseError(
+                f,
+                f"{where} does not hash to the logged leaf",
+                reason=Reason.DIGEST_MISMATCH,
+                expected=leaves[index],
+                computed=leaf,
+            )
         with about(f):
             rec = decode_record(body)
         if isinstance(rec, LogCreated) and index == 0:
@@ -229,11 +282,20 @@ def _check_records(data: bytes, leaves: list[bytes], rel: ReleaseManifest, train
             v = len(facts.policy) + 1
             same(f, f"{where}: policy version", v, rec.version)
             if v > rel.version:
-                raise ReleaseError(f, f"{where} publishes a version after the release",
-                                   reason=Reason.INCONSISTENT, expected=rel.version, computed=v)
+                raise ReleaseError(
+                    f,
+                    f"{where} publishes a version after the release",
+                    reason=Reason.INCONSISTENT,
+                    expected=rel.version,
+                    computed=v,
+                )
             same(f, f"{where}: manifest digest", rel.manifest_digests[v - 1], rec.manifest_digest)
-            same(f, f"{where}: parent digest",
-                  rel.manifest_digests[v - 2] if v > 1 else b"", rec.parent_digest)
+            same(
+                f,
+                f"{where}: parent digest",
+                rel.manifest_digests[v - 2] if v > 1 else b"",
+                rec.parent_digest,
+            )
             same(f, f"{where}: trainer key", trainer.raw, rec.trainer_key)
             facts.policy[v] = index
         elif isinstance(rec, VerdictRecorded) and rec.accepted:
@@ -242,29 +304,46 @@ def _check_records(data: bytes, leaves: list[bytes], rel: ReleaseManifest, train
         elif isinstance(rec, EvalRecorded):
             same(f, f"{where}: eval trainer key", trainer.raw, rec.trainer_key)
             if rec.version > rel.version:
-                raise ReleaseError(f, f"{where} evaluates a version after the release",
-                                   reason=Reason.INCONSISTENT, expected=rel.version,
-                                   computed=rec.version)
+                raise ReleaseError(
+                    f,
+                    f"{where} evaluates a version after the release",
+                    reason=Reason.INCONSISTENT,
+                    expected=rel.version,
+                    computed=rec.version,
+                )
             facts.evals[index] = rec
         else:
-            raise ReleaseError(f, f"{where} is not a record a release relies on",
-                               reason=Reason.INCONSISTENT, computed=type(rec).__name__)
+            raise ReleaseError(
+                f,
+                f"{where} is not a record a release relies on",
+                reason=Reason.INCONSISTENT,
+                computed=type(rec).__name__,
+            )
     if 0 not in facts.entries:
         raise ReleaseError(f, "entry 0 (log_created) is missing", reason=Reason.NOT_FOUND)
     same(f, "published versions", list(range(1, rel.version + 1)), sorted(facts.policy))
     published_at = facts.policy[rel.version] if rel.version else 0
     late = [i for i in facts.verdicts if i > published_at]
     if late:
-        raise ReleaseError(f, f"verdict at entry {late[0]} comes after version {rel.version} "
-                           "was published", reason=Reason.INCONSISTENT,
-                           expected=f"< {published_at}", computed=late[0])
+        raise ReleaseError(
+            f,
+            f"verdict at entry {late[0]} comes after version {rel.version} was published",
+            reason=Reason.INCONSISTENT,
+            expected=f"< {published_at}",
+            computed=late[0],
+        )
     same(L.MANIFEST_FILE, "verdict_count", rel.verdict_count, len(verdict_leaves))
     same(L.MANIFEST_FILE, "verdicts_digest", rel.verdicts_digest, L.verdicts_digest(verdict_leaves))
     return facts
 
 
-def _check_proofs(files: dict[str, bytes], entries: dict[int, bytes], wanted: list[int],
-                  cp_text: str, log: Verifier) -> None:
+def _check_proofs(
+    files: dict[str, bytes],
+    entries: dict[int, bytes],
+    wanted: list[int],
+    cp_text: str,
+    log: Verifier,
+) -> None:
     present = sorted(p for p in files if p.startswith(L.PROOFS_DIR + "/"))
     expected = [L.proof_path(i) for i in wanted]
     for path in sorted(set(present) ^ set(expected)):
@@ -276,14 +355,19 @@ def _check_proofs(files: dict[str, bytes], entries: dict[int, bytes], wanted: li
             proof = TlogProof.from_text(files[path])
         same(path, "proof index", index, proof.index)
         same(path, "proof checkpoint (must be ledger/checkpoint.txt)", cp_text, proof.checkpoint)
-        same(path, f"entry bytes (must be entry {index} of {L.RECORDS_FILE})",
-              entries[index], proof.extra)
+        same(
+            path,
+            f"entry bytes (must be entry {index} of {L.RECORDS_FILE})",
+            entries[index],
+            proof.extra,
+        )
         with about(path):
             check_proof(proof, log)
 
 
-def _check_chain(files: dict[str, bytes], rel: ReleaseManifest,
-                 trainer: PublicKey) -> list[PolicyManifest]:
+def _check_chain(
+    files: dict[str, bytes], rel: ReleaseManifest, trainer: PublicKey
+) -> list[PolicyManifest]:
     out: list[PolicyManifest] = []
     for v in range(1, rel.version + 1):
         path = L.manifest_path(v)
@@ -304,14 +388,22 @@ def _check_chain(files: dict[str, bytes], rel: ReleaseManifest,
     return out
 
 
-def _check_weights(root: Path, rel: ReleaseManifest, manifests: list[PolicyManifest],
-                   blobs: Path | None, base_model: Path | None) -> None:
+def _check_weights(
+    root: Path,
+    rel: ReleaseManifest,
+    manifests: list[PolicyManifest],
+    blobs: Path | None,
+    base_model: Path | None,
+) -> None:
     base_dir = Path(base_model) if base_model is not None else root / L.CHAIN_BASE
     base_file = str(base_dir) if base_model is not None else f"{L.CHAIN_BASE}/{L.MODEL_WEIGHTS}"
     files = sorted(base_dir.glob("*.safetensors"))
     if not files:
-        raise ReleaseError(base_file, "base weights are not there (pass the base model directory)",
-                           reason=Reason.NOT_FOUND)
+        raise ReleaseError(
+            base_file,
+            "base weights are not there (pass the base model directory)",
+            reason=Reason.NOT_FOUND,
+        )
     same(base_file, "base model digest", rel.base_digest, base_model_digest(base_dir))
     state: dict[str, Tensor] = {}
     for f in files:
@@ -321,34 +413,54 @@ def _check_weights(root: Path, rel: ReleaseManifest, manifests: list[PolicyManif
         shipped = root / L.blob_path(digest)
         candidates = [(L.blob_path(digest), shipped)] if shipped.is_file() else []
         if blobs is not None:
-            candidates += [(str(c), c) for c in (Path(blobs) / digest.hex()[:2] / digest.hex(),
-                                                 Path(blobs) / digest.hex()) if c.is_file()]
+            candidates += [
+                (str(c), c)
+                for c in (Path(blobs) / digest.hex()[:2] / digest.hex(), Path(blobs) / digest.hex())
+                if c.is_file()
+            ]
         for name, c in candidates[:1]:
             data = c.read_bytes()
             got = blake3_digest(BLOB, data)
             if got != digest:
-                raise ReleaseError(name, "blob digest differs from its name",
-                                   reason=Reason.DIGEST_MISMATCH, expected=digest, computed=got)
+                raise ReleaseError(
+                    name,
+                    "blob digest differs from its name",
+                    reason=Reason.DIGEST_MISMATCH,
+                    expected=digest,
+                    computed=got,
+                )
             return data
-        raise ReleaseError(L.blob_path(digest), "update blob is missing (pass the blob store)",
-                           reason=Reason.NOT_FOUND)
+        raise ReleaseError(
+            L.blob_path(digest),
+            "update blob is missing (pass the blob store)",
+            reason=Reason.NOT_FOUND,
+        )
 
-    for manifest in manifests[chain_start(manifests):]:
+    for manifest in manifests[chain_start(manifests) :]:
         with about(L.manifest_path(manifest.version)):
             state = apply_version(state, manifest, fetch)
     replayed = tensor_digest(state)
-    same(L.MANIFEST_FILE, "weights_digest is not what the delta chain replays to",
-          rel.weights_digest, replayed)
+    same(
+        L.MANIFEST_FILE,
+        "weights_digest is not what the delta chain replays to",
+        rel.weights_digest,
+        replayed,
+    )
     from safetensors.torch import load_file
 
     released = _safetensors(L.MODEL_WEIGHTS, lambda: load_file(str(root / L.MODEL_WEIGHTS)))
     got = tensor_digest(released)
     if got != rel.weights_digest:
         names = sorted(set(state) ^ set(released)) or sorted(
-            n for n in state if tensor_digest({n: state[n]}) != tensor_digest({n: released[n]}))
-        raise ReleaseError(L.MODEL_WEIGHTS, f"tensors differ from the replayed chain "
-                           f"(first: {names[0] if names else '?'})", reason=Reason.DIGEST_MISMATCH,
-                           expected=rel.weights_digest, computed=got)
+            n for n in state if tensor_digest({n: state[n]}) != tensor_digest({n: released[n]})
+        )
+        raise ReleaseError(
+            L.MODEL_WEIGHTS,
+            f"tensors differ from the replayed chain (first: {names[0] if names else '?'})",
+            reason=Reason.DIGEST_MISMATCH,
+            expected=rel.weights_digest,
+            computed=got,
+        )
 
 
 def _safetensors(file: str, load: Callable[[], dict[str, Tensor]]) -> dict[str, Tensor]:
@@ -358,5 +470,6 @@ def _safetensors(file: str, load: Callable[[], dict[str, Tensor]]) -> dict[str, 
     try:
         return load()
     except (SafetensorError, OSError, ValueError) as exc:
-        raise ReleaseError(file, f"not a readable safetensors file: {exc}",
-                           reason=Reason.MALFORMED) from None
+        raise ReleaseError(
+            file, f"not a readable safetensors file: {exc}", reason=Reason.MALFORMED
+        ) from None

@@ -85,24 +85,32 @@ def decode_records(data: bytes) -> list[tuple[int, bytes]]:
         index, length = _FRAME.unpack_from(data, pos)
         pos += _FRAME.size
         if length > MAX_RECORD_BYTES or len(data) - pos < length:
-            raise DecodeError(f"record at ledger index {index} is truncated or too large",
-                              reason=Reason.TRUNCATED, expected=length, computed=len(data) - pos)
+            raise DecodeError(
+                f"record at ledger index {index} is truncated or too large",
+                reason=Reason.TRUNCATED,
+                expected=length,
+                computed=len(data) - pos,
+            )
         if out and index <= out[-1][0]:
-            raise DecodeError("record indices do not increase", reason=Reason.MALFORMED,
-                              expected=f"> {out[-1][0]}", computed=index)
-        out.append((index, data[pos:pos + length]))
+            raise DecodeError(
+                "record indices do not increase",
+                reason=Reason.MALFORMED,
+                expected=f"> {out[-1][0]}",
+                computed=index,
+            )
+        out.append((index, data[pos : pos + length]))
         pos += length
     return out
 
 
 def verdicts_digest(leaves: Sequence[tuple[int, bytes]]) -> bytes:
     """Summary of the listed verdicts: blake3 over ``index u64 LE | leaf hash`` in log order."""
-    return blake3_digest(RELEASE_VERDICTS,
-                         *(i.to_bytes(8, "little") + leaf for i, leaf in leaves))
+    return blake3_digest(RELEASE_VERDICTS, *(i.to_bytes(8, "little") + leaf for i, leaf in leaves))
 
 
-def verdict_sample(count: int, checkpoint_root: bytes, summary: bytes,
-                   k: int = VERDICT_SAMPLE) -> list[int]:
+def verdict_sample(
+    count: int, checkpoint_root: bytes, summary: bytes, k: int = VERDICT_SAMPLE
+) -> list[int]:
     """Positions (into the listed verdicts) that get an individual proof, sorted.
 
     Drawn from the validator-signed checkpoint root and the summary digest,
@@ -125,11 +133,17 @@ def verdict_sample(count: int, checkpoint_root: bytes, summary: bytes,
 class ReleaseError(VerificationError):
     """A release check failed; ``file`` is the release-relative path at fault."""
 
-    def __init__(self, file: str, message: str, *, reason: Reason, expected: object = None,
-                 computed: object = None) -> None:
+    def __init__(
+        self,
+        file: str,
+        message: str,
+        *,
+        reason: Reason,
+        expected: object = None,
+        computed: object = None,
+    ) -> None:
         self.file = file
-        super().__init__(f"{file}: {message}", reason=reason, expected=expected,
-                         computed=computed)
+        super().__init__(f"{file}: {message}", reason=reason, expected=expected, computed=computed)
 
 
 @contextmanager
@@ -143,12 +157,18 @@ def about(file: str) -> Iterator[None]:
         message = str(exc).removeprefix(f"[{exc.reason.value}] ")
         if exc.expected is not None or exc.computed is not None:
             message = message.rsplit(" (expected ", 1)[0]
-        raise ReleaseError(file, message, reason=exc.reason, expected=exc.expected,
-                           computed=exc.computed) from None
+        raise ReleaseError(
+            file, message, reason=exc.reason, expected=exc.expected, computed=exc.computed
+        ) from None
 
 
 def same(file: str, what: str, expected: object, computed: object) -> None:
     """Raise :class:`ReleaseError` on ``file`` unless ``expected == computed``."""
     if expected != computed:
-        raise ReleaseError(file, f"{what} differs", reason=Reason.INCONSISTENT,
-                           expected=expected, computed=computed)
+        raise ReleaseError(
+            file,
+            f"{what} differs",
+            reason=Reason.INCONSISTENT,
+            expected=expected,
+            computed=computed,
+        )

@@ -41,10 +41,16 @@ def tensor_digest(state: Mapping[str, Tensor]) -> bytes:
         t = state[name].detach().to("cpu").contiguous()
         raw = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
         dtype = str(t.dtype).encode()
-        parts += [len(name.encode()).to_bytes(4, "little"), name.encode(),
-                  len(dtype).to_bytes(4, "little"), dtype, t.dim().to_bytes(4, "little"),
-                  *(int(d).to_bytes(8, "little") for d in t.shape),
-                  len(raw).to_bytes(8, "little"), raw]
+        parts += [
+            len(name.encode()).to_bytes(4, "little"),
+            name.encode(),
+            len(dtype).to_bytes(4, "little"),
+            dtype,
+            t.dim().to_bytes(4, "little"),
+            *(int(d).to_bytes(8, "little") for d in t.shape),
+            len(raw).to_bytes(8, "little"),
+            raw,
+        ]
     return blake3_digest(RELEASE_WEIGHTS, *parts)
 
 
@@ -76,13 +82,17 @@ def replay(
     Raises VerificationError (DIGEST_MISMATCH / INCONSISTENT) or DecodeError.
     """
     state: State = dict(base)
-    for manifest in manifests[chain_start(manifests):]:
+    for manifest in manifests[chain_start(manifests) :]:
         state = apply_version(state, manifest, fetch_blob, limits)
     return state
 
 
-def apply_version(state: State, manifest: PolicyManifest, fetch_blob: Callable[[bytes], bytes],
-                  limits: DecodeLimits = DEFAULT_LIMITS) -> State:
+def apply_version(
+    state: State,
+    manifest: PolicyManifest,
+    fetch_blob: Callable[[bytes], bytes],
+    limits: DecodeLimits = DEFAULT_LIMITS,
+) -> State:
     """``state`` after one version's shards (each blob checked against ``manifest`` first)."""
     out: State = {}
     for shard in manifest.shards:
@@ -92,15 +102,22 @@ def apply_version(state: State, manifest: PolicyManifest, fetch_blob: Callable[[
             if name not in state:
                 raise VerificationError(
                     f"version {manifest.version} stage {shard.stage} updates an unknown parameter",
-                    reason=Reason.INCONSISTENT, computed=name)
+                    reason=Reason.INCONSISTENT,
+                    computed=name,
+                )
             if name in out:
                 raise VerificationError(
                     f"version {manifest.version} updates a parameter twice",
-                    reason=Reason.INCONSISTENT, computed=name)
+                    reason=Reason.INCONSISTENT,
+                    computed=name,
+                )
             prev = torch.zeros_like(state[name]) if shard.kind == "full" else state[name]
             out[name] = apply_delta(prev, part, limits)
     missing = sorted(set(state) - set(out))
     if missing:
-        raise VerificationError(f"version {manifest.version} leaves parameters out",
-                                reason=Reason.INCONSISTENT, computed=missing[:5])
+        raise VerificationError(
+            f"version {manifest.version} leaves parameters out",
+            reason=Reason.INCONSISTENT,
+            computed=missing[:5],
+        )
     return out

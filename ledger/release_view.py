@@ -39,13 +39,26 @@ def evals_json(version: int, table: Sequence[TablePair], curve: Sequence[CurvePo
     doc = {
         "release_version": version,
         "table": [
-            {"task": base.task_id, "split": base.split, "problems": base.problems,
-             "seed": base.seed, "base": _metrics(base), "release": _metrics(rel)}
+            {
+                "task": base.task_id,
+                "split": base.split,
+                "problems": base.problems,
+                "seed": base.seed,
+                "base": _metrics(base),
+                "release": _metrics(rel),
+            }
             for base, rel in table
         ],
         "curve": [
-            {"ledger_index": index, "version": s.version, "task": s.task_id, "split": s.split,
-             "problems": s.problems, "seed": s.seed, "metrics": _metrics(s)}
+            {
+                "ledger_index": index,
+                "version": s.version,
+                "task": s.task_id,
+                "split": s.split,
+                "problems": s.problems,
+                "seed": s.seed,
+                "metrics": _metrics(s),
+            }
             for index, s in ordered(curve)
         ],
     }
@@ -60,8 +73,9 @@ def eval_table_markdown(version: int, table: Sequence[TablePair]) -> str:
     """One Markdown table per task: every metric, base vs release, with its 95% interval."""
     out: list[str] = []
     for base, rel in table:
-        out.append(f"**{base.task_id}** ({base.split} split, {base.problems} problems, "
-                   f"seed {base.seed})\n")
+        out.append(
+            f"**{base.task_id}** ({base.split} split, {base.problems} problems, seed {base.seed})\n"
+        )
         out.append(f"| metric | base (v0) | release (v{version}) |")
         out.append("|---|---|---|")
         released = {m.name: m for m in rel.metrics}
@@ -90,8 +104,10 @@ def curve_table_markdown(curve: Sequence[CurvePoint]) -> str:
         out.append("|---" * (len(names) + 3) + "|")
         for index, s in points:
             by_name = {m.name: m for m in s.metrics}
-            cells = [_cell(by_name[n].value, by_name[n].lo, by_name[n].hi) if n in by_name
-                     else "n/a" for n in names]
+            cells = [
+                _cell(by_name[n].value, by_name[n].lo, by_name[n].hi) if n in by_name else "n/a"
+                for n in names
+            ]
             out.append(f"| {s.version} | {s.problems} | " + " | ".join(cells) + f" | #{index} |")
         out.append("")
     return "\n".join(out)

@@ -43,8 +43,17 @@ class ReputationParams(Struct, frozen=True):
 
     @classmethod
     def from_record(cls, rec: LogCreated) -> ReputationParams:
-        return cls(rec.prior_pass, rec.prior_fail, rec.fail_weight, rec.slash_weight, rec.decay,
-                   rec.ban_threshold, rec.min_audit_rate, rec.novelty, rec.risk_gain)
+        return cls(
+            rec.prior_pass,
+            rec.prior_fail,
+            rec.fail_weight,
+            rec.slash_weight,
+            rec.decay,
+            rec.ban_threshold,
+            rec.min_audit_rate,
+            rec.novelty,
+            rec.risk_gain,
+        )
 
 
 class ReputationState(Struct, frozen=True):
@@ -78,17 +87,31 @@ def outcome(record: Record) -> tuple[int, int, int] | None:
 
 
 def apply(
-    state: ReputationState, params: ReputationParams, passed: int, failed: int, slashed: int,
+    state: ReputationState,
+    params: ReputationParams,
+    passed: int,
+    failed: int,
+    slashed: int,
     index: int,
 ) -> ReputationState:
     """State after one observation at log ``index``."""
     alpha = params.prior_pass + params.decay * (state.alpha - params.prior_pass) + passed
-    beta = (params.prior_fail + params.decay * (state.beta - params.prior_fail)
-            + params.fail_weight * failed + params.slash_weight * slashed)
+    beta = (
+        params.prior_fail
+        + params.decay * (state.beta - params.prior_fail)
+        + params.fail_weight * failed
+        + params.slash_weight * slashed
+    )
     banned = state.banned or slashed > 0 or alpha / (alpha + beta) < params.ban_threshold
     return ReputationState(
-        state.contributor, alpha, beta, state.passed + passed, state.failed + failed,
-        state.slashed + slashed, banned, index,
+        state.contributor,
+        alpha,
+        beta,
+        state.passed + passed,
+        state.failed + failed,
+        state.slashed + slashed,
+        banned,
+        index,
     )
 
 

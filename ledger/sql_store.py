@@ -87,10 +87,13 @@ class SqlStore:
     def meta(self) -> dict[str, str]:
         return {k: v for k, v in self._all("SELECT k, v FROM meta")}
 
-    def entries(self, start: int = 0, stop: int | None = None) -> Iterator[tuple[int, bytes, bytes]]:
+    def entries(
+        self, start: int = 0, stop: int | None = None
+    ) -> Iterator[tuple[int, bytes, bytes]]:
         end = (1 << 62) if stop is None else stop
         yield from self._stream(
-            "SELECT idx, leaf, body FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx", (start, end)
+            "SELECT idx, leaf, body FROM entries WHERE idx >= ? AND idx < ? ORDER BY idx",
+            (start, end),
         )
 
     def entry(self, index: int) -> tuple[bytes, bytes] | None:
@@ -107,8 +110,9 @@ class SqlStore:
 
     def level(self, level: int) -> Iterator[tuple[int, bytes]]:
         lo, hi = level << LEVEL_SHIFT, (level + 1) << LEVEL_SHIFT
-        for key, h in self._stream("SELECT id, hash FROM nodes WHERE id >= ? AND id < ? ORDER BY id",
-                                   (lo, hi)):
+        for key, h in self._stream(
+            "SELECT id, hash FROM nodes WHERE id >= ? AND id < ? ORDER BY id", (lo, hi)
+        ):
             yield key - lo, h
 
     def integrity_problems(self) -> list[str]:
@@ -193,28 +197,52 @@ class _Txn:
 
     def add_entries(self, rows: list[tuple[int, bytes, bytes]]) -> None:
         if rows:
-            self._c.executemany(self._s._q("INSERT INTO entries (idx, leaf, body) VALUES (?, ?, ?)"), rows)
+            self._c.executemany(
+                self._s._q("INSERT INTO entries (idx, leaf, body) VALUES (?, ?, ?)"), rows
+            )
 
     def add_nodes(self, rows: list[tuple[NodeId, bytes]]) -> None:
         if rows:
-            self._c.executemany(self._s._q("INSERT INTO nodes (id, hash) VALUES (?, ?)"),
-                                [(node_key(n), h) for n, h in rows])
+            self._c.executemany(
+                self._s._q("INSERT INTO nodes (id, hash) VALUES (?, ?)"),
+                [(node_key(n), h) for n, h in rows],
+            )
 
     def put_reputation(self, states: Iterable[ReputationState]) -> None:
-        rows = [(s.contributor, s.alpha, s.beta, s.passed, s.failed, s.slashed, int(s.banned),
-                 s.last_index) for s in states]
+        rows = [
+            (
+                s.contributor,
+                s.alpha,
+                s.beta,
+                s.passed,
+                s.failed,
+                s.slashed,
+                int(s.banned),
+                s.last_index,
+            )
+            for s in states
+        ]
         if rows:
-            self._c.executemany(self._s._q(
-                f"INSERT INTO reputation ({_REP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
-                "ON CONFLICT (contributor) DO UPDATE SET alpha = excluded.alpha, "
-                "beta = excluded.beta, passed = excluded.passed, failed = excluded.failed, "
-                "slashed = excluded.slashed, banned = excluded.banned, "
-                "last_index = excluded.last_index"), rows)
+            self._c.executemany(
+                self._s._q(
+                    f"INSERT INTO reputation ({_REP_COLS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) "
+                    "ON CONFLICT (contributor) DO UPDATE SET alpha = excluded.alpha, "
+                    "beta = excluded.beta, passed = excluded.passed, failed = excluded.failed, "
+                    "slashed = excluded.slashed, banned = excluded.banned, "
+                    "last_index = excluded.last_index"
+                ),
+                rows,
+            )
 
     def put_checkpoint(self, size: int, note: str) -> None:
-        self._exec("INSERT INTO checkpoints (size, note) VALUES (?, ?) "
-                   "ON CONFLICT (size) DO UPDATE SET note = excluded.note", (size, note))
+        self._exec(
+            "INSERT INTO checkpoints (size, note) VALUES (?, ?) "
+            "ON CONFLICT (size) DO UPDATE SET note = excluded.note",
+            (size, note),
+        )
 
     def set_meta(self, key: str, value: str) -> None:
-        self._exec("INSERT INTO meta (k, v) VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v = excluded.v",
-                   (key, value))
+        self._exec(
+            "INSERT INTO meta (k, v) VALUES (?, ?) ON CONFLICT (k) DO UPDATE SET v = excluded.v",
+            (key, value),
+        )

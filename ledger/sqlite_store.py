@@ -45,15 +45,17 @@ class SqliteStore(SqlStore):
             if not self.path.is_file():
                 raise ConfigError(f"no ledger at {self.path}")
             uri = f"file:{quote(str(self.path.resolve()))}?mode=ro"
-            self._conn = sqlite3.connect(uri, uri=True, isolation_level=None, timeout=30.0,
-                                         check_same_thread=False)
+            self._conn = sqlite3.connect(
+                uri, uri=True, isolation_level=None, timeout=30.0, check_same_thread=False
+            )
             self._conn.text_factory = _text
             self._conn.execute("PRAGMA busy_timeout=30000")
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         # The write connection may be used from any thread; the Ledger serializes writers.
-        self._conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0,
-                                     check_same_thread=False)
+        self._conn = sqlite3.connect(
+            self.path, isolation_level=None, timeout=30.0, check_same_thread=False
+        )
         self._conn.text_factory = _text
         self._conn.execute("PRAGMA journal_mode=WAL")
         self._conn.execute(f"PRAGMA synchronous={synchronous}")
@@ -81,7 +83,9 @@ class SqliteStore(SqlStore):
         """This thread's read connection (those of finished threads are closed)."""
         assert self._readers is not None
         self._conn.total_changes  # noqa: B018  (raises ProgrammingError once the store is closed)
-        conn = sqlite3.connect(self.path, isolation_level=None, timeout=30.0, check_same_thread=False)
+        conn = sqlite3.connect(
+            self.path, isolation_level=None, timeout=30.0, check_same_thread=False
+        )
         conn.text_factory = _text
         conn.execute("PRAGMA busy_timeout=30000")
         conn.execute("PRAGMA query_only=1")

@@ -39,8 +39,15 @@ class ServiceError(ProofTrainError):
 
 
 class ValidatorClient:
-    def __init__(self, base_url: str, key: SigningKey, *, timeout: float = 60.0, retries: int = 5,
-                 backoff: float = 0.2) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        key: SigningKey,
+        *,
+        timeout: float = 60.0,
+        retries: int = 5,
+        backoff: float = 0.2,
+    ) -> None:
         self.key = key
         self.retries, self.backoff = retries, backoff
         self.http = httpx.Client(base_url=base_url, timeout=timeout)
@@ -48,13 +55,22 @@ class ValidatorClient:
     def close(self) -> None:
         self.http.close()
 
-    def _request(self, method: str, path: str, body: bytes = b"", *, signed: bool = False,
-                 params: dict[str, Any] | None = None) -> httpx.Response:
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: bytes = b"",
+        *,
+        signed: bool = False,
+        params: dict[str, Any] | None = None,
+    ) -> httpx.Response:
         target = path + (("?" + str(httpx.QueryParams(params))) if params else "")
         for attempt in range(self.retries + 1):
             headers = {"content-type": "application/msgpack"}
             if signed:
-                headers.update(sign_request(self.key, method, target, body, time.time_ns() // 1_000_000))
+                headers.update(
+                    sign_request(self.key, method, target, body, time.time_ns() // 1_000_000)
+                )
             try:
                 resp = self.http.request(method, target, content=body, headers=headers)
             except httpx.TransportError:
@@ -63,7 +79,9 @@ class ValidatorClient:
                 time.sleep(self.backoff * 2**attempt)
                 continue
             if resp.status_code == 429 and attempt < self.retries:
-                time.sleep(max(float(resp.headers.get("retry-after", "0") or 0), self.backoff * 2**attempt))
+                time.sleep(
+                    max(float(resp.headers.get("retry-after", "0") or 0), self.backoff * 2**attempt)
+                )
                 continue
             if resp.status_code >= 400:
                 try:
@@ -93,12 +111,17 @@ class ValidatorClient:
         return decode(SignedGroupVerdict, data, max_bytes=len(data))
 
     def samples(self, cursor: int, limit: int = 256) -> SampleBatch:
-        data = self._request("GET", "/v1/samples", signed=True,
-                             params={"cursor": cursor, "limit": limit}).content
+        data = self._request(
+            "GET", "/v1/samples", signed=True, params={"cursor": cursor, "limit": limit}
+        ).content
         return decode(SampleBatch, data, max_bytes=len(data))
 
     def publish(self, sealed: SignedManifest) -> int:
-        return int(self._request("POST", "/v1/policy", canonical_bytes(sealed), signed=True).json()["version"])
+        return int(
+            self._request("POST", "/v1/policy", canonical_bytes(sealed), signed=True).json()[
+                "version"
+            ]
+        )
 
     def record_eval(self, sealed: SignedEvalStatement) -> int:
         """Record a trainer-signed eval statement; returns its ledger index."""

@@ -59,7 +59,6 @@ class NodeSection(_Section):
     and the node's own threads on the others, so they never preempt a worker (Linux;
     ``node.validator.affinity``). Spot checks' forward passes still use every CPU."""
 
-
     def is_postgres(self) -> bool:
         return self.ledger.startswith(("postgresql://", "postgres://"))
 
@@ -73,7 +72,11 @@ class NodeSection(_Section):
         """Where the blob store is (``blob_dir`` or its default)."""
         if self.blob_dir is not None:
             return self.blob_dir
-        return POSTGRES_BLOBS if self.is_postgres() else Path(self.ledger.removeprefix("sqlite:") + ".blobs")
+        return (
+            POSTGRES_BLOBS
+            if self.is_postgres()
+            else Path(self.ledger.removeprefix("sqlite:") + ".blobs")
+        )
 
 
 POSTGRES_STATE = Path("runs/validator/node.state")

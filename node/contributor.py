@@ -85,9 +85,19 @@ class ContributorStats:
 
 
 class Contributor:
-    def __init__(self, client: ValidatorClient, key: SigningKey, base_model_dir: Path, state_dir: Path,
-                 *, backend: str = "transformers", device: str | None = None, dtype: str | None = None,
-                 log: Callable[[str], None] = print, uploads: int = 1) -> None:
+    def __init__(
+        self,
+        client: ValidatorClient,
+        key: SigningKey,
+        base_model_dir: Path,
+        state_dir: Path,
+        *,
+        backend: str = "transformers",
+        device: str | None = None,
+        dtype: str | None = None,
+        log: Callable[[str], None] = print,
+        uploads: int = 1,
+    ) -> None:
         if uploads < 1:
             raise ConfigError(f"uploads must be at least 1, got {uploads}")
         self.client, self.key, self.base = client, key, Path(base_model_dir)
@@ -140,15 +150,21 @@ class Contributor:
             model: Any = str(self.base)
         else:
             if self.trainer is None:
-                raise ProofTrainError("the validator names no trainer key; cannot verify policy updates")
+                raise ProofTrainError(
+                    "the validator names no trainer key; cannot verify policy updates"
+                )
             if self._sync is None:
                 stages = len(decode_manifest(self.client.manifest(version)).shards)
-                self._sync = PolicySync(self.base, self.trainer, self.client.manifest, self.client.blob, stages)
+                self._sync = PolicySync(
+                    self.base, self.trainer, self.client.manifest, self.client.blob, stages
+                )
             if loads_from_directory(self.backend_name):
                 model = str(self._write_policy(version))
             else:
                 model = self._sync.model_at(version)
-        placement = {} if self.device is None else {"device": self.device}  # else the backend's default
+        placement = (
+            {} if self.device is None else {"device": self.device}
+        )  # else the backend's default
         if self._backend is not None and hasattr(self._backend, "close"):
             self._backend.close()  # e.g. a vLLM engine's GPU memory, before the next one loads
             self._backend = None
@@ -230,14 +246,18 @@ class Contributor:
         whether ``run`` returns or raises.
         """
         backlog = [bytes.fromhex(p["group"]) for p in self.pending()]
-        pool: Executor = (_Inline() if self.uploads == 1
-                          else ThreadPoolExecutor(self.uploads, thread_name_prefix="prooftrain-upload"))
+        pool: Executor = (
+            _Inline()
+            if self.uploads == 1
+            else ThreadPoolExecutor(self.uploads, thread_name_prefix="prooftrain-upload")
+        )
         inflight: set[Future[list[Verdict]]] = set()
         answered: list[list[Verdict]] = []
         try:
             while (groups is None or len(answered) < groups) and not self.stop.is_set():
-                if len(inflight) >= self.uploads or (groups is not None
-                                                     and len(answered) + len(inflight) >= groups):
+                if len(inflight) >= self.uploads or (
+                    groups is not None and len(answered) + len(inflight) >= groups
+                ):
                     finished, inflight = wait(inflight, return_when=FIRST_COMPLETED)
                     self._settle(finished, answered)
                     continue
@@ -262,8 +282,14 @@ class Contributor:
         self._drain(pool, inflight, answered, reraise=True)
         return self.stats
 
-    def _drain(self, pool: Executor, inflight: set[Future[list[Verdict]]], answered: list[list[Verdict]],
-               *, reraise: bool) -> None:
+    def _drain(
+        self,
+        pool: Executor,
+        inflight: set[Future[list[Verdict]]],
+        answered: list[list[Verdict]],
+        *,
+        reraise: bool,
+    ) -> None:
         """Wait for the uploads already started and count them. A refused key is
         logged (the loop is stopping anyway); any other exception is logged and,
         if ``reraise``, the first is raised (else one is already propagating)."""
@@ -281,7 +307,9 @@ class Contributor:
         if error is not None and reraise:
             raise error
 
-    def _settle(self, finished: Iterable[Future[list[Verdict]]], answered: list[list[Verdict]]) -> None:
+    def _settle(
+        self, finished: Iterable[Future[list[Verdict]]], answered: list[list[Verdict]]
+    ) -> None:
         """Log every finished upload's verdicts and append them to ``answered``;
         then raise the first failed upload's exception."""
         error: BaseException | None = None
@@ -292,8 +320,14 @@ class Contributor:
             verdicts = f.result()
             answered.append(verdicts)
             ok = sum(v.accepted for v in verdicts)
-            self.log(f"group {len(answered)}: {ok}/{len(verdicts)} accepted"
-                     + (f" ({', '.join(sorted({v.reason for v in verdicts if v.reason}))})" if ok < len(verdicts) else ""))
+            self.log(
+                f"group {len(answered)}: {ok}/{len(verdicts)} accepted"
+                + (
+                    f" ({', '.join(sorted({v.reason for v in verdicts if v.reason}))})"
+                    if ok < len(verdicts)
+                    else ""
+                )
+            )
         if error is not None:
             raise error
 

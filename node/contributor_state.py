@@ -39,7 +39,9 @@ STATE_FILE = "contributor-state.json"
 LOCK_FILE = "lock"
 DEFAULT_ROOT = Path("runs/contributor")
 
-_HELD: dict[Path, int] = {}  # directory -> the lock file's descriptor, kept open for the process's life
+_HELD: dict[
+    Path, int
+] = {}  # directory -> the lock file's descriptor, kept open for the process's life
 _HELD_LOCK = threading.Lock()
 
 
@@ -64,7 +66,8 @@ def lock_state_dir(state_dir: Path) -> None:
             raise ConfigError(
                 f"contributor state directory {state_dir} is in use by another process (pid {holder}); "
                 "give each contributor its own --state-dir (the default, runs/contributor/<key "
-                "fingerprint>, already differs per key)") from None
+                "fingerprint>, already differs per key)"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _HELD[state_dir] = fd
@@ -91,16 +94,20 @@ class PendingFile:
             raise ConfigError(
                 f"contributor state file {self.path} is corrupt ({exc}). It lists groups generated "
                 "but not yet acknowledged by the validator: move it aside to start afresh (those "
-                "groups are then lost; their assignments expire), or restore it from a backup") from None
+                "groups are then lost; their assignments expire), or restore it from a backup"
+            ) from None
         owner = state.get("key")
         if owner is not None and owner != self.key.hex():
             raise ConfigError(
                 f"contributor state file {self.path} belongs to key {owner[:16]}..., not to "
-                f"{self.key.hex()[:16]}...; use a --state-dir of this key's own")
+                f"{self.key.hex()[:16]}...; use a --state-dir of this key's own"
+            )
         return pending
 
     def write(self, pending: list[dict[str, str]]) -> None:
-        write_atomically(self.path, json.dumps({"key": self.key.hex(), "pending": pending}).encode())
+        write_atomically(
+            self.path, json.dumps({"key": self.key.hex(), "pending": pending}).encode()
+        )
 
 
 def _pending_of(state: Any) -> list[dict[str, str]]:
@@ -111,7 +118,8 @@ def _pending_of(state: Any) -> list[dict[str, str]]:
     else:
         pending = [state] if "group" in state else []
     if not isinstance(pending, list) or not all(
-            isinstance(p, dict) and isinstance(p.get("group"), str) for p in pending):
+        isinstance(p, dict) and isinstance(p.get("group"), str) for p in pending
+    ):
         raise TypeError("'pending' is not a list of groups")
     for p in pending:
         bytes.fromhex(p["group"])  # ValueError if it is not hex

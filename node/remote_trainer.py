@@ -62,8 +62,13 @@ class ClientSource:
 
 
 def run_remote(
-    cfg: TrainerConfig, url: str, key: SigningKey, *, progress: bool = True,
-    on_metrics: Callable[[int, Metrics], None] | None = None, resume: bool = False,
+    cfg: TrainerConfig,
+    url: str,
+    key: SigningKey,
+    *,
+    progress: bool = True,
+    on_metrics: Callable[[int, Metrics], None] | None = None,
+    resume: bool = False,
     poll_s: float = 0.5,
 ) -> History:
     """Train against the validator at ``url`` with trainer key ``key``; returns the history.
@@ -78,15 +83,19 @@ def run_remote(
     client = ValidatorClient(url, key)
     info = client.info()
     if info.get("trainer_key") != key.public.hex():
-        raise ConfigError(f"the validator at {url} expects trainer key {info.get('trainer_key')} "
-                          f"(node.trainer_key), not this --trainer-key's {key.public.hex()}")
+        raise ConfigError(
+            f"the validator at {url} expects trainer key {info.get('trainer_key')} "
+            f"(node.trainer_key), not this --trainer-key's {key.public.hex()}"
+        )
     cfg = adopt_network(cfg, info, url)
     model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
     check_base_model(model_dir, base_model_digest(model_dir), info, url)
     published = int(info["policy_version"])
     if published and not resume:
-        raise ConfigError(f"the validator is at policy version {published}; start from a "
-                          "checkpoint of that run with --resume")
+        raise ConfigError(
+            f"the validator is at policy version {published}; start from a "
+            "checkpoint of that run with --resume"
+        )
     if progress:
         print(describe(cfg, model_dir), flush=True)
     torch.set_num_threads(cfg.threads)
@@ -95,8 +104,7 @@ def run_remote(
     stage = load_stage(model_dir, 0, 1)
     p = cfg.publish
     publisher = StagePublisher.for_stage(stage, 0, p.codec, p.codec_params, p.snapshot_every)
-    hook = PublishHook(publisher, client, base_digest=base_model_digest(model_dir),
-                       trainer_key=key)
+    hook = PublishHook(publisher, client, base_digest=base_model_digest(model_dir), trainer_key=key)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
 
@@ -109,26 +117,59 @@ def run_remote(
             raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
         model = copy.deepcopy(template)
         publisher.load_into(model)
-        report = evaluate((model, tokenizer), cfg.task, "heldout", n=cfg.eval_problems, k=1,
-                          samples=1, seed=cfg.seed)
+        report = evaluate(
+            (model, tokenizer),
+            cfg.task,
+            "heldout",
+            n=cfg.eval_problems,
+            k=1,
+            samples=1,
+            seed=cfg.seed,
+        )
         digest = manifest_digest(hook.parent) if version and hook.parent is not None else b""
-        client.record_eval(eval_statement(
-            report, version=version, manifest_digest=digest, task=cfg.task, split="heldout",
-            seed=cfg.seed, key=key, created_at_ms=int(time.time() * 1000)))
+        client.record_eval(
+            eval_statement(
+                report,
+                version=version,
+                manifest_digest=digest,
+                task=cfg.task,
+                split="heldout",
+                seed=cfg.seed,
+                key=key,
+                created_at_ms=int(time.time() * 1000),
+            )
+        )
         recorded.add(version)
         return report
 
-    runner = PipelineRunner(stage, 0, 1, num_microbatches=cfg.microbatches,
-                            temperature=cfg.local.temperature, seed=cfg.seed)
-    loop = TrainerLoop(cfg, runner, ClientSource(client), publish=hook,
-                       evaluate=evaluate_version, on_metrics=on_metrics, progress=progress)
-    loop.wait = waiting_reporter(loop.buffer, cfg, poll_s) if progress else (lambda: time.sleep(poll_s))
+    runner = PipelineRunner(
+        stage,
+        0,
+        1,
+        num_microbatches=cfg.microbatches,
+        temperature=cfg.local.temperature,
+        seed=cfg.seed,
+    )
+    loop = TrainerLoop(
+        cfg,
+        runner,
+        ClientSource(client),
+        publish=hook,
+        evaluate=evaluate_version,
+        on_metrics=on_metrics,
+        progress=progress,
+    )
+    loop.wait = (
+        waiting_reporter(loop.buffer, cfg, poll_s) if progress else (lambda: time.sleep(poll_s))
+    )
     try:
         if resume and cfg.checkpoint_dir is not None:
             loop.resume(Path(cfg.checkpoint_dir), published=published)
         if loop.version != published:
-            raise ConfigError(f"the validator is at policy version {published} but the trainer "
-                              f"resumed at {loop.version}")
+            raise ConfigError(
+                f"the validator is at policy version {published} but the trainer "
+                f"resumed at {loop.version}"
+            )
         return loop.run()
     finally:
         client.close()

@@ -75,4 +75,5 @@ def _ensure_builtins() -> None:
     import rewards.countdown  # noqa: F401
     import rewards.numeric  # noqa: F401
     import rewards.reverse_text  # noqa: F401
+
     _BUILTINS_IN = True

@@ -88,13 +88,22 @@ class GenerationBackend(Protocol):
 
 def batch_key(request: GenerationRequest) -> tuple:
     """What requests batched into one pass share: group size, sampling, length limit, stops."""
-    return (request.group_size, request.temperature, request.top_k, request.top_p,
-            request.max_tokens, tuple(sorted(set(request.stop_token_ids))), request.sampler)
+    return (
+        request.group_size,
+        request.temperature,
+        request.top_k,
+        request.top_p,
+        request.max_tokens,
+        tuple(sorted(set(request.stop_token_ids))),
+        request.sampler,
+    )
 
 
 def generate_grouped(
-    jobs: Sequence[tuple[int, GenerationRequest]], backend: Callable[[int], TransformersBackend],
-    *, min_batch: int = 1,
+    jobs: Sequence[tuple[int, GenerationRequest]],
+    backend: Callable[[int], TransformersBackend],
+    *,
+    min_batch: int = 1,
 ) -> list[tuple[list[GeneratedCompletion], float] | None]:
     """Each ``(policy version, request)``'s completions and its share of its batch's seconds.
 
@@ -184,16 +193,17 @@ def load_causal_lm(
     return model.to(device).eval()
 
 
-def left_padded(prompts: Sequence[Sequence[int]], pad_id: int = 0
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def left_padded(
+    prompts: Sequence[Sequence[int]], pad_id: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts left-padded to one width: token ids, attention mask and position ids
     (each row's first real token at position 0), all ``(len(prompts), width)`` on the CPU."""
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, p in enumerate(prompts):
-        ids[row, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
-        mask[row, width - len(p):] = 1
+        ids[row, width - len(p) :] = torch.tensor(list(p), dtype=torch.long)
+        mask[row, width - len(p) :] = 1
     return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -216,7 +226,10 @@ class TransformersBackend:
     name = "transformers"
 
     def __init__(
-        self, model: torch.nn.Module | str | Path, *, device: str | torch.device = "cpu",
+        self,
+        model: torch.nn.Module | str | Path,
+        *,
+        device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
     ) -> None:
         self.device = torch.device(device)
@@ -240,7 +253,9 @@ class TransformersBackend:
         return self._decode(logits, step, [request])[0]
 
     @torch.inference_mode()
-    def generate_batch(self, requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:
+    def generate_batch(
+        self, requests: Sequence[GenerationRequest]
+    ) -> list[list[GeneratedCompletion]]:
         """:meth:`generate` of several requests in one batched pass, in request order.
 
         The requests must agree on group size, sampling parameters, ``max_tokens``
@@ -255,34 +270,55 @@ class TransformersBackend:
         if not requests or len({batch_key(r) for r in requests}) != 1:
             raise ValueError("generate_batch needs one or more requests with one batch_key")
         g_size = requests[0].group_size
-        ids, mask, positions = (t.to(self.device) for t in left_padded([r.prompt_ids for r in requests]))
+        ids, mask, positions = (
+            t.to(self.device) for t in left_padded([r.prompt_ids for r in requests])
+        )
         # Each prompt once; its cache, mask and logits then serve its G completions.
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=1)
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = getattr(out, self._cache_kw)
         cache.batch_repeat_interleave(g_size)
-        state = {"mask": mask.repeat_interleave(g_size, dim=0),
-                 "next": positions[:, -1:].repeat_interleave(g_size, dim=0) + 1}
+        state = {
+            "mask": mask.repeat_interleave(g_size, dim=0),
+            "next": positions[:, -1:].repeat_interleave(g_size, dim=0) + 1,
+        }
 
         def step(nxt: torch.Tensor) -> torch.Tensor:
             state["mask"] = torch.cat([state["mask"], torch.ones_like(state["mask"][:, :1])], dim=1)
-            out = self.model(input_ids=nxt[:, None], attention_mask=state["mask"],
-                             position_ids=state["next"], use_cache=True, **{self._cache_kw: cache})
+            out = self.model(
+                input_ids=nxt[:, None],
+                attention_mask=state["mask"],
+                position_ids=state["next"],
+                use_cache=True,
+                **{self._cache_kw: cache},
+            )
             state["next"] = state["next"] + 1
             return out.logits[:, -1, :].float()
 
-        return self._decode(out.logits[:, -1, :].float().repeat_interleave(g_size, dim=0), step,
-                            requests)
+        return self._decode(
+            out.logits[:, -1, :].float().repeat_interleave(g_size, dim=0), step, requests
+        )
 
-    def _decode(self, logits: torch.Tensor, step: Callable[[torch.Tensor], torch.Tensor],
-                requests: Sequence[GenerationRequest]) -> list[list[GeneratedCompletion]]:
+    def _decode(
+        self,
+        logits: torch.Tensor,
+        step: Callable[[torch.Tensor], torch.Tensor],
+        requests: Sequence[GenerationRequest],
+    ) -> list[list[GeneratedCompletion]]:
         """Sample every row to a stop token or ``max_tokens``; rows are the requests' G
         completions in order, ``logits`` the rows' first next-token logits, ``step(tokens)``
         feeds one token per row and returns the next logits."""
         first = requests[0]
         rows = [(r, g) for r in requests for g in range(r.group_size)]
         n = len(rows)
-        stops = torch.tensor(sorted(set(first.stop_token_ids)), dtype=torch.long, device=self.device)
+        stops = torch.tensor(
+            sorted(set(first.stop_token_ids)), dtype=torch.long, device=self.device
+        )
         tokens = torch.zeros((n, first.max_tokens), dtype=torch.long, device=self.device)
         chosen = torch.zeros((n, first.max_tokens), dtype=torch.float32, device=self.device)
         done = torch.zeros(n, dtype=torch.bool, device=self.device)
@@ -307,8 +343,13 @@ class TransformersBackend:
         return out
 
     @staticmethod
-    def _sample(lp: torch.Tensor, rows: list[tuple[GenerationRequest, int]], t: int,
-                done: torch.Tensor, temperature: float) -> torch.Tensor:
+    def _sample(
+        lp: torch.Tensor,
+        rows: list[tuple[GenerationRequest, int]],
+        t: int,
+        done: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
         if temperature == 0.0:
             return lp.argmax(dim=-1)  # point mass: the noise cannot change the argmax
         live = [i for i in range(lp.shape[0]) if not bool(done[i])]
@@ -317,14 +358,16 @@ class TransformersBackend:
             sampler = sampler_named(rows[0][0].sampler)
             randomness = sampler.randomness(
                 [(r.sampler_key, r.nonce, r.seed, g, [t]) for r, g in (rows[i] for i in live)],
-                lp.shape[-1])
+                lp.shape[-1],
+            )
             index = torch.tensor(live, dtype=torch.long, device=lp.device)
             out[index] = sampler.draw(lp.index_select(0, index), randomness).to(lp.device)
         return out
 
     @staticmethod
-    def _completion(g: int, tokens: torch.Tensor, chosen: torch.Tensor, length: int,
-                    request: GenerationRequest) -> GeneratedCompletion:
+    def _completion(
+        g: int, tokens: torch.Tensor, chosen: torch.Tensor, length: int, request: GenerationRequest
+    ) -> GeneratedCompletion:
         ids = tuple(int(x) for x in tokens[:length].tolist())
         logprobs = chosen[:length].to("cpu", torch.float32).numpy().copy()
         logprobs.setflags(write=False)

@@ -65,17 +65,26 @@ class TransformersOracle(LogitsOracle):
     """
 
     def __init__(
-        self, models: Mapping[int, ModelSource] | Callable[[int], ModelSource], *,
-        device: str | torch.device = "cpu", dtype: torch.dtype | str | None = None,
-        padding_side: str = "left", max_batch_tokens: int = 16_384, pad_token_id: int = 0,
-        max_versions: int = 8, min_prefix_savings: int = 64, max_packed_tokens: int | None = None,
+        self,
+        models: Mapping[int, ModelSource] | Callable[[int], ModelSource],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+        padding_side: str = "left",
+        max_batch_tokens: int = 16_384,
+        pad_token_id: int = 0,
+        max_versions: int = 8,
+        min_prefix_savings: int = 64,
+        max_packed_tokens: int | None = None,
     ) -> None:
         if padding_side not in ("left", "right"):
             raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
         if max_batch_tokens < 1:
             raise ValueError("max_batch_tokens must be >= 1")
         if max_packed_tokens is not None and max_packed_tokens < 0:
-            raise ValueError("max_packed_tokens must be >= 0 (0: never pack; None: from the model's shape)")
+            raise ValueError(
+                "max_packed_tokens must be >= 0 (0: never pack; None: from the model's shape)"
+            )
         self._models = models
         self._loaded: OrderedDict[int, torch.nn.Module] = OrderedDict()
         self.max_versions = max(1, max_versions)
@@ -88,7 +97,9 @@ class TransformersOracle(LogitsOracle):
         self.max_packed_tokens = max_packed_tokens
         self._packs: dict[int, int] = {}  # version -> its packed width limit, 0 if it does not pack
         self._probed: dict[tuple, bool] = {}  # architecture -> whether packing matched
-        self._lock = threading.RLock()  # loading, evicting and probing; forward passes run outside it
+        self._lock = (
+            threading.RLock()
+        )  # loading, evicting and probing; forward passes run outside it
 
     def model(self, version: int) -> torch.nn.Module:
         with self._lock:
@@ -100,7 +111,9 @@ class TransformersOracle(LogitsOracle):
                 else:
                     source = self._models(version)
                 self._loaded[version] = load_causal_lm(source, self.device, self.dtype)
-                while len(self._loaded) > self.max_versions:  # keep the staleness window, not history
+                while (
+                    len(self._loaded) > self.max_versions
+                ):  # keep the staleness window, not history
                     self._packs.pop(self._loaded.popitem(last=False)[0], None)
             self._loaded.move_to_end(version)
             return self._loaded[version]
@@ -117,8 +130,9 @@ class TransformersOracle(LogitsOracle):
         groups = _by_prompt(seqs)
         if limit := self._packed_limit(version, model):
             widths = [packed_width(seqs, g) for g in groups]
-            self._run_packed_rows(model, seqs, [g for g, w in zip(groups, widths, strict=True) if w <= limit],
-                                  result)
+            self._run_packed_rows(
+                model, seqs, [g for g, w in zip(groups, widths, strict=True) if w <= limit], result
+            )
             groups = [g for g, w in zip(groups, widths, strict=True) if w > limit]
         if groups and self._prefix_pays(seqs, groups):
             self._run_groups(model, seqs, groups, result)
@@ -134,9 +148,15 @@ class TransformersOracle(LogitsOracle):
         """The widest packed row for this version's model, 0 if it does not pack; probed once."""
         with self._lock:
             if version not in self._packs:
-                limit = packed_width_limit(model) if self.max_packed_tokens is None else self.max_packed_tokens
+                limit = (
+                    packed_width_limit(model)
+                    if self.max_packed_tokens is None
+                    else self.max_packed_tokens
+                )
                 config = getattr(model, "config", None)
-                if (span := attention_span(config)) is not None:  # a packed mask replaces a window's
+                if (
+                    span := attention_span(config)
+                ) is not None:  # a packed mask replaces a window's
                     limit = min(limit, span)  # own: rows no wider than it never need it
                 impl = getattr(config, "_attn_implementation", None)
                 packs = limit > 0 and impl in ("sdpa", "eager") and self._probe(model, limit)
@@ -163,7 +183,9 @@ class TransformersOracle(LogitsOracle):
         ignores the mask or the restarted positions, shows it. The bound is the larger of
         four times the padded layout's own batch-versus-alone difference and 1e-4 (float32)
         or 1e-2 (16-bit) of the largest logit."""
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None) or limit
+        positions = (
+            getattr(getattr(model, "config", None), "max_position_embeddings", None) or limit
+        )
         width = min(limit, positions)
         if width < 5:  # no room for a prompt and three completions
             return False
@@ -171,7 +193,7 @@ class TransformersOracle(LogitsOracle):
         tok = [1 + (7 * i + 3) % max(vocab - 1, 1) for i in range(width)]
         p = min(3, width - 4)
         prompt, fed = tok[:p], width - p - 3  # p + fed + 2 + 1 = width slots
-        seqs = [(prompt + tok[p:p + fed + 1], p), (prompt + tok[1:4], p), (prompt + tok[2:4], p)]
+        seqs = [(prompt + tok[p : p + fed + 1], p), (prompt + tok[1:4], p), (prompt + tok[2:4], p)]
         padded: list[torch.Tensor | None] = [None] * len(seqs)
         alone: list[torch.Tensor | None] = [None] * len(seqs)
         packed: list[torch.Tensor | None] = [None] * len(seqs)
@@ -182,8 +204,11 @@ class TransformersOracle(LogitsOracle):
             self._run_packed(model, seqs, [[0, 1, 2]], packed)
         except (RuntimeError, ValueError, TypeError, IndexError):  # a model that refuses the inputs
             return False
-        runs = [(g, w, a) for g, w, a in zip(packed, padded, alone, strict=True)
-                if g is not None and w is not None and a is not None and g.shape == w.shape]
+        runs = [
+            (g, w, a)
+            for g, w, a in zip(packed, padded, alone, strict=True)
+            if g is not None and w is not None and a is not None and g.shape == w.shape
+        ]
         if len(runs) != len(seqs):
             return False
         scale = max(1.0, max(float(w.abs().max()) for _, w, _ in runs))
@@ -192,40 +217,71 @@ class TransformersOracle(LogitsOracle):
         bound = max(4 * noise, (1e-4 if exact else 1e-2) * scale)
         return all(float((g - w).abs().max()) <= bound for g, w, _ in runs)
 
-    def _run_packed_rows(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-                         groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
+    def _run_packed_rows(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        groups: list[list[int]],
+        result: list[torch.Tensor | None],
+    ) -> None:
         """Packed rows, longest first, batched within ``max_batch_tokens``."""
         for batch in _batches(groups, lambda g: packed_width(seqs, g), self.max_batch_tokens):
             self._run_packed(model, seqs, batch, result)
 
     @torch.inference_mode()
-    def _run_packed(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-                    groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
+    def _run_packed(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        groups: list[list[int]],
+        result: list[torch.Tensor | None],
+    ) -> None:
         """One packed row per group (``rollout/packing.py``), all in one forward call."""
         batch = pack(seqs, groups, self.pad_token_id, next(model.parameters()).dtype)
         width = batch.input_ids.shape[1]
-        logits = model(input_ids=batch.input_ids.to(self.device),
-                       attention_mask=batch.attention_mask.to(self.device),
-                       position_ids=batch.position_ids.to(self.device), use_cache=False,
-                       logits_to_keep=width - batch.first).logits.float().cpu()  # (U, W - first, V)
+        logits = (
+            model(
+                input_ids=batch.input_ids.to(self.device),
+                attention_mask=batch.attention_mask.to(self.device),
+                position_ids=batch.position_ids.to(self.device),
+                use_cache=False,
+                logits_to_keep=width - batch.first,
+            )
+            .logits.float()
+            .cpu()
+        )  # (U, W - first, V)
         for i, part in unpack(logits, seqs, groups, batch.first):
             result[i] = part
 
-    def _prefix_pays(self, seqs: Sequence[tuple[Sequence[int], int]], groups: list[list[int]]) -> bool:
+    def _prefix_pays(
+        self, seqs: Sequence[tuple[Sequence[int], int]], groups: list[list[int]]
+    ) -> bool:
         """Whether the shared-prefix layout saves ``min_prefix_savings`` tokens over the padded one."""
         members = [i for g in groups for i in g]
         plain = sum(len(seqs[i][0]) for i in members)
-        shared = sum(seqs[g[0]][1] for g in groups) + sum(len(seqs[i][0]) - seqs[i][1] for i in members)
+        shared = sum(seqs[g[0]][1] for g in groups) + sum(
+            len(seqs[i][0]) - seqs[i][1] for i in members
+        )
         return plain - shared >= self.min_prefix_savings
 
-    def _run_padded(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-                    members: list[int], result: list[torch.Tensor | None]) -> None:
+    def _run_padded(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        members: list[int],
+        result: list[torch.Tensor | None],
+    ) -> None:
         """One padded row per sequence, longest first, batched within ``max_batch_tokens``."""
         for batch in _batches(members, lambda i: len(seqs[i][0]), self.max_batch_tokens):
             self._run(model, seqs, batch, result)
 
-    def _run_groups(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-                    groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
+    def _run_groups(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        groups: list[list[int]],
+        result: list[torch.Tensor | None],
+    ) -> None:
         """Shared-prompt batches of whole groups, each within ``max_batch_tokens``."""
         batch: list[list[int]] = []
         tokens = 0
@@ -240,18 +296,27 @@ class TransformersOracle(LogitsOracle):
             self._run_shared(model, seqs, batch, result)
 
     @torch.inference_mode()
-    def _run_shared(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-                    groups: list[list[int]], result: list[torch.Tensor | None]) -> None:
+    def _run_shared(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        groups: list[list[int]],
+        result: list[torch.Tensor | None],
+    ) -> None:
         prompts = [list(seqs[g[0]][0][: seqs[g[0]][1]]) for g in groups]
         ids, mask = self._padded(prompts, "left")
-        out = model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-                    position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(self.device),
-                    use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=(mask.cumsum(-1) - 1).clamp(min=0).to(self.device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
         first = out.logits[:, -1].float().cpu()  # (U, V): each prompt's next-token logits
         members = [i for g in groups for i in g]
         rows = torch.tensor([u for u, g in enumerate(groups) for _ in g], dtype=torch.long)
         # The logits that predict completion tokens 1 .. n-1 come from feeding tokens 0 .. n-2.
-        fed = [list(seqs[i][0][seqs[i][1]: len(seqs[i][0]) - 1]) for i in members]
+        fed = [list(seqs[i][0][seqs[i][1] : len(seqs[i][0]) - 1]) for i in members]
         rest = None
         if any(fed):
             cache = getattr(out, cache_kwarg(model))
@@ -259,10 +324,17 @@ class TransformersOracle(LogitsOracle):
             cids, cmask = self._padded(fed, "right")
             starts = mask.sum(-1)[rows]  # each row's real prompt length
             positions = starts[:, None] + torch.arange(cids.shape[1])[None, :]
-            rest = model(input_ids=cids.to(self.device),
-                         attention_mask=torch.cat([mask[rows], cmask], dim=1).to(self.device),
-                         position_ids=positions.to(self.device), use_cache=True,
-                         **{cache_kwarg(model): cache}).logits.float().cpu()  # (B, T, V)
+            rest = (
+                model(
+                    input_ids=cids.to(self.device),
+                    attention_mask=torch.cat([mask[rows], cmask], dim=1).to(self.device),
+                    position_ids=positions.to(self.device),
+                    use_cache=True,
+                    **{cache_kwarg(model): cache},
+                )
+                .logits.float()
+                .cpu()
+            )  # (B, T, V)
         for b, i in enumerate(members):
             n = len(seqs[i][0]) - seqs[i][1]
             if n == 0:
@@ -278,21 +350,28 @@ class TransformersOracle(LogitsOracle):
         mask = torch.zeros((len(rows), width), dtype=torch.long)
         for k, r in enumerate(rows):
             off = width - len(r) if side == "left" else 0
-            ids[k, off:off + len(r)] = torch.tensor(r, dtype=torch.long)
-            mask[k, off:off + len(r)] = 1
+            ids[k, off : off + len(r)] = torch.tensor(r, dtype=torch.long)
+            mask[k, off : off + len(r)] = 1
         return ids, mask
 
     @torch.inference_mode()
-    def _run(self, model: torch.nn.Module, seqs: Sequence[tuple[Sequence[int], int]],
-             batch: list[int], result: list[torch.Tensor | None]) -> None:
+    def _run(
+        self,
+        model: torch.nn.Module,
+        seqs: Sequence[tuple[Sequence[int], int]],
+        batch: list[int],
+        result: list[torch.Tensor | None],
+    ) -> None:
         lens = [len(seqs[i][0]) for i in batch]
         ids, mask = self._padded([list(seqs[i][0]) for i in batch], self.padding_side)
         width = ids.shape[1]
         offsets = [width - n if self.padding_side == "left" else 0 for n in lens]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, L)
         # Row b needs the logits at padded positions off+p-1 .. off+n-2.
-        needed = [range(off + seqs[i][1] - 1, off + lens[row] - 1)
-                  for row, (i, off) in enumerate(zip(batch, offsets, strict=True))]
+        needed = [
+            range(off + seqs[i][1] - 1, off + lens[row] - 1)
+            for row, (i, off) in enumerate(zip(batch, offsets, strict=True))
+        ]
         keep = sorted({p for r in needed for p in r})
         if keep and self.padding_side == "left":
             keep = list(range(keep[0], width))  # a suffix: one extra row, an int logits_to_keep
@@ -303,13 +382,15 @@ class TransformersOracle(LogitsOracle):
             return
         keep_t = torch.tensor(keep, dtype=torch.long)
         out = model(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            position_ids=positions.to(self.device), use_cache=False,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            position_ids=positions.to(self.device),
+            use_cache=False,
             logits_to_keep=_keep_arg(keep, width, self.device),
         )
         logits = out.logits.float().cpu()  # (B, K, V)
         if logits.shape[1] != len(keep):  # an int logits_to_keep kept a suffix
-            logits = logits[:, -len(keep):]
+            logits = logits[:, -len(keep) :]
         for row, i in enumerate(batch):
             idx = torch.searchsorted(keep_t, torch.tensor(list(needed[row]), dtype=torch.long))
             result[i] = logits[row, idx].contiguous()

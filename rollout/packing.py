@@ -38,7 +38,9 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (U, W) long
     position_ids: torch.Tensor  # (U, W) long
-    attention_mask: torch.Tensor  # (U, 1, W, W) additive: 0 where a query sees a key, else dtype min
+    attention_mask: (
+        torch.Tensor
+    )  # (U, 1, W, W) additive: 0 where a query sees a key, else dtype min
     first: int
     """The first slot whose logits are needed (the shortest prompt's last): keep ``W - first``."""
 
@@ -61,7 +63,7 @@ def pack(seqs: Seqs, groups: list[list[int]], pad_token_id: int, dtype: torch.dt
         prompt_len = seqs[g[0]][1]
         ids, pos, seg = list(seqs[g[0]][0][:prompt_len]), list(range(prompt_len)), [0] * prompt_len
         for k, i in enumerate(g, 1):
-            fed = seqs[i][0][prompt_len: len(seqs[i][0]) - 1]  # the last token predicts nothing
+            fed = seqs[i][0][prompt_len : len(seqs[i][0]) - 1]  # the last token predicts nothing
             ids.extend(fed)
             pos.extend(range(prompt_len, prompt_len + len(fed)))
             seg.extend([k] * len(fed))
@@ -69,9 +71,13 @@ def pack(seqs: Seqs, groups: list[list[int]], pad_token_id: int, dtype: torch.dt
         pos_rows.append(pos)
         seg_rows.append(seg)
     width = max(len(r) for r in ids_rows)
-    ids_t = torch.tensor([r + [pad_token_id] * (width - len(r)) for r in ids_rows], dtype=torch.long)
+    ids_t = torch.tensor(
+        [r + [pad_token_id] * (width - len(r)) for r in ids_rows], dtype=torch.long
+    )
     pos_t = torch.tensor([r + [0] * (width - len(r)) for r in pos_rows], dtype=torch.long)
-    seg_t = torch.tensor([r + [-1] * (width - len(r)) for r in seg_rows], dtype=torch.long)  # (U, W)
+    seg_t = torch.tensor(
+        [r + [-1] * (width - len(r)) for r in seg_rows], dtype=torch.long
+    )  # (U, W)
     slots = torch.arange(width)
     query, key = seg_t[:, :, None], seg_t[:, None, :]
     sees = ((key == 0) | (key == query)) & (key >= 0) & (slots[:, None] >= slots[None, :])
@@ -81,8 +87,12 @@ def pack(seqs: Seqs, groups: list[list[int]], pad_token_id: int, dtype: torch.dt
     return PackedBatch(ids_t, pos_t, mask[:, None], first)
 
 
-def unpack(logits: torch.Tensor, seqs: Seqs, groups: list[list[int]], first: int,
-           ) -> list[tuple[int, torch.Tensor]]:
+def unpack(
+    logits: torch.Tensor,
+    seqs: Seqs,
+    groups: list[list[int]],
+    first: int,
+) -> list[tuple[int, torch.Tensor]]:
     """``(index, (T_i, V) logits)`` of every sequence of ``groups`` from the rows' kept
     logits ``(U, W - first, V)``: each completion's first token is predicted by its
     prompt's last slot, the rest by its own fed tokens."""
@@ -102,16 +112,21 @@ def unpack(logits: torch.Tensor, seqs: Seqs, groups: list[list[int]], first: int
                 at += n - 1
             sizes.append(n)
             members.append(i)
-    picked = logits[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)]  # (sum n, V)
+    picked = logits[
+        torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)
+    ]  # (sum n, V)
     return list(zip(members, picked.split(sizes), strict=True))
 
 
 def attention_span(config: object) -> int | None:
     """The narrowest attention span a causal LM's config names (a sliding window, a local
     window, an attention chunk; in it or in its ``text_config``), or None."""
-    spans = [v for c in (config, getattr(config, "text_config", None))
-             for name in ("sliding_window", "window_size", "attention_chunk_size")
-             if isinstance(v := getattr(c, name, None), int) and not isinstance(v, bool) and v > 0]
+    spans = [
+        v
+        for c in (config, getattr(config, "text_config", None))
+        for name in ("sliding_window", "window_size", "attention_chunk_size")
+        if isinstance(v := getattr(c, name, None), int) and not isinstance(v, bool) and v > 0
+    ]
     return min(spans, default=None)
 
 
@@ -124,11 +139,18 @@ def packed_width_limit(model: torch.nn.Module) -> int:
     config = getattr(model, "config", None)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)
-    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // (heads or 1)
+    head_dim = getattr(config, "head_dim", None) or getattr(config, "hidden_size", 0) // (
+        heads or 1
+    )
     if not layers or not heads or not head_dim:
         return 0
     head = model.get_output_embeddings()  # type: ignore[operator]
-    weights = [getattr(m, "weight", None) for m in model.modules()
-               if m is not head and not isinstance(m, torch.nn.Embedding)]
-    linear = sum(w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2)  # and Conv1D
+    weights = [
+        getattr(m, "weight", None)
+        for m in model.modules()
+        if m is not head and not isinstance(m, torch.nn.Embedding)
+    ]
+    linear = sum(
+        w.numel() for w in weights if isinstance(w, torch.Tensor) and w.dim() == 2
+    )  # and Conv1D
     return int(PACKED_ATTENTION_SHARE * 2 * linear / layers / (4 * heads * head_dim))

@@ -73,7 +73,9 @@ def packaged(name: str) -> PackagedModel:
     try:
         return MODELS[name]
     except KeyError:
-        raise ConfigError(f"no packaged model {name!r} (known: {', '.join(sorted(MODELS))})") from None
+        raise ConfigError(
+            f"no packaged model {name!r} (known: {', '.join(sorted(MODELS))})"
+        ) from None
 
 
 def source_file(model: PackagedModel) -> Path:
@@ -81,18 +83,23 @@ def source_file(model: PackagedModel) -> Path:
     ``__init__`` needs dependencies the loader does not)."""
     spec = importlib.util.find_spec(model.module)
     if spec is None or spec.origin is None:
-        raise ConfigError(f"package {model.package} is not installed; install it with: {model.install}")
+        raise ConfigError(
+            f"package {model.package} is not installed; install it with: {model.install}"
+        )
     path = Path(spec.origin).parent / model.filename
     if not path.is_file():
-        raise ConfigError(f"{model.package} has no {model.filename}; reinstall it with: {model.install}")
+        raise ConfigError(
+            f"{model.package} has no {model.filename}; reinstall it with: {model.install}"
+        )
     return path
 
 
 def _check_loader(model: PackagedModel) -> None:
     missing = [m for m in ("gguf", "accelerate") if importlib.util.find_spec(m) is None]
     if missing:
-        raise ConfigError(f"loading {model.filename} needs {', '.join(missing)}; install with: "
-                          f"{model.install}")
+        raise ConfigError(
+            f"loading {model.filename} needs {', '.join(missing)}; install with: {model.install}"
+        )
 
 
 def default_model_dir(name: str, dtype: str = "float32") -> Path:
@@ -166,9 +173,15 @@ def _record(model: PackagedModel, src: Path, out: Path, dtype: str, seconds: flo
     except metadata.PackageNotFoundError:
         version = "unknown"
     return FetchRecord(
-        model=model.name, package=model.package, package_version=version, source_file=src.name,
-        source_sha256=sha256_file(src), dtype=dtype, parameters=weights,
-        vocab_size=int(config.vocab_size), weights_digest=base_model_digest(out).hex(),
+        model=model.name,
+        package=model.package,
+        package_version=version,
+        source_file=src.name,
+        source_sha256=sha256_file(src),
+        dtype=dtype,
+        parameters=weights,
+        vocab_size=int(config.vocab_size),
+        weights_digest=base_model_digest(out).hex(),
         seconds=round(seconds, 2),
     )
 
@@ -190,7 +203,9 @@ def _safetensors_numel(path: Path) -> int:
 def _replace_dir(path: Path) -> None:
     """Remove an earlier fetch at ``path``; refuse anything that is not one."""
     if not (path / FETCH_INFO).is_file():
-        raise ConfigError(f"{path} exists and is not a fetched model directory; choose another --out")
+        raise ConfigError(
+            f"{path} exists and is not a fetched model directory; choose another --out"
+        )
     import shutil
 
     shutil.rmtree(path)

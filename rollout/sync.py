@@ -210,9 +210,12 @@ class PolicySync:
         sealed = self._fetch_manifest(version)
         manifest = check_manifest(sealed, self.trainer)  # step 1
         if manifest.version != version:
-            raise VerificationError("fetched manifest is for another version",
-                                    reason=Reason.WRONG_MANIFEST, expected=version,
-                                    computed=manifest.version)
+            raise VerificationError(
+                "fetched manifest is for another version",
+                reason=Reason.WRONG_MANIFEST,
+                expected=version,
+                computed=manifest.version,
+            )
         self._manifests[version] = (sealed, manifest)
         while len(self._manifests) > 1024:
             self._manifests.popitem(last=False)
@@ -246,19 +249,28 @@ class PolicySync:
             parent = self._cache[anchor][0]
             for sealed, manifest in chain:
                 if manifest.parent_digest != parent:
-                    raise VerificationError("manifest does not extend its parent",
-                                            reason=Reason.WRONG_MANIFEST, expected=parent,
-                                            computed=manifest.parent_digest)
+                    raise VerificationError(
+                        "manifest does not extend its parent",
+                        reason=Reason.WRONG_MANIFEST,
+                        expected=parent,
+                        computed=manifest.parent_digest,
+                    )
                 parent = manifest_digest(sealed)
         for _, manifest in chain:  # step 3
             if manifest.base_digest != self.base_digest:
-                raise VerificationError("manifest is for another base model",
-                                        reason=Reason.WRONG_MANIFEST, expected=self.base_digest,
-                                        computed=manifest.base_digest)
+                raise VerificationError(
+                    "manifest is for another base model",
+                    reason=Reason.WRONG_MANIFEST,
+                    expected=self.base_digest,
+                    computed=manifest.base_digest,
+                )
             if len(manifest.shards) != self.num_stages:
-                raise VerificationError("manifest has another number of stages",
-                                        reason=Reason.INCONSISTENT, expected=self.num_stages,
-                                        computed=len(manifest.shards))
+                raise VerificationError(
+                    "manifest has another number of stages",
+                    reason=Reason.INCONSISTENT,
+                    expected=self.num_stages,
+                    computed=len(manifest.shards),
+                )
         return anchor, chain
 
     def _blob(self, manifest: PolicyManifest, stage: int) -> bytes:
@@ -267,8 +279,9 @@ class PolicySync:
         return data
 
     # -- decoding
-    def _apply(self, state: Mapping[str, Tensor], manifest: PolicyManifest,
-               blobs: list[bytes]) -> State:
+    def _apply(
+        self, state: Mapping[str, Tensor], manifest: PolicyManifest, blobs: list[bytes]
+    ) -> State:
         out: State = {}
         for shard, blob in zip(manifest.shards, blobs, strict=True):
             names = self._stages[shard.stage]
@@ -289,8 +302,12 @@ class PolicySync:
 _SKIP_BASE_FILES = {"build.json", "README.md", "model.safetensors.index.json"}
 
 
-def write_model_dir(out: str | Path, base_model: str | Path, state: Mapping[str, Tensor],
-                    weights_file: str = "model.safetensors") -> None:
+def write_model_dir(
+    out: str | Path,
+    base_model: str | Path,
+    state: Mapping[str, Tensor],
+    weights_file: str = "model.safetensors",
+) -> None:
     """A loadable model directory: ``state`` (e.g. :meth:`PolicySync.state_at`) as one
     safetensors file beside the base model's other files (config, tokenizer), without the
     base's own weights, shard index and build notes."""
@@ -298,8 +315,11 @@ def write_model_dir(out: str | Path, base_model: str | Path, state: Mapping[str,
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous() for n, t in state.items()}, str(out / weights_file),
-              metadata={"format": "pt"})
+    save_file(
+        {n: t.contiguous() for n, t in state.items()},
+        str(out / weights_file),
+        metadata={"format": "pt"},
+    )
     for f in sorted(Path(base_model).iterdir()):
         if f.is_file() and f.suffix != ".safetensors" and f.name not in _SKIP_BASE_FILES:
             shutil.copyfile(f, out / f.name)

@@ -99,12 +99,20 @@ class RowSpec:
     sampler: str = DEFAULT_SAMPLER
 
     def to_extra_args(self) -> dict[str, Any]:
-        return {EXTRA_ARGS_KEY: {
-            "tag": self.tag, "key": self.sampler_key.hex(), "nonce": self.nonce.hex(),
-            "seed": self.seed, "g": self.sample_index, "temperature": self.temperature,
-            "top_k": self.top_k, "top_p": self.top_p, "prompt_len": self.prompt_len,
-            "sampler": self.sampler,
-        }}
+        return {
+            EXTRA_ARGS_KEY: {
+                "tag": self.tag,
+                "key": self.sampler_key.hex(),
+                "nonce": self.nonce.hex(),
+                "seed": self.seed,
+                "g": self.sample_index,
+                "temperature": self.temperature,
+                "top_k": self.top_k,
+                "top_p": self.top_p,
+                "prompt_len": self.prompt_len,
+                "sampler": self.sampler,
+            }
+        }
 
     @classmethod
     def from_extra_args(cls, extra: dict[str, Any] | None) -> RowSpec | None:
@@ -113,16 +121,26 @@ class RowSpec:
         if entry is None:
             return None
         try:
-            return cls(str(entry["tag"]), bytes.fromhex(entry["key"]),
-                       bytes.fromhex(entry["nonce"]), int(entry["seed"]), int(entry["g"]),
-                       float(entry["temperature"]), int(entry["top_k"]), float(entry["top_p"]),
-                       int(entry["prompt_len"]), str(entry.get("sampler", DEFAULT_SAMPLER)))
+            return cls(
+                str(entry["tag"]),
+                bytes.fromhex(entry["key"]),
+                bytes.fromhex(entry["nonce"]),
+                int(entry["seed"]),
+                int(entry["g"]),
+                float(entry["temperature"]),
+                int(entry["top_k"]),
+                float(entry["top_p"]),
+                int(entry["prompt_len"]),
+                str(entry.get("sampler", DEFAULT_SAMPLER)),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"malformed {EXTRA_ARGS_KEY} entry: {exc}") from None
 
 
 def force_verifiable_samples(
-    logits: torch.Tensor, rows: Sequence[int], specs: Sequence[RowSpec],
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    specs: Sequence[RowSpec],
     positions: Sequence[int],
 ) -> None:
     """Steps 1-4 of the module docstring on ``logits (B, V)`` in place.
@@ -141,15 +159,24 @@ def force_verifiable_samples(
             tokens = lp.argmax(dim=-1)
         else:
             sampler = sampler_named(name)
-            randomness = sampler.randomness([(specs[i].sampler_key, specs[i].nonce, specs[i].seed,
-                                              specs[i].sample_index, [positions[i]]) for i in members],
-                                            vocab)
+            randomness = sampler.randomness(
+                [
+                    (
+                        specs[i].sampler_key,
+                        specs[i].nonce,
+                        specs[i].seed,
+                        specs[i].sample_index,
+                        [positions[i]],
+                    )
+                    for i in members
+                ],
+                vocab,
+            )
             tokens = sampler.draw(lp, randomness).to(lp.device)  # (R,)
         chosen = lp.gather(-1, tokens[:, None])  # (R, 1)
         forced = torch.full_like(lp, float("-inf")).scatter_(-1, tokens[:, None], 0.0)
         logits.index_copy_(0, index, forced.to(logits.dtype))
-        for i, token, logprob in zip(members, tokens.tolist(), chosen[:, 0].tolist(),
-                                     strict=True):
+        for i, token, logprob in zip(members, tokens.tolist(), chosen[:, 0].tolist(), strict=True):
             _RECORDS.setdefault(specs[i].tag, {})[positions[i]] = (int(token), float(logprob))
 
 
@@ -164,14 +191,16 @@ def collect_logprobs(tag: str, token_ids: Sequence[int]) -> np.ndarray:
         raise VllmSamplerError(
             "no sampler records for a completion: vLLM ran its sampler outside this process "
             "(set VLLM_ENABLE_V1_MULTIPROCESSING=0 and use the 'uni' executor) or did not "
-            "load the prooftrain logits processor")
+            "load the prooftrain logits processor"
+        )
     out = np.empty(len(token_ids), dtype=np.float32)
     for t, token in enumerate(token_ids):
         record = records.get(t)
         if record is None or record[0] != int(token):
             raise VllmSamplerError(
                 f"vLLM emitted token {int(token)} at position {t}, the verifiable sampler "
-                f"chose {None if record is None else record[0]}")
+                f"chose {None if record is None else record[0]}"
+            )
         out[t] = record[1]
     out.setflags(write=False)
     return out
@@ -183,17 +212,21 @@ def _stack_bases() -> tuple[type, ...]:
         from vllm.v1.worker.gpu.sample.logits_processor.interface import (
             LogitsProcessor as V2Processor,
         )
+
         bases.append(V2Processor)
     except ImportError:
         pass
     try:  # V1 model runner interface (vLLM >= 0.10.2)
         from vllm.v1.sample.logits_processor import LogitsProcessor as V1Processor
+
         bases.append(V1Processor)
     except ImportError:
         pass
     if not bases:
-        raise ConfigError("this vLLM has no custom logits processor interface; "
-                          "install a newer one: pip install 'prooftrain[vllm]'")
+        raise ConfigError(
+            "this vLLM has no custom logits processor interface; "
+            "install a newer one: pip install 'prooftrain[vllm]'"
+        )
     return tuple(bases)
 
 
@@ -250,8 +283,11 @@ def processor_class() -> type:
             if not self._state:
                 return logits
             if ctx is None:  # V1 runner: row = batch index
-                mine = [(row, s[0], len(s[1] or ())) for row, s in self._state.items()
-                        if row < logits.shape[0]]
+                mine = [
+                    (row, s[0], len(s[1] or ()))
+                    for row, s in self._state.items()
+                    if row < logits.shape[0]
+                ]
             else:
                 mine = self._v2_rows(logits, ctx)
             mine = [m for m in mine if m[2] >= 0]  # negative: a partial prefill chunk
@@ -263,10 +299,13 @@ def processor_class() -> type:
         def _v2_rows(self, logits: torch.Tensor, ctx: Any) -> list[tuple[int, RowSpec, int]]:
             slots = [int(s) for s in ctx.idx_mapping_np]
             if logits.shape[0] != len(slots):
-                raise VllmSamplerError("the verifiable sampler does not support speculative "
-                                       "decoding (several logits rows per request)")
-            ours = [(row, self._state[slot][0]) for row, slot in enumerate(slots)
-                    if slot in self._state]
+                raise VllmSamplerError(
+                    "the verifiable sampler does not support speculative "
+                    "decoding (several logits rows per request)"
+                )
+            ours = [
+                (row, self._state[slot][0]) for row, slot in enumerate(slots) if slot in self._state
+            ]
             if not ours:
                 return []
             pos = ctx.pos.tolist()  # (rows,) position of each row's last input token
@@ -301,18 +340,28 @@ class VllmBackend:
     """A policy version rebuilt in memory is written to a directory first."""
 
     def __init__(
-        self, model: str | Path, *, dtype: torch.dtype | str | None = "bfloat16",
-        gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
-        enforce_eager: bool = False, seed: int = 0, device: str | torch.device = "cuda",
+        self,
+        model: str | Path,
+        *,
+        dtype: torch.dtype | str | None = "bfloat16",
+        gpu_memory_utilization: float = 0.3,
+        max_model_len: int | None = None,
+        enforce_eager: bool = False,
+        seed: int = 0,
+        device: str | torch.device = "cuda",
         **engine_kwargs: Any,
     ) -> None:
         if torch.device(device).type != "cuda":
-            raise ConfigError(f"the vllm backend runs on a CUDA GPU, not {device!r} "
-                              "(use the transformers backend on a CPU)")
+            raise ConfigError(
+                f"the vllm backend runs on a CUDA GPU, not {device!r} "
+                "(use the transformers backend on a CPU)"
+            )
         path = Path(model)
         if not (path.is_dir() and (path / "config.json").is_file()):
-            raise ConfigError(f"vllm backend: {path} is not a local model directory "
-                              "(no config.json); models are never downloaded")
+            raise ConfigError(
+                f"vllm backend: {path} is not a local model directory "
+                "(no config.json); models are never downloaded"
+            )
         if not 0.0 < gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         resolved = resolve_dtype(dtype)
@@ -324,10 +373,16 @@ class VllmBackend:
         self.vllm_version = str(getattr(vllm, "__version__", "unknown"))
         self._vllm = vllm
         self._llm = vllm.LLM(
-            model=str(path), skip_tokenizer_init=True, dtype=self.dtype, seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, tensor_parallel_size=1,
-            distributed_executor_backend="uni", logits_processors=[processor_class()],
+            model=str(path),
+            skip_tokenizer_init=True,
+            dtype=self.dtype,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            tensor_parallel_size=1,
+            distributed_executor_backend="uni",
+            logits_processors=[processor_class()],
             **engine_kwargs,
         )
 
@@ -341,9 +396,18 @@ class VllmBackend:
         prompts, params, tags = [], [], []
         for request in requests:
             for g in range(request.group_size):
-                spec = RowSpec(uuid.uuid4().hex, request.sampler_key, request.nonce,
-                               request.seed, g, request.temperature, request.top_k,
-                               request.top_p, len(request.prompt_ids), request.sampler)
+                spec = RowSpec(
+                    uuid.uuid4().hex,
+                    request.sampler_key,
+                    request.nonce,
+                    request.seed,
+                    g,
+                    request.temperature,
+                    request.top_k,
+                    request.top_p,
+                    len(request.prompt_ids),
+                    request.sampler,
+                )
                 prompts.append({"prompt_token_ids": list(request.prompt_ids)})
                 params.append(self._sampling_params(request, spec))
                 tags.append(spec.tag)
@@ -353,8 +417,12 @@ class VllmBackend:
                 raise VllmSamplerError(f"vLLM returned {len(outputs)} outputs for {len(tags)}")
             result, start = [], 0
             for request in requests:
-                result.append([self._completion(g, outputs[start + g], tags[start + g], request)
-                               for g in range(request.group_size)])
+                result.append(
+                    [
+                        self._completion(g, outputs[start + g], tags[start + g], request)
+                        for g in range(request.group_size)
+                    ]
+                )
                 start += request.group_size
             return result
         finally:
@@ -363,20 +431,27 @@ class VllmBackend:
 
     def _sampling_params(self, request: GenerationRequest, spec: RowSpec) -> Any:
         return self._vllm.SamplingParams(
-            n=1, temperature=0.0, max_tokens=request.max_tokens,
-            stop_token_ids=list(request.stop_token_ids), ignore_eos=True, detokenize=False,
+            n=1,
+            temperature=0.0,
+            max_tokens=request.max_tokens,
+            stop_token_ids=list(request.stop_token_ids),
+            ignore_eos=True,
+            detokenize=False,
             extra_args=spec.to_extra_args(),
         )
 
     @staticmethod
-    def _completion(g: int, output: Any, tag: str,
-                    request: GenerationRequest) -> GeneratedCompletion:
+    def _completion(
+        g: int, output: Any, tag: str, request: GenerationRequest
+    ) -> GeneratedCompletion:
         ids = tuple(int(x) for x in output.outputs[0].token_ids)
         logprobs = collect_logprobs(tag, ids)
         stops = set(request.stop_token_ids)
         if not ids or len(ids) > request.max_tokens or any(x in stops for x in ids[:-1]):
-            raise VllmSamplerError(f"vLLM returned {len(ids)} tokens for completion {g} "
-                                   f"(max_tokens {request.max_tokens}, stop tokens {stops})")
+            raise VllmSamplerError(
+                f"vLLM returned {len(ids)} tokens for completion {g} "
+                f"(max_tokens {request.max_tokens}, stop tokens {stops})"
+            )
         stopped = ids[-1] in stops
         return GeneratedCompletion(g, ids, logprobs, "stop" if stopped else "length")
 

@@ -91,11 +91,19 @@ def tiny_llama(path: Path, *, tied: bool, layers: int = 2, seed: int = 0) -> Pat
 
     tok = build_char_tokenizer()
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                         num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                         max_position_embeddings=64, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                         tie_word_embeddings=tied)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=tied,
+    )
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
@@ -130,38 +138,80 @@ def train_step(stages: list[Stage], gen: torch.Generator, lr: float = 1e-3) -> N
 def build_world(root: Path) -> World:
     torch.set_num_threads(1)
     model = base_model(root)
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 6, "assignment.group_size": 2,
-                                       "rules.audit_rate": 0.0, "audit.pit_min_tokens": 100_000})
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {
+            "assignment.max_tokens": 6,
+            "assignment.group_size": 2,
+            "rules.audit_rate": 0.0,
+            "audit.pit_min_tokens": 100_000,
+        },
+    )
     ledger_path = root / "ledger.sqlite"
     ledger = Ledger.open(ledger_path, signing_key=VALIDATOR, origin="test/release")
     codec = HFTextCodec(model)
-    v = Validator(cfg, VALIDATOR, ledger, StateStore(root / "state.sqlite"), codec,
-                  TransformersOracle({0: model}), generate("arithmetic", "train", 64),
-                  PolicyVersions(model_dir_digest(model), TRAINER.public), FLOAT32_TOLERANCE)
+    v = Validator(
+        cfg,
+        VALIDATOR,
+        ledger,
+        StateStore(root / "state.sqlite"),
+        codec,
+        TransformersOracle({0: model}),
+        generate("arithmetic", "train", 64),
+        PolicyVersions(model_dir_digest(model), TRAINER.public),
+        FLOAT32_TOLERANCE,
+    )
     v.register(CONTRIBUTOR.public.raw, "c")
     backend = TransformersBackend(model)
     stages = [load_stage(model, s, STAGES) for s in range(STAGES)]
-    pubs = [StagePublisher.for_stage(st, s, "int8-block", snapshot_every=2)
-            for s, st in enumerate(stages)]
+    pubs = [
+        StagePublisher.for_stage(st, s, "int8-block", snapshot_every=2)
+        for s, st in enumerate(stages)
+    ]
     sink, gen = _Sink(v), torch.Generator().manual_seed(0)
     manifests: list[SignedManifest] = []
-    sync = PolicySync(model, TRAINER.public, lambda x: manifests[x - 1], sink.v.ledger.blobs.get,
-                      STAGES)
+    sync = PolicySync(
+        model, TRAINER.public, lambda x: manifests[x - 1], sink.v.ledger.blobs.get, STAGES
+    )
     for version in range(VERSIONS + 1):
         if version:
             _groups(v, backend, codec, 2)
             train_step(stages, gen, lr=2e-3)
-            manifests.append(publish_version(
-                pubs, [dict(st.named_parameters()) for st in stages], sink,
-                parent=manifests[-1] if manifests else None, base_digest=model_dir_digest(model),
-                trainer_key=TRAINER, now_ms=1_000 + version))
+            manifests.append(
+                publish_version(
+                    pubs,
+                    [dict(st.named_parameters()) for st in stages],
+                    sink,
+                    parent=manifests[-1] if manifests else None,
+                    base_digest=model_dir_digest(model),
+                    trainer_key=TRAINER,
+                    now_ms=1_000 + version,
+                )
+            )
         tokenizer = codec._tok  # noqa: SLF001
-        report = evaluate((sync.model_at(version), tokenizer), "arithmetic", "heldout", n=EVAL_N,
-                          k=2, seed=0, device="cpu")
+        report = evaluate(
+            (sync.model_at(version), tokenizer),
+            "arithmetic",
+            "heldout",
+            n=EVAL_N,
+            k=2,
+            seed=0,
+            device="cpu",
+        )
         digest = manifest_digest(manifests[-1]) if version else b""
-        v.record_eval(eval_statement(report, version=version, manifest_digest=digest,
-                                     task="arithmetic", split="heldout", seed=0, key=TRAINER,
-                                     created_at_ms=2_000 + version))
+        v.record_eval(
+            eval_statement(
+                report,
+                version=version,
+                manifest_digest=digest,
+                task="arithmetic",
+                split="heldout",
+                seed=0,
+                key=TRAINER,
+                created_at_ms=2_000 + version,
+            )
+        )
     _groups(v, backend, codec, 1)  # after the last publication: not part of the release
     v.ledger.checkpoint()
     return World(model, ledger_path, v, manifests)
@@ -177,8 +227,14 @@ def release_fixtures(eval_problems: int) -> tuple[Any, Any]:
 
     @pytest.fixture(scope="module")
     def release(world: World, tmp_path_factory: pytest.TempPathFactory) -> Path:
-        return build_release(ledger=world.ledger, out=tmp_path_factory.mktemp("r") / "release",
-                             base_model=world.model, trainer_key=TRAINER,
-                             eval_problems=eval_problems, k=2, progress=False)
+        return build_release(
+            ledger=world.ledger,
+            out=tmp_path_factory.mktemp("r") / "release",
+            base_model=world.model,
+            trainer_key=TRAINER,
+            eval_problems=eval_problems,
+            k=2,
+            progress=False,
+        )
 
     return world, release

@@ -33,9 +33,13 @@ def imported(tree: ast.AST) -> list[tuple[int, str]]:
             out += [(node.lineno, alias.name) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             out.append((node.lineno, node.module))
-        elif (isinstance(node, ast.Call) and node.args
-              and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)
-              and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"):
+        elif (
+            isinstance(node, ast.Call)
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+            and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
+        ):
             out.append((node.lineno, node.args[0].value))
     return out
 
@@ -64,7 +68,14 @@ def test_production_code_never_imports_the_harness() -> None:
 
 
 def test_the_walk_sees_every_kind_of_import() -> None:
-    tree = ast.parse("import harness.run\nfrom node.cli import main\nfrom . import sibling\n"
-                     "def f():\n    from harness import local\n"
-                     "importlib.import_module('harness.demo')\n")
-    assert [m for _, m in sorted(imported(tree))] == ["harness.run", "node.cli", "harness", "harness.demo"]
+    tree = ast.parse(
+        "import harness.run\nfrom node.cli import main\nfrom . import sibling\n"
+        "def f():\n    from harness import local\n"
+        "importlib.import_module('harness.demo')\n"
+    )
+    assert [m for _, m in sorted(imported(tree))] == [
+        "harness.run",
+        "node.cli",
+        "harness",
+        "harness.demo",
+    ]

@@ -14,8 +14,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 CITED = re.compile(r"`(tests/[\w/]+\.py::\w+)`")
 ADVERSARY_CLASSES = {
-    "dishonest_contributor", "colluding_sybils", "compromised_validator", "compromised_trainer",
-    "network_attacker", "storage_attacker", "reward_hacker",
+    "dishonest_contributor",
+    "colluding_sybils",
+    "compromised_validator",
+    "compromised_trainer",
+    "network_attacker",
+    "storage_attacker",
+    "reward_hacker",
 }
 PLUGIN = '''
 import ast, inspect, json, textwrap
@@ -59,11 +64,15 @@ def pytest_collection_finish(session):
 def module_skips(path: Path) -> bool:
     """Whether a test file skips as a whole (a module-level pytest.skip or importorskip)."""
     tree = ast.parse(path.read_text())
-    return any(isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-               and n.func.attr in ("skip", "importorskip")
-               and getattr(n.func.value, "id", "") == "pytest"
-               for stmt in tree.body if not isinstance(stmt, (ast.FunctionDef, ast.ClassDef))
-               for n in ast.walk(stmt))
+    return any(
+        isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr in ("skip", "importorskip")
+        and getattr(n.func.value, "id", "") == "pytest"
+        for stmt in tree.body
+        if not isinstance(stmt, (ast.FunctionDef, ast.ClassDef))
+        for n in ast.walk(stmt)
+    )
 
 
 def cited_tests() -> dict[str, set[str]]:
@@ -91,8 +100,10 @@ def test_cited_tests_exist_and_are_not_skipped(tmp_path: Path) -> None:
     assert not whole, f"threat models cite tests in files that skip as a whole: {whole}"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "collect_plugin", *files],
-        cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ,
-                                                      "PYTHONPATH": str(tmp_path)},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)},
     )
     line = next((ln for ln in result.stdout.splitlines() if ln.startswith("COLLECTED")), None)
     assert line is not None, result.stdout[-2000:] + result.stderr[-2000:]

@@ -260,10 +260,22 @@ def eval_statement(
     The trainer calls this at every published version and hands the result to
     the validator (``Validator.record_eval`` / ``ValidatorClient.record_eval``).
     """
-    metrics = [EvalMetric(m.name[:256], float(m.value), float(m.ci_low), float(m.ci_high))
-               for m in report.metrics]
-    stmt = EvalStatement(SCHEMA_VERSION, version, bytes(manifest_digest), task, split,
-                         report.problems, seed, metrics, key.public.raw, created_at_ms)
+    metrics = [
+        EvalMetric(m.name[:256], float(m.value), float(m.ci_low), float(m.ci_high))
+        for m in report.metrics
+    ]
+    stmt = EvalStatement(
+        SCHEMA_VERSION,
+        version,
+        bytes(manifest_digest),
+        task,
+        split,
+        report.problems,
+        seed,
+        metrics,
+        key.public.raw,
+        created_at_ms,
+    )
     sealed = seal(key, stmt)
     return sealed
 
@@ -272,5 +284,6 @@ def report_from_statement(stmt: EvalStatement) -> EvalReport:
     """The :class:`EvalReport` an :class:`EvalStatement` states (``n`` = its problem count)."""
     metrics = tuple(Metric(m.name, m.value, m.lo, m.hi, stmt.problems) for m in stmt.metrics)
     settings = {"seed": stmt.seed, "version": stmt.version}
-    return EvalReport(f"policy v{stmt.version}", stmt.task_id, stmt.split, stmt.problems, metrics,
-                      settings)
+    return EvalReport(
+        f"policy v{stmt.version}", stmt.task_id, stmt.split, stmt.problems, metrics, settings
+    )

@@ -55,8 +55,13 @@ def _norm_eps(module: nn.Module) -> float | None:
     weight = getattr(module, "weight", None)
     params = dict(module.named_parameters(recurse=False))
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    if not isinstance(weight, nn.Parameter) or list(params) != ["weight"] or weight.dim() != 1 \
-            or not isinstance(eps, float) or weight.device.type == "meta":
+    if (
+        not isinstance(weight, nn.Parameter)
+        or list(params) != ["weight"]
+        or weight.dim() != 1
+        or not isinstance(eps, float)
+        or weight.device.type == "meta"
+    ):
         return None
     gen = torch.Generator().manual_seed(0)
     probe = torch.randn((3, weight.shape[0]), generator=gen).to(weight.device, weight.dtype)
@@ -159,8 +164,10 @@ class GroupGradients:
     def _hooks(self, segments: Sequence[tuple[int, int]]) -> Iterator[None]:
         self._segments = [(int(lo), int(hi)) for lo, hi in segments]
         flags = [p.requires_grad for p in self.params]
-        handles = [sub.register_forward_hook(self._hook(handler, arg))
-                   for sub, handler, arg in self._handlers]
+        handles = [
+            sub.register_forward_hook(self._hook(handler, arg))
+            for sub, handler, arg in self._handlers
+        ]
         for p in self.params:
             p.requires_grad_(False)
         try:
@@ -216,7 +223,7 @@ class GroupGradients:
     def _view(self, p: Tensor, c: int) -> Tensor:
         assert self._out is not None
         slot = self._slots[id(p)]
-        return self._out[c, slot.start: slot.start + p.numel()].view(slot.shape)
+        return self._out[c, slot.start : slot.start + p.numel()].view(slot.shape)
 
     def _tracked(self, p: Tensor | None) -> bool:
         return p is not None and id(p) in self._slots
@@ -291,12 +298,23 @@ class _Call:
     arg: Any
 
     @classmethod
-    def keep(cls, handler: _HandlerFn, module: nn.Module, x: Tensor, g: Tensor, arg: Any,
-             segments: Sequence[tuple[int, int]]) -> _Call:
+    def keep(
+        cls,
+        handler: _HandlerFn,
+        module: nn.Module,
+        x: Tensor,
+        g: Tensor,
+        arg: Any,
+        segments: Sequence[tuple[int, int]],
+    ) -> _Call:
         xs, gs = [], []
         for lo, hi in segments:
             gc = g[lo:hi].reshape(-1, g.shape[-1])
-            xc = x[lo:hi].reshape(-1) if x.dim() == g.dim() - 1 else x[lo:hi].reshape(-1, x.shape[-1])
+            xc = (
+                x[lo:hi].reshape(-1)
+                if x.dim() == g.dim() - 1
+                else x[lo:hi].reshape(-1, x.shape[-1])
+            )
             live = gc.ne(0).any(dim=1)  # (tokens,)
             if not bool(live.all()):
                 xc, gc = xc[live], gc[live]
@@ -306,11 +324,13 @@ class _Call:
 
     def parts(self) -> list[tuple[nn.Parameter, str]]:
         names = ("weight", "bias") if self.handler is GroupGradients._linear else ("weight",)
-        return [(p, n) for n in names if isinstance(p := getattr(self.module, n, None),
-                                                        nn.Parameter)]
+        return [
+            (p, n) for n in names if isinstance(p := getattr(self.module, n, None), nn.Parameter)
+        ]
 
-    def add(self, out: Tensor, role: str, a: int, b: int,
-            scales: Sequence[float] | None = None) -> None:
+    def add(
+        self, out: Tensor, role: str, a: int, b: int, scales: Sequence[float] | None = None
+    ) -> None:
         """Rows ``a:b`` of this call's part of parameter ``role``'s gradient: group c's into
         ``out[c]``, or with ``scales``, ``sum_c scales[c] * (group c's)`` into ``out[0]``."""
         for c, (xc, gc) in enumerate(zip(self.xs, self.gs, strict=True)):

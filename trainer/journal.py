@@ -67,9 +67,14 @@ class StepRecord:
     @classmethod
     def from_json(cls, obj: dict) -> StepRecord:
         w = obj["weights"]
-        return cls(int(obj["version"]), int(obj["cursor"]), tuple(int(i) for i in obj["trained"]),
-                   tuple(int(i) for i in obj["dropped"]),
-                   None if w is None else tuple(float(x) for x in w), str(obj["digest"]))
+        return cls(
+            int(obj["version"]),
+            int(obj["cursor"]),
+            tuple(int(i) for i in obj["trained"]),
+            tuple(int(i) for i in obj["dropped"]),
+            None if w is None else tuple(float(x) for x in w),
+            str(obj["digest"]),
+        )
 
 
 def params_digest(module: torch.nn.Module) -> str:
@@ -101,7 +106,9 @@ def _parse(data: bytes) -> tuple[list[StepRecord], int]:
         try:
             records.append(StepRecord.from_json(json.loads(line)))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ProofTrainError(f"step journal line {len(records) + 1} is corrupt: {exc}") from exc
+            raise ProofTrainError(
+                f"step journal line {len(records) + 1} is corrupt: {exc}"
+            ) from exc
         good += len(line)
     for a, b in zip(records, records[1:], strict=False):
         if b.version != a.version + 1:
@@ -136,15 +143,20 @@ class StepJournal:
         old = self._records.get(rec.version)
         if old is not None:
             if old.key() != rec.key():
-                diff = [k for k in ("trained", "dropped", "weights", "digest")
-                        if getattr(rec, k) != getattr(old, k)]
+                diff = [
+                    k
+                    for k in ("trained", "dropped", "weights", "digest")
+                    if getattr(rec, k) != getattr(old, k)
+                ]
                 raise JournalMismatch(
                     f"step {rec.version} re-run after a resume differs from the journaled "
                     f"step in {', '.join(diff)}; its version was already published"
                 )
             return
         if self._records and rec.version != self.head + 1:
-            raise ProofTrainError(f"step journal is at version {self.head}; cannot add {rec.version}")
+            raise ProofTrainError(
+                f"step journal is at version {self.head}; cannot add {rec.version}"
+            )
         with open(self.path, "ab") as f:
             f.write(rec.to_line())
             f.flush()

@@ -106,22 +106,35 @@ class TrainerLoop:
         self.on_metrics, self.wait, self.progress = on_metrics, wait, progress
         self.optimizer = torch.optim.AdamW(
             [p for p in self.stage.parameters() if p.requires_grad],
-            lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=cfg.weight_decay,
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.adam_eps,
+            weight_decay=cfg.weight_decay,
         )
         loss = get_policy_loss(cfg.loss.name, **cfg.loss.params)
         self.step_fn = RLStep(
-            runner, self.optimizer, loss, get_aggregator(cfg.aggregator.name, **cfg.aggregator.params),
-            grad_clip=cfg.grad_clip, importance_sampling=cfg.loss.importance_sampling,
+            runner,
+            self.optimizer,
+            loss,
+            get_aggregator(cfg.aggregator.name, **cfg.aggregator.params),
+            grad_clip=cfg.grad_clip,
+            importance_sampling=cfg.loss.importance_sampling,
             proximal=cfg.loss.name == "ppo-decoupled",
         )
         self.buffer = SampleBuffer(
-            source, max_staleness=cfg.rules.max_staleness, capacity=cfg.buffer_capacity,
-            skip_uniform=cfg.skip_uniform_groups, sync=cfg.mode == "sync",
+            source,
+            max_staleness=cfg.rules.max_staleness,
+            capacity=cfg.buffer_capacity,
+            skip_uniform=cfg.skip_uniform_groups,
+            sync=cfg.mode == "sync",
         )
         self.version = 0
         self.history = History()
-        self.journal = (None if cfg.checkpoint_dir is None
-                        else StepJournal(journal_path(cfg.checkpoint_dir, runner.rank)))
+        self.journal = (
+            None
+            if cfg.checkpoint_dir is None
+            else StepJournal(journal_path(cfg.checkpoint_dir, runner.rank))
+        )
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
 
@@ -130,13 +143,18 @@ class TrainerLoop:
     def train_step(self) -> Metrics:
         t0 = time.monotonic()
         taken = self.buffer.fill(
-            self.cfg.batch_groups, self.version, wait=self.wait,
+            self.cfg.batch_groups,
+            self.version,
+            wait=self.wait,
             timeout_s=self.cfg.starve_timeout_s,
         )
         t1 = time.monotonic()
         batch = build_batch(
-            taken.groups, self.version, temperature=self.runner.temperature,
-            pad_id=0, normalize_std=self.cfg.loss.normalize_std,
+            taken.groups,
+            self.version,
+            temperature=self.runner.temperature,
+            pad_id=0,
+            normalize_std=self.cfg.loss.normalize_std,
         )
         use_weights = self.cfg.aggregator.reputation_weights and self.weights is not None
         w = self.weights(batch.contributors) if use_weights else None  # type: ignore[misc]
@@ -148,30 +166,41 @@ class TrainerLoop:
         metrics["train/lr"] = self.optimizer.param_groups[0]["lr"]
         self.version += 1
         if self.journal is not None:
-            self.journal.record(StepRecord(
-                self.version, self.buffer.cursor,
-                tuple(s.ledger_index for g in taken.groups for s in g), tuple(taken.dropped),
-                None if w is None else tuple(float(x) for x in w), params_digest(self.stage)))
+            self.journal.record(
+                StepRecord(
+                    self.version,
+                    self.buffer.cursor,
+                    tuple(s.ledger_index for g in taken.groups for s in g),
+                    tuple(taken.dropped),
+                    None if w is None else tuple(float(x) for x in w),
+                    params_digest(self.stage),
+                )
+            )
         if self.publish is not None:
             self.publish(self.version, self.stage)
         metrics.update(staleness_metrics(dict(taken.staleness)))
-        metrics.update({
-            "train/reward": float(batch.rewards.mean()),
-            "train/length": float(batch.lengths.float().mean()),
-            "train/samples": float(batch.size),
-            "train/version": float(self.version),
-            "off_policy/stale_dropped": float(taken.stale_dropped),
-            "off_policy/uniform_dropped": float(taken.uniform_dropped),
-            "perf/wait_s": t1 - t0,
-            "perf/step_s": time.monotonic() - t1,
-        })
+        metrics.update(
+            {
+                "train/reward": float(batch.rewards.mean()),
+                "train/length": float(batch.lengths.float().mean()),
+                "train/samples": float(batch.size),
+                "train/version": float(self.version),
+                "off_policy/stale_dropped": float(taken.stale_dropped),
+                "off_policy/uniform_dropped": float(taken.uniform_dropped),
+                "perf/wait_s": t1 - t0,
+                "perf/step_s": time.monotonic() - t1,
+            }
+        )
         return metrics
 
     def _set_lr(self) -> None:
         """The scheduled learning rate of step ``version`` (pure in the version: resumable)."""
         lr = self.cfg.lr * lr_multiplier(
-            self.cfg.lr_schedule, self.version, self.cfg.steps,
-            warmup=self.cfg.warmup_steps, min_ratio=self.cfg.min_lr_ratio,
+            self.cfg.lr_schedule,
+            self.version,
+            self.cfg.steps,
+            warmup=self.cfg.warmup_steps,
+            min_ratio=self.cfg.min_lr_ratio,
         )
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -182,16 +211,23 @@ class TrainerLoop:
         rank0 = self.runner.rank == 0
         if self.version == 0 and self._due(self.cfg.eval_every, start=True):
             self._eval()
-        bar = tqdm(total=target, initial=self.version, disable=not (self.progress and rank0),
-                   desc="train", unit="step")
+        bar = tqdm(
+            total=target,
+            initial=self.version,
+            disable=not (self.progress and rank0),
+            desc="train",
+            unit="step",
+        )
         while self.version < target:
             metrics = self.train_step()
             self.history.metrics.append(metrics)
             if self.on_metrics is not None:
                 self.on_metrics(self.version, metrics)
             bar.update(1)
-            bar.set_postfix(reward=f"{metrics['train/reward']:.3f}",
-                            loss=f"{metrics.get('train/loss', 0.0):.3f}")
+            bar.set_postfix(
+                reward=f"{metrics['train/reward']:.3f}",
+                loss=f"{metrics.get('train/loss', 0.0):.3f}",
+            )
             if self._due(self.cfg.eval_every) or (self.version == target and self.cfg.eval_every):
                 self._eval()
             if self.cfg.checkpoint_dir is not None and (
@@ -212,8 +248,14 @@ class TrainerLoop:
             self.history.evals[self.version] = report
             if self.on_metrics is not None:
                 m = report.metric("pass@1 (greedy)")
-                self.on_metrics(self.version, {"eval/pass@1": m.value, "eval/pass@1_low": m.ci_low,
-                                               "eval/pass@1_high": m.ci_high})
+                self.on_metrics(
+                    self.version,
+                    {
+                        "eval/pass@1": m.value,
+                        "eval/pass@1_low": m.ci_low,
+                        "eval/pass@1_high": m.ci_high,
+                    },
+                )
 
     # -- checkpoints
 
@@ -223,8 +265,11 @@ class TrainerLoop:
             "stage": self.stage.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "buffer": self.buffer.state(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "numpy": np.random.get_state()},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "numpy": np.random.get_state(),
+            },
         }
         if self.publish is not None and hasattr(self.publish, "state"):
             state["publish"] = self.publish.state()  # type: ignore[attr-defined]
@@ -239,8 +284,7 @@ class TrainerLoop:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
         if self.runner.rank == 0:
-            _atomic_write(Path(directory) / "latest",
-                          lambda f: f.write(folder.name.encode()))
+            _atomic_write(Path(directory) / "latest", lambda f: f.write(folder.name.encode()))
         return folder
 
     def resume(self, directory: Path, published: int | None = None) -> bool:

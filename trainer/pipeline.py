@@ -232,13 +232,17 @@ class PipelineRunner:
             if kind == "F":
                 mask = parts[i].get("target_mask")
                 kept = None if mask is None else kept_positions(mask)
-                slots[i] = self._forward(parts[i], requires_grad=True,
-                                         keep=None if kept is None else kept[0])
+                slots[i] = self._forward(
+                    parts[i], requires_grad=True, keep=None if kept is None else kept[0]
+                )
                 logits = slots[i].out  # last stage: (b, K, V) with a target_mask, else (b, T, V)
                 if self.stage.spec.is_last and logits is not None:
                     ids = parts[i]["input_ids"]
-                    lp = (token_logprobs(logits, ids, self.temperature) if kept is None
-                          else token_logprobs_at(logits, ids, *kept, self.temperature))
+                    lp = (
+                        token_logprobs(logits, ids, self.temperature)
+                        if kept is None
+                        else token_logprobs_at(logits, ids, *kept, self.temperature)
+                    )
                     loss, metrics = loss_fn(lp, parts[i])
                     if loss.dim() != 0:
                         raise ConfigError(f"loss_fn must return a scalar, got {tuple(loss.shape)}")
@@ -300,7 +304,9 @@ class PipelineRunner:
             assert slot.inp is not None and slot.inp.grad is not None
             self._isend(slot.inp.grad, self.rank - 1)
 
-    def _infer(self, mb: Mapping[str, Any], keep: torch.Tensor | None = None) -> torch.Tensor | None:
+    def _infer(
+        self, mb: Mapping[str, Any], keep: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         self._where = "inference forward"
         with torch.no_grad():
             slot = self._forward(mb, requires_grad=False, keep=keep)

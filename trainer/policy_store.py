@@ -67,8 +67,10 @@ class LocalPolicyStore:
         target = self._path(version)
         if target.exists():
             if target.read_bytes() != data:
-                raise VerificationError(f"version {version} is already published differently",
-                                        reason=Reason.WRONG_MANIFEST)
+                raise VerificationError(
+                    f"version {version} is already published differently",
+                    reason=Reason.WRONG_MANIFEST,
+                )
             return
         write_atomically(target, data)
 
@@ -76,8 +78,9 @@ class LocalPolicyStore:
         try:
             data = self._path(version).read_bytes()
         except FileNotFoundError:
-            raise VerificationError(f"no manifest for version {version}",
-                                    reason=Reason.NOT_FOUND) from None
+            raise VerificationError(
+                f"no manifest for version {version}", reason=Reason.NOT_FOUND
+            ) from None
         return SignedManifest(manifest=data[64:], signature=data[:64])
 
     def latest(self) -> int:

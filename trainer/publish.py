@@ -82,8 +82,9 @@ def build_manifest(
         if prev.version + 1 != version:
             raise ConfigError(f"version {version} does not follow parent {prev.version}")
         parent_digest = manifest_digest(parent)
-    infos = sorted((u.info() if isinstance(u, StageUpdate) else u for u in updates),
-                   key=lambda i: i.stage)
+    infos = sorted(
+        (u.info() if isinstance(u, StageUpdate) else u for u in updates), key=lambda i: i.stage
+    )
     if [i.stage for i in infos] != list(range(len(infos))) or not infos:
         raise ConfigError(f"updates must cover stages 0..S-1 once, got {[i.stage for i in infos]}")
     for i in infos:
@@ -91,8 +92,9 @@ def build_manifest(
         if i.codec != want:
             raise ConfigError(f"stage {i.stage}: {i.kind} update uses codec {i.codec!r}")
     shards = [ShardEntry(i.stage, i.digest, i.codec, i.nbytes, i.kind) for i in infos]
-    manifest = PolicyManifest(SCHEMA_VERSION, version, parent_digest, base_digest, shards,
-                              trainer_key.public.raw, now_ms)
+    manifest = PolicyManifest(
+        SCHEMA_VERSION, version, parent_digest, base_digest, shards, trainer_key.public.raw, now_ms
+    )
     sealed = seal(trainer_key, manifest)
     return sealed
 
@@ -121,11 +123,13 @@ def publish_version(
     updates = [p.update(s) for p, s in zip(publishers, states, strict=True)]
     for u in updates:
         if sink.put_blob(u.blob) != u.digest:
-            raise VerificationError("sink stored the blob under another digest",
-                                    reason=Reason.DIGEST_MISMATCH)
+            raise VerificationError(
+                "sink stored the blob under another digest", reason=Reason.DIGEST_MISMATCH
+            )
     version = publishers[0].version
-    sealed = build_manifest(version, parent, base_digest, updates, codecs.pop(), trainer_key,
-                            now_ms)
+    sealed = build_manifest(
+        version, parent, base_digest, updates, codecs.pop(), trainer_key, now_ms
+    )
     sink.publish(sealed)
     return sealed
 
@@ -160,8 +164,13 @@ class PublishHook:
     """
 
     def __init__(
-        self, publisher: StagePublisher, sink: PolicySink, *, base_digest: bytes,
-        trainer_key: SigningKey | None, gather: Gather = gather_single,
+        self,
+        publisher: StagePublisher,
+        sink: PolicySink,
+        *,
+        base_digest: bytes,
+        trainer_key: SigningKey | None,
+        gather: Gather = gather_single,
         now_ms: Callable[[], int] = lambda: int(time.time() * 1000),
     ) -> None:
         self.publisher, self.sink, self.base_digest = publisher, sink, base_digest
@@ -170,19 +179,28 @@ class PublishHook:
 
     def __call__(self, version: int, stage: nn.Module) -> SignedManifest | None:
         if self.publisher.version + 1 != version:
-            raise ConfigError(f"publisher is at version {self.publisher.version}; "
-                              f"cannot publish {version}")
+            raise ConfigError(
+                f"publisher is at version {self.publisher.version}; cannot publish {version}"
+            )
         update = self.publisher.update(publishable_state(stage))
         if self.sink.put_blob(update.blob) != update.digest:
-            raise VerificationError("sink stored the blob under another digest",
-                                    reason=Reason.DIGEST_MISMATCH)
+            raise VerificationError(
+                "sink stored the blob under another digest", reason=Reason.DIGEST_MISMATCH
+            )
         infos = self.gather(update.info())
         sealed = None
         if infos is not None:
             if self.trainer_key is None:
                 raise ConfigError("the rank that signs manifests needs the trainer key")
-            sealed = build_manifest(version, self.parent, self.base_digest, infos,
-                                    self.publisher.codec_name, self.trainer_key, self.now_ms())
+            sealed = build_manifest(
+                version,
+                self.parent,
+                self.base_digest,
+                infos,
+                self.publisher.codec_name,
+                self.trainer_key,
+                self.now_ms(),
+            )
             self.sink.publish(sealed)
             self.parent = sealed
         if self.publisher.train_on == "published":
@@ -196,5 +214,6 @@ class PublishHook:
     def load_state(self, state: Mapping) -> None:
         self.publisher.load_state(state["publisher"])
         parent = state["parent"]
-        self.parent = None if parent is None else SignedManifest(manifest=parent[0],
-                                                                 signature=parent[1])
+        self.parent = (
+            None if parent is None else SignedManifest(manifest=parent[0], signature=parent[1])
+        )

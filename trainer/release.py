@@ -114,8 +114,12 @@ class LedgerView:
             self._levels.append(self.leaves)
             while len(self._levels[-1]) > 1:
                 below = self._levels[-1]
-                self._levels.append([merkle.node_hash(below[2 * i], below[2 * i + 1])
-                                     for i in range(len(below) // 2)])
+                self._levels.append(
+                    [
+                        merkle.node_hash(below[2 * i], below[2 * i + 1])
+                        for i in range(len(below) // 2)
+                    ]
+                )
         size = self.checkpoint.size
         plan = merkle.inclusion_plan(index, size)
         found = {(lv, i): self._levels[lv][i] for lv, i in merkle.plan_ids(plan)}
@@ -124,8 +128,9 @@ class LedgerView:
         return TlogProof(index, tuple(hashes), self.checkpoint_text, self.bodies[index])
 
 
-def index_signed_blobs(blobs: FileBlobStore) -> tuple[dict[bytes, SignedManifest],
-                                                      dict[bytes, SignedEvalStatement]]:
+def index_signed_blobs(
+    blobs: FileBlobStore,
+) -> tuple[dict[bytes, SignedManifest], dict[bytes, SignedEvalStatement]]:
     """Signed manifests and eval statements in a blob store, by their digests (unverified)."""
     manifests: dict[bytes, SignedManifest] = {}
     statements: dict[bytes, SignedEvalStatement] = {}
@@ -152,10 +157,21 @@ def _index_if_decodes(
 
 
 def build_release(
-    *, ledger: Path, out: Path, base_model: Path, trainer_key: SigningKey,
-    version: int | None = None, eval_problems: int = 300, k: int = 8, progress: bool = True,
-    blobs: Path | None = None, tasks: list[str] | None = None, split: str = "heldout",
-    seed: int = 0, now_ms: int | None = None, ship_chain: bool = True,
+    *,
+    ledger: Path,
+    out: Path,
+    base_model: Path,
+    trainer_key: SigningKey,
+    version: int | None = None,
+    eval_problems: int = 300,
+    k: int = 8,
+    progress: bool = True,
+    blobs: Path | None = None,
+    tasks: list[str] | None = None,
+    split: str = "heldout",
+    seed: int = 0,
+    now_ms: int | None = None,
+    ship_chain: bool = True,
 ) -> Path:
     """Write the release of policy ``version`` (None: the latest the checkpoint covers) to ``out``.
 
@@ -179,8 +195,10 @@ def build_release(
     manifests_by_digest, statements = index_signed_blobs(blob_store)
     version = max(view.policy, default=0) if version is None else version
     if version not in view.policy and version != 0:
-        raise ConfigError(f"policy version {version} is not published under the latest checkpoint "
-                          f"(published: {sorted(view.policy)})")
+        raise ConfigError(
+            f"policy version {version} is not published under the latest checkpoint "
+            f"(published: {sorted(view.policy)})"
+        )
     chain = _chain(view, manifests_by_digest, version)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
@@ -193,27 +211,47 @@ def build_release(
         verdicts = _write_ledger(tmp, view, version)
         steps.update(1)
         curve = _write_curve(tmp, view, statements, version)
-        table = _write_table(tmp, base_model, trainer_key, tasks or sorted(
-            {s.task_id for _, s in curve} or view.tasks or {"arithmetic"}), split, eval_problems,
-            k, seed, version, chain, now_ms)
+        table = _write_table(
+            tmp,
+            base_model,
+            trainer_key,
+            tasks or sorted({s.task_id for _, s in curve} or view.tasks or {"arithmetic"}),
+            split,
+            eval_problems,
+            k,
+            seed,
+            version,
+            chain,
+            now_ms,
+        )
         steps.update(1)
         (tmp / L.EVALS_FILE).write_bytes(evals_json(version, table, curve))
         digests = [manifest_digest(s) for s in chain]
         facts = CardFacts(
-            name=out.name, version=version, base_digest=base_model_digest(base_model).hex(),
+            name=out.name,
+            version=version,
+            base_digest=base_model_digest(base_model).hex(),
             weights_digest=tensor_digest(state).hex(),
-            trainer_fingerprint=trainer_key.public.fingerprint, origin=view.origin,
-            checkpoint_size=view.checkpoint.size, checkpoint_root=view.checkpoint.root.hex(),
+            trainer_fingerprint=trainer_key.public.fingerprint,
+            origin=view.origin,
+            checkpoint_size=view.checkpoint.size,
+            checkpoint_root=view.checkpoint.root.hex(),
             verdicts=len(verdicts),
             manifests=[(v, digests[v - 1].hex(), view.policy[v][0]) for v in range(1, version + 1)],
-            k=k, eval_seed=seed)
+            k=k,
+            eval_seed=seed,
+        )
         plot = plot_curve(curve, tmp / CURVE_PNG)
         (tmp / L.CARD_FILE).write_text(render_card(facts, table, curve, plot=plot))
         _sign(tmp, trainer_key, view, version, digests, state, verdicts, base_model, now_ms)
         steps.update(1)
-        verify_release(tmp, trainer_key=trainer_key.public, validator_key=PublicKey(view.log_key),
-                       blobs=None if ship_chain else blobs,
-                       base_model=None if ship_chain else base_model)
+        verify_release(
+            tmp,
+            trainer_key=trainer_key.public,
+            validator_key=PublicKey(view.log_key),
+            blobs=None if ship_chain else blobs,
+            base_model=None if ship_chain else base_model,
+        )
         steps.update(1)
         steps.close()
         tmp.chmod(0o755)
@@ -224,26 +262,39 @@ def build_release(
     return out
 
 
-def _chain(view: LedgerView, by_digest: dict[bytes, SignedManifest],
-           version: int) -> list[SignedManifest]:
+def _chain(
+    view: LedgerView, by_digest: dict[bytes, SignedManifest], version: int
+) -> list[SignedManifest]:
     chain = []
     for v in range(1, version + 1):
         digest = view.policy[v][1].manifest_digest
         if digest not in by_digest:
-            raise LedgerError(f"signed manifest of version {v} is not in the blob store",
-                              reason=Reason.NOT_FOUND, expected=digest)
+            raise LedgerError(
+                f"signed manifest of version {v} is not in the blob store",
+                reason=Reason.NOT_FOUND,
+                expected=digest,
+            )
         chain.append(by_digest[digest])
     return chain
 
 
-def _rebuild(base_model: Path, trainer_key: SigningKey, chain: list[SignedManifest],
-             blob_store: FileBlobStore, version: int) -> dict[str, torch.Tensor]:
+def _rebuild(
+    base_model: Path,
+    trainer_key: SigningKey,
+    chain: list[SignedManifest],
+    blob_store: FileBlobStore,
+    version: int,
+) -> dict[str, torch.Tensor]:
     from rollout.sync import PolicySync
 
-    stages = len(decode(PolicyManifest, chain[0].manifest, max_bytes=len(chain[0].manifest)).shards
-                 ) if chain else 1
-    sync = PolicySync(base_model, trainer_key.public, lambda v: chain[v - 1], blob_store.get,
-                      stages, max_cached=1)
+    stages = (
+        len(decode(PolicyManifest, chain[0].manifest, max_bytes=len(chain[0].manifest)).shards)
+        if chain
+        else 1
+    )
+    sync = PolicySync(
+        base_model, trainer_key.public, lambda v: chain[v - 1], blob_store.get, stages, max_cached=1
+    )
     return {n: t.contiguous() for n, t in sync.state_at(version).items()}
 
 
@@ -253,8 +304,9 @@ def _write(root: Path, rel: str, data: bytes) -> None:
     path.write_bytes(data)
 
 
-def _write_chain(tmp: Path, base_model: Path, chain: list[SignedManifest],
-                 blob_store: FileBlobStore, ship: bool) -> None:
+def _write_chain(
+    tmp: Path, base_model: Path, chain: list[SignedManifest], blob_store: FileBlobStore, ship: bool
+) -> None:
     for v, sealed in enumerate(chain, start=1):
         _write(tmp, L.manifest_path(v), canonical_bytes(sealed))
     if not ship:
@@ -262,7 +314,7 @@ def _write_chain(tmp: Path, base_model: Path, chain: list[SignedManifest],
     for f in sorted(Path(base_model).glob("*.safetensors")):
         _write(tmp, f"{L.CHAIN_BASE}/{f.name}", f.read_bytes())
     manifests = [decode(PolicyManifest, s.manifest, max_bytes=len(s.manifest)) for s in chain]
-    for m in manifests[chain_start(manifests):]:
+    for m in manifests[chain_start(manifests) :]:
         for shard in m.shards:
             _write(tmp, L.blob_path(shard.digest), blob_store.get(shard.digest))
 
@@ -283,25 +335,40 @@ def _write_ledger(tmp: Path, view: LedgerView, version: int) -> list[int]:
     return verdicts
 
 
-def _write_curve(tmp: Path, view: LedgerView, statements: dict[bytes, SignedEvalStatement],
-                 version: int) -> list[tuple[int, EvalStatement]]:
+def _write_curve(
+    tmp: Path, view: LedgerView, statements: dict[bytes, SignedEvalStatement], version: int
+) -> list[tuple[int, EvalStatement]]:
     curve = []
     for index, rec in view.evals:
         if rec.version > version:
             continue
         sealed = statements.get(rec.statement_digest)
         if sealed is None:
-            raise LedgerError(f"eval statement of entry {index} is not in the blob store",
-                              reason=Reason.NOT_FOUND, expected=rec.statement_digest)
+            raise LedgerError(
+                f"eval statement of entry {index} is not in the blob store",
+                reason=Reason.NOT_FOUND,
+                expected=rec.statement_digest,
+            )
         _write(tmp, L.curve_path(index), canonical_bytes(sealed))
-        curve.append((index, decode(EvalStatement, sealed.statement,
-                                    max_bytes=len(sealed.statement))))
+        curve.append(
+            (index, decode(EvalStatement, sealed.statement, max_bytes=len(sealed.statement)))
+        )
     return curve
 
 
-def _write_table(tmp: Path, base_model: Path, key: SigningKey, tasks: list[str], split: str,
-                 problems: int, k: int, seed: int, version: int, chain: list[SignedManifest],
-                 now_ms: int | None) -> list[tuple[EvalStatement, EvalStatement]]:
+def _write_table(
+    tmp: Path,
+    base_model: Path,
+    key: SigningKey,
+    tasks: list[str],
+    split: str,
+    problems: int,
+    k: int,
+    seed: int,
+    version: int,
+    chain: list[SignedManifest],
+    now_ms: int | None,
+) -> list[tuple[EvalStatement, EvalStatement]]:
     from trainer.evals import eval_statement, evaluate
 
     stamp = now_ms if now_ms is not None else time.time_ns() // 1_000_000
@@ -309,28 +376,59 @@ def _write_table(tmp: Path, base_model: Path, key: SigningKey, tasks: list[str],
     table = []
     for task in tasks:
         pair = []
-        for which, model_dir, v, d in (("base", base_model, 0, b""), ("release", tmp, version, digest)):
+        for which, model_dir, v, d in (
+            ("base", base_model, 0, b""),
+            ("release", tmp, version, digest),
+        ):
             report = evaluate(model_dir, task, split, n=problems, k=k, seed=seed)
-            sealed = eval_statement(report, version=v, manifest_digest=d, task=task, split=split,
-                                    seed=seed, key=key, created_at_ms=stamp)
+            sealed = eval_statement(
+                report,
+                version=v,
+                manifest_digest=d,
+                task=task,
+                split=split,
+                seed=seed,
+                key=key,
+                created_at_ms=stamp,
+            )
             _write(tmp, L.table_path(task, which), canonical_bytes(sealed))
             pair.append(open_sealed(EvalStatement, sealed, key.public))
         table.append((pair[0], pair[1]))
     return table
 
 
-def _sign(tmp: Path, key: SigningKey, view: LedgerView, version: int, digests: list[bytes],
-          state: dict[str, torch.Tensor], verdicts: list[int], base_model: Path,
-          now_ms: int | None) -> None:
+def _sign(
+    tmp: Path,
+    key: SigningKey,
+    view: LedgerView,
+    version: int,
+    digests: list[bytes],
+    state: dict[str, torch.Tensor],
+    verdicts: list[int],
+    base_model: Path,
+    now_ms: int | None,
+) -> None:
     files = []
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
         data = path.read_bytes()
-        files.append(ReleaseFile(path.relative_to(tmp).as_posix(), blake3_digest(BLOB, data),
-                                 len(data)))
+        files.append(
+            ReleaseFile(path.relative_to(tmp).as_posix(), blake3_digest(BLOB, data), len(data))
+        )
     rel = ReleaseManifest(
-        SCHEMA_VERSION, version, base_model_digest(base_model), digests, tensor_digest(state),
-        view.origin, view.log_key, view.checkpoint.size, view.checkpoint.root, len(verdicts),
-        L.verdicts_digest([(i, view.leaves[i]) for i in verdicts]), files, key.public.raw,
-        now_ms if now_ms is not None else time.time_ns() // 1_000_000)
+        SCHEMA_VERSION,
+        version,
+        base_model_digest(base_model),
+        digests,
+        tensor_digest(state),
+        view.origin,
+        view.log_key,
+        view.checkpoint.size,
+        view.checkpoint.root,
+        len(verdicts),
+        L.verdicts_digest([(i, view.leaves[i]) for i in verdicts]),
+        files,
+        key.public.raw,
+        now_ms if now_ms is not None else time.time_ns() // 1_000_000,
+    )
     sealed = seal(key, rel)
     (tmp / L.MANIFEST_FILE).write_bytes(canonical_bytes(sealed))

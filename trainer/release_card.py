@@ -52,8 +52,10 @@ def _curve_lines(curve: Sequence[CurvePoint]) -> list[str]:
     lines = []
     for task, points in by_task.items():
         values = [v for _, v in points]
-        lines.append(f"- `{task}` pass@1 over versions {points[0][0]}..{points[-1][0]}: "
-                     f"`{sparkline(values)}` ({values[0]:.3f} → {values[-1]:.3f})")
+        lines.append(
+            f"- `{task}` pass@1 over versions {points[0][0]}..{points[-1][0]}: "
+            f"`{sparkline(values)}` ({values[0]:.3f} → {values[-1]:.3f})"
+        )
     return lines
 
 
@@ -64,7 +66,8 @@ def plot_curve(curve: Sequence[CurvePoint], path: Path) -> bool:
         for m in s.metrics:
             if m.name == PASS1:
                 series.setdefault(f"{s.task_id}/{s.split}", []).append(
-                    (s.version, m.value, m.lo, m.hi))
+                    (s.version, m.value, m.lo, m.hi)
+                )
     if not series:
         return False
     import matplotlib
@@ -90,12 +93,16 @@ def plot_curve(curve: Sequence[CurvePoint], path: Path) -> bool:
     return True
 
 
-def render_card(facts: CardFacts, table: Sequence[TablePair], curve: Sequence[CurvePoint],
-                *, plot: bool = False) -> str:
+def render_card(
+    facts: CardFacts, table: Sequence[TablePair], curve: Sequence[CurvePoint], *, plot: bool = False
+) -> str:
     """Markdown of the model card (``plot``: a ``curve.png`` sits next to it)."""
     f = facts
-    reproduce = [f"prooftrain eval . --task {base.task_id} --split {base.split} "
-                 f"-n {base.problems} -k {f.k} --seed {base.seed}" for base, _ in table]
+    reproduce = [
+        f"prooftrain eval . --task {base.task_id} --split {base.split} "
+        f"-n {base.problems} -k {f.k} --seed {base.seed}"
+        for base, _ in table
+    ]
     provenance = ["| version | manifest digest | ledger entry |", "|---|---|---|"]
     provenance += [f"| {v} | `{d}` | #{i} |" for v, d, i in f.manifests]
     parts = [

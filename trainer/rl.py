@@ -83,8 +83,10 @@ def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 def flat_grad(params: list[torch.nn.Parameter], out: Tensor | None = None) -> Tensor:
     """This stage's gradient as one float32 vector (missing grads count as zero), written
     into ``out`` when given."""
-    parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
-             for p in params]
+    parts = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)).detach().float().flatten()
+        for p in params
+    ]
     return torch.cat(parts) if out is None else torch.cat(parts, out=out)
 
 
@@ -131,8 +133,11 @@ class RLStep:
         self.importance_sampling = importance_sampling
         self.proximal = proximal
         self.params = _params(runner.stage)
-        self.grouped = (GroupGradients.plan(runner.stage, self.params)
-                        if runner.num_microbatches == 1 and not runner.ties_across_stages else None)
+        self.grouped = (
+            GroupGradients.plan(runner.stage, self.params)
+            if runner.num_microbatches == 1 and not runner.ties_across_stages
+            else None
+        )
         """One pass for every contributor's gradient, or None: one pass per contributor."""
         self.via_gram = True
         """With a one-pass plan and a ``GramAggregator``, aggregate from the contributors'
@@ -142,8 +147,11 @@ class RLStep:
     @property
     def gram(self) -> bool:
         """Whether steps aggregate from the Gram matrix (see ``via_gram``)."""
-        return (self.via_gram and self.grouped is not None
-                and isinstance(self.aggregator, GramAggregator))
+        return (
+            self.via_gram
+            and self.grouped is not None
+            and isinstance(self.aggregator, GramAggregator)
+        )
 
     def _loss_fn(self, logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
         mask = mb["target_mask"]
@@ -174,8 +182,9 @@ class RLStep:
         """One step on ``batch``; ``weights`` (n_contributors,) or None for uniform."""
         proximal = None
         if self.proximal:
-            proximal = self.runner.logprobs(batch.input_ids, batch.attention_mask,
-                                            target_mask=batch.target_mask)
+            proximal = self.runner.logprobs(
+                batch.input_ids, batch.attention_mask, target_mask=batch.target_mask
+            )
         if self.gram:
             names, metric_rows, dropped, metrics = self._gram_pass(batch, proximal, weights)
             metrics["aggregate/dropped_nonfinite"] = float(dropped)
@@ -261,8 +270,11 @@ class RLStep:
         if keep:
             sub = gram[keep][:, keep]
             w = None if weights is None else weights[torch.tensor(names)].to(torch.float64)
-            alpha[keep] = (self.aggregator.coefficients(sub, w) if len(keep) > 1
-                           else torch.ones(1, dtype=torch.float64))
+            alpha[keep] = (
+                self.aggregator.coefficients(sub, w)
+                if len(keep) > 1
+                else torch.ones(1, dtype=torch.float64)
+            )
         self.grouped.combine(alpha)
         labels = [batch.contributors[c].hex()[:8] for c in names]
         norms = torch.diagonal(gram)[keep].clamp(min=0.0).to(torch.float64)
@@ -270,15 +282,18 @@ class RLStep:
         per_contributor = self._split_metrics(result.metrics, len(present))
         return names, [per_contributor[i] for i in keep], len(present) - len(keep), metrics
 
-    def _segment_loss(self, segments: list[tuple[int, int]]) -> Callable[..., tuple[Tensor, Metrics]]:
+    def _segment_loss(
+        self, segments: list[tuple[int, int]]
+    ) -> Callable[..., tuple[Tensor, Metrics]]:
         def loss_fn(logprobs: Tensor, mb: Mapping[str, Any]) -> tuple[Tensor, Metrics]:
             """sum_c loss_c; c's metrics under ``"c/key"`` (the runner shares them with
             every stage)."""
             total = logprobs.new_zeros(())
             metrics: Metrics = {}
             for i, (lo, hi) in enumerate(segments):
-                part = {k: v[lo:hi] if isinstance(v, Tensor) and v.dim() else v
-                        for k, v in mb.items()}
+                part = {
+                    k: v[lo:hi] if isinstance(v, Tensor) and v.dim() else v for k, v in mb.items()
+                }
                 loss, own = self._loss_fn(logprobs[lo:hi], part)
                 total = total + loss
                 metrics.update({f"{i}/{k}": float(v) for k, v in own.items()})
@@ -309,8 +324,11 @@ class RLStep:
         keep = [i for i, ok in enumerate(_all_stages([all_finite(row) for row in out])) if ok]
         if len(keep) < len(present):
             rows_out[: len(keep)] = out[keep]
-        return ([present[i] for i in keep], [per_contributor[i] for i in keep],
-                len(present) - len(keep))
+        return (
+            [present[i] for i in keep],
+            [per_contributor[i] for i in keep],
+            len(present) - len(keep),
+        )
 
     def _apply(
         self, stacked: Tensor, names: list[int], labels: list[str], weights: Tensor | None
@@ -328,8 +346,11 @@ class RLStep:
     def _finish(self, norms: Tensor, labels: list[str]) -> Metrics:
         """Clip ``.grad`` (the aggregate) by the global norm and step. ``norms`` (n,): each
         contributor's squared gradient norm on this stage."""
-        agg_sq = sum(float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
-                     for p in self.params if p.grad is not None)
+        agg_sq = sum(
+            float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
+            for p in self.params
+            if p.grad is not None
+        )
         local = torch.cat([norms.double(), torch.tensor([agg_sq], dtype=torch.float64)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)

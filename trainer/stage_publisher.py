@@ -88,8 +88,11 @@ def _f32(t: Tensor) -> Tensor:
 
 
 def _advance(
-    published: dict[str, Tensor], current: Mapping[str, Tensor], codec: Codec,
-    feedback: ErrorFeedback | None, full: bool,
+    published: dict[str, Tensor],
+    current: Mapping[str, Tensor],
+    codec: Codec,
+    feedback: ErrorFeedback | None,
+    full: bool,
 ) -> tuple[bytes, dict[str, Tensor]]:
     """(blob, new published copy): encode, then apply exactly as a contributor would."""
     if full:
@@ -148,14 +151,25 @@ class StagePublisher:
 
     @classmethod
     def for_stage(
-        cls, stage: nn.Module, stage_index: int, codec_name: str,
-        codec_params: Mapping[str, object] | None = None, snapshot_every: int = 0,
-        *, train_on: TrainOn = "master",
+        cls,
+        stage: nn.Module,
+        stage_index: int,
+        codec_name: str,
+        codec_params: Mapping[str, object] | None = None,
+        snapshot_every: int = 0,
+        *,
+        train_on: TrainOn = "master",
     ) -> StagePublisher:
         """A publisher for a ``trainer.stages.Stage`` (or a whole HF model when S = 1)."""
-        return cls(stage_index, publishable_state(stage), codec_name, codec_params,
-                   snapshot_every, mirrors=tuple(getattr(stage, "tied_copies", {})),
-                   train_on=train_on)
+        return cls(
+            stage_index,
+            publishable_state(stage),
+            codec_name,
+            codec_params,
+            snapshot_every,
+            mirrors=tuple(getattr(stage, "tied_copies", {})),
+            train_on=train_on,
+        )
 
     def next_kind(self) -> str:
         """Kind of the next update: "full" every ``snapshot_every`` versions."""
@@ -215,12 +229,13 @@ class StagePublisher:
         for name, value in state.items():
             params[name].copy_(value)
 
-
     def state(self) -> dict:
         """Checkpoint: version, published copy and residuals (restore with load_state)."""
         fbs = {"own": self._feedback, "mirror": self._mirror_feedback}
         return {
-            "version": self.version, "own": dict(self._own), "mirror": dict(self._mirror),
+            "version": self.version,
+            "own": dict(self._own),
+            "mirror": dict(self._mirror),
             "residual": {k: _residuals(fb) for k, fb in fbs.items() if fb is not None},
         }
 

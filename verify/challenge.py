@@ -71,7 +71,11 @@ def chunks_to_open(secret: bytes, envelope_digest: bytes, n_chunks: int, k: int)
     block = 0
     while len(chosen) < k:
         out = blake3_keyed_stream(
-            secret, CHALLENGE_CHUNKS, envelope_digest, block.to_bytes(4, "little"), length=stream_len
+            secret,
+            CHALLENGE_CHUNKS,
+            envelope_digest,
+            block.to_bytes(4, "little"),
+            length=stream_len,
         )
         for off in range(0, stream_len, 4):
             value = int.from_bytes(out[off : off + 4], "little")

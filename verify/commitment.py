@@ -54,7 +54,9 @@ def n_chunks(n_tokens: int, chunk_size: int) -> int:
     return -(-n_tokens // chunk_size)
 
 
-def leaf_hash(index: int, token_bytes: bytes | memoryview, logprob_bytes: bytes | memoryview) -> bytes:
+def leaf_hash(
+    index: int, token_bytes: bytes | memoryview, logprob_bytes: bytes | memoryview
+) -> bytes:
     """Hash of one chunk; ``token_bytes`` are u32 LE, ``logprob_bytes`` f32 LE, same length."""
     count = len(token_bytes) // 4
     h = _LEAF_STATE.copy()
@@ -88,8 +90,12 @@ def leaf_hashes(token_bytes: bytes, logprob_bytes: bytes, chunk_size: int) -> li
         buf = np.empty((full, row), dtype=np.uint8)  # (chunks, leaf input after the prefix)
         buf[:, :8] = _leaf_ids(full, chunk_size)
         span = full * width
-        buf[:, 8 : 8 + width] = np.frombuffer(token_bytes, np.uint8, count=span).reshape(full, width)
-        buf[:, 8 + width :] = np.frombuffer(logprob_bytes, np.uint8, count=span).reshape(full, width)
+        buf[:, 8 : 8 + width] = np.frombuffer(token_bytes, np.uint8, count=span).reshape(
+            full, width
+        )
+        buf[:, 8 + width :] = np.frombuffer(logprob_bytes, np.uint8, count=span).reshape(
+            full, width
+        )
         view = memoryview(buf.data).cast("B")
         copy = _LEAF_STATE.copy
         leaves = [copy().update(view[i * row : (i + 1) * row]).digest() for i in range(full)]
@@ -116,7 +122,9 @@ def _parent(children: list[bytes]) -> bytes:
 
 def _next_level(level: list[bytes]) -> list[bytes]:
     copy = _NODE_STATE.copy
-    out = [copy().update(b"".join(level[i : i + ARITY])).digest() for i in range(0, len(level), ARITY)]
+    out = [
+        copy().update(b"".join(level[i : i + ARITY])).digest() for i in range(0, len(level), ARITY)
+    ]
     if len(level) % ARITY == 1:  # a run of one is promoted unchanged
         out[-1] = level[-1]
     return out
@@ -131,7 +139,9 @@ def root_from_leaves(leaves: list[bytes]) -> bytes:
     return level[0]
 
 
-def commitment_root(token_bytes: bytes, logprob_bytes: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE) -> bytes:
+def commitment_root(
+    token_bytes: bytes, logprob_bytes: bytes, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> bytes:
     """Root committing to a whole body."""
     return root_from_leaves(leaf_hashes(token_bytes, logprob_bytes, chunk_size))
 
@@ -174,12 +184,18 @@ def _path(leaves: list[bytes], index: int) -> list[bytes]:
     return proof
 
 
-def open_chunk(token_bytes: bytes, logprob_bytes: bytes, chunk_size: int, index: int) -> ChunkOpening:
+def open_chunk(
+    token_bytes: bytes, logprob_bytes: bytes, chunk_size: int, index: int
+) -> ChunkOpening:
     """Open chunk ``index`` of a body with its audit path."""
     leaves = leaf_hashes(token_bytes, logprob_bytes, chunk_size)
     if not 0 <= index < len(leaves):
-        raise ProofError("chunk index out of range", reason=Reason.PROOF_WRONG_INDEX,
-                         expected=f"< {len(leaves)}", computed=index)
+        raise ProofError(
+            "chunk index out of range",
+            reason=Reason.PROOF_WRONG_INDEX,
+            expected=f"< {len(leaves)}",
+            computed=index,
+        )
     step = 4 * chunk_size
     off = index * step
     return ChunkOpening(
@@ -201,20 +217,34 @@ def _runs(index: int, size: int) -> list[tuple[int, int]]:
     return runs
 
 
-def root_from_proof(leaf: bytes, index: int, size: int, proof: tuple[bytes, ...] | list[bytes]) -> bytes:
+def root_from_proof(
+    leaf: bytes, index: int, size: int, proof: tuple[bytes, ...] | list[bytes]
+) -> bytes:
     """Recompute the root from a leaf hash and its sibling digests."""
     if not 0 <= index < size:
-        raise ProofError("leaf index out of range", reason=Reason.PROOF_WRONG_INDEX,
-                         expected=f"< {size}", computed=index)
+        raise ProofError(
+            "leaf index out of range",
+            reason=Reason.PROOF_WRONG_INDEX,
+            expected=f"< {size}",
+            computed=index,
+        )
     runs = _runs(index, size)
     want = sum(length - 1 for _, length in runs)
     if len(proof) != want:
-        raise ProofError("audit path has the wrong length", reason=Reason.PROOF_WRONG_LENGTH,
-                         expected=want, computed=len(proof))
+        raise ProofError(
+            "audit path has the wrong length",
+            reason=Reason.PROOF_WRONG_LENGTH,
+            expected=want,
+            computed=len(proof),
+        )
     for node in proof:
         if len(node) != DIGEST_SIZE:
-            raise ProofError("proof node has the wrong size", reason=Reason.PROOF_WRONG_SIZE,
-                             expected=DIGEST_SIZE, computed=len(node))
+            raise ProofError(
+                "proof node has the wrong size",
+                reason=Reason.PROOF_WRONG_SIZE,
+                expected=DIGEST_SIZE,
+                computed=len(node),
+            )
     current, used = leaf, 0
     for position, length in runs:
         if length == 1:
@@ -234,15 +264,27 @@ def verify_opening(root: bytes, opening: ChunkOpening, n_tokens: int, chunk_size
     """
     size = n_chunks(n_tokens, chunk_size)
     if not 0 <= opening.index < size:
-        raise ProofError("chunk index out of range", reason=Reason.PROOF_WRONG_INDEX,
-                         expected=f"< {size}", computed=opening.index)
+        raise ProofError(
+            "chunk index out of range",
+            reason=Reason.PROOF_WRONG_INDEX,
+            expected=f"< {size}",
+            computed=opening.index,
+        )
     expect_len = min(chunk_size, n_tokens - opening.index * chunk_size)
     for name, blob in (("token", opening.token_bytes), ("logprob", opening.logprob_bytes)):
         if len(blob) != 4 * expect_len:
-            raise ProofError(f"opened chunk has the wrong {name} count", reason=Reason.BAD_OPENING,
-                             expected=expect_len, computed=len(blob) / 4)
+            raise ProofError(
+                f"opened chunk has the wrong {name} count",
+                reason=Reason.BAD_OPENING,
+                expected=expect_len,
+                computed=len(blob) / 4,
+            )
     leaf = leaf_hash(opening.index, opening.token_bytes, opening.logprob_bytes)
     computed = root_from_proof(leaf, opening.index, size, opening.proof)
     if computed != root:
-        raise ProofError("opening does not match the committed root", reason=Reason.ROOT_MISMATCH,
-                         expected=root, computed=computed)
+        raise ProofError(
+            "opening does not match the committed root",
+            reason=Reason.ROOT_MISMATCH,
+            expected=root,
+            computed=computed,
+        )

@@ -65,7 +65,10 @@ class Limits:
     def __post_init__(self) -> None:
         if not 0 < self.max_tokens <= MAX_TOKENS_HARD:
             raise ValueError(f"max_tokens must be in (0, {MAX_TOKENS_HARD}]")
-        if self.max_envelope_bytes > MAX_ENVELOPE_BYTES_HARD or self.max_group_bytes > MAX_GROUP_BYTES_HARD:
+        if (
+            self.max_envelope_bytes > MAX_ENVELOPE_BYTES_HARD
+            or self.max_group_bytes > MAX_GROUP_BYTES_HARD
+        ):
             raise ValueError("byte limits exceed the decoder's hard caps")
 
 
@@ -155,17 +158,25 @@ def verify_envelope(
     header = decode(RolloutHeader, envelope.header, max_bytes=len(envelope.header))
     # 3. schema version
     if header.schema_version != ROLLOUT_SCHEMA_VERSION:
-        raise DecodeError("unsupported rollout schema version (version 1 rollouts carry no chunk "
-                          "size, stopping rule or sampler name, and were drawn with the Gumbel-max "
-                          "sampler, gumbel-v1; version 2 names its sampler in its sampling "
-                          "parameters)", reason=Reason.SCHEMA_VERSION,
-                          expected=ROLLOUT_SCHEMA_VERSION, computed=header.schema_version)
+        raise DecodeError(
+            "unsupported rollout schema version (version 1 rollouts carry no chunk "
+            "size, stopping rule or sampler name, and were drawn with the Gumbel-max "
+            "sampler, gumbel-v1; version 2 names its sampler in its sampling "
+            "parameters)",
+            reason=Reason.SCHEMA_VERSION,
+            expected=ROLLOUT_SCHEMA_VERSION,
+            computed=header.schema_version,
+        )
     # 4. limits and shape
     _check_shape(header, envelope.body, limits)
     # 5. signature
     if expected_key is not None and header.contributor_key != expected_key:
-        raise SignatureError("envelope is signed by another contributor", reason=Reason.WRONG_SIGNER,
-                             expected=expected_key, computed=header.contributor_key)
+        raise SignatureError(
+            "envelope is signed by another contributor",
+            reason=Reason.WRONG_SIGNER,
+            expected=expected_key,
+            computed=header.contributor_key,
+        )
     public_key(header.contributor_key).verify(
         signing_message(SIG_ROLLOUT_HEADER, envelope.header), envelope.signature
     )
@@ -173,8 +184,9 @@ def verify_envelope(
     body = envelope.body
     root = commitment_root(body.token_ids, body.logprobs, header.chunk_size)
     if root != header.commitment_root:
-        raise CommitmentError("body does not match the committed root",
-                              expected=header.commitment_root, computed=root)
+        raise CommitmentError(
+            "body does not match the committed root", expected=header.commitment_root, computed=root
+        )
     # 7. values
     rollout = _rollout(envelope, header)
     logprobs = rollout.logprobs
@@ -196,42 +208,74 @@ def already_verified(envelope: RolloutEnvelope) -> VerifiedRollout:
 
 def _rollout(envelope: RolloutEnvelope, header: RolloutHeader) -> VerifiedRollout:
     token_ids, logprobs = decode_arrays(envelope.body.token_ids, envelope.body.logprobs)
-    return VerifiedRollout(header, envelope.header, envelope.signature, token_ids, logprobs,
-                           envelope_digest(envelope.header))
+    return VerifiedRollout(
+        header,
+        envelope.header,
+        envelope.signature,
+        token_ids,
+        logprobs,
+        envelope_digest(envelope.header),
+    )
 
 
 def _check_shape(header: RolloutHeader, body: RolloutBody, limits: Limits) -> None:
     if header.token_count > limits.max_tokens:
-        raise DecodeError("too many tokens", reason=Reason.LIMIT_TOKENS,
-                          expected=f"<= {limits.max_tokens}", computed=header.token_count)
+        raise DecodeError(
+            "too many tokens",
+            reason=Reason.LIMIT_TOKENS,
+            expected=f"<= {limits.max_tokens}",
+            computed=header.token_count,
+        )
     if header.group_size > limits.max_group_size:
-        raise DecodeError("group too large", reason=Reason.LIMIT_GROUP,
-                          expected=f"<= {limits.max_group_size}", computed=header.group_size)
+        raise DecodeError(
+            "group too large",
+            reason=Reason.LIMIT_GROUP,
+            expected=f"<= {limits.max_group_size}",
+            computed=header.group_size,
+        )
     if header.group_index >= header.group_size:
-        raise DecodeError("group index outside the group", reason=Reason.INCONSISTENT,
-                          expected=f"< {header.group_size}", computed=header.group_index)
+        raise DecodeError(
+            "group index outside the group",
+            reason=Reason.INCONSISTENT,
+            expected=f"< {header.group_size}",
+            computed=header.group_index,
+        )
     if not limits.min_chunk_size <= header.chunk_size <= limits.max_chunk_size:
-        raise DecodeError("chunk size outside limits", reason=Reason.INCONSISTENT,
-                          expected=f"[{limits.min_chunk_size}, {limits.max_chunk_size}]",
-                          computed=header.chunk_size)
+        raise DecodeError(
+            "chunk size outside limits",
+            reason=Reason.INCONSISTENT,
+            expected=f"[{limits.min_chunk_size}, {limits.max_chunk_size}]",
+            computed=header.chunk_size,
+        )
     want = 4 * header.token_count
     if len(body.token_ids) != want or len(body.logprobs) != want:
-        raise CommitmentError("body length disagrees with the header's token count",
-                              reason=Reason.INCONSISTENT, expected=want,
-                              computed=(len(body.token_ids), len(body.logprobs)))
+        raise CommitmentError(
+            "body length disagrees with the header's token count",
+            reason=Reason.INCONSISTENT,
+            expected=want,
+            computed=(len(body.token_ids), len(body.logprobs)),
+        )
 
 
-def decode_group(data: bytes, limits: Limits = Limits(), *, canonical: bool = True) -> GroupSubmission:
+def decode_group(
+    data: bytes, limits: Limits = Limits(), *, canonical: bool = True
+) -> GroupSubmission:
     """Parse a group submission (size checked before parsing); ``canonical=False`` only for
     bytes already parsed canonically (see :func:`verify.types.decode`)."""
     group = decode(GroupSubmission, data, max_bytes=limits.max_group_bytes, canonical=canonical)
     if len(group.envelopes) > limits.max_group_size:
-        raise DecodeError("group too large", reason=Reason.LIMIT_GROUP,
-                          expected=f"<= {limits.max_group_size}", computed=len(group.envelopes))
+        raise DecodeError(
+            "group too large",
+            reason=Reason.LIMIT_GROUP,
+            expected=f"<= {limits.max_group_size}",
+            computed=len(group.envelopes),
+        )
     return group
 
 
-def check_stopping_rule(token_ids: np.ndarray, max_tokens: int, stop_token_ids: Sequence[int]) -> None:
+def check_stopping_rule(
+    token_ids: np.ndarray, max_tokens: int, stop_token_ids: Sequence[int]
+) -> None:
     """The completion obeys its assignment's stopping rule; else ``STOPPING_RULE``.
 
     A completion is generated until its first stop token (kept as its last token) or
@@ -242,15 +286,25 @@ def check_stopping_rule(token_ids: np.ndarray, max_tokens: int, stop_token_ids: 
     """
     n = int(token_ids.size)
     if not 1 <= n <= max_tokens:
-        raise VerificationError("completion length is outside the assignment's [1, max_tokens]",
-                                reason=Reason.STOPPING_RULE, expected=f"[1, {max_tokens}]", computed=n)
+        raise VerificationError(
+            "completion length is outside the assignment's [1, max_tokens]",
+            reason=Reason.STOPPING_RULE,
+            expected=f"[1, {max_tokens}]",
+            computed=n,
+        )
     stops = np.isin(token_ids, np.asarray(list(stop_token_ids), dtype=np.int64))
     early = np.flatnonzero(stops[:-1])
     if early.size:
-        raise VerificationError("completion goes on past a stop token",
-                                reason=Reason.STOPPING_RULE, expected=f"end at position {int(early[0])}",
-                                computed=f"{n} tokens")
+        raise VerificationError(
+            "completion goes on past a stop token",
+            reason=Reason.STOPPING_RULE,
+            expected=f"end at position {int(early[0])}",
+            computed=f"{n} tokens",
+        )
     if n < max_tokens and not bool(stops[-1]):
-        raise VerificationError("completion ends before max_tokens without a stop token",
-                                reason=Reason.STOPPING_RULE, expected=f"a stop token or {max_tokens} tokens",
-                                computed=f"{n} tokens ending in {int(token_ids[-1])}")
+        raise VerificationError(
+            "completion ends before max_tokens without a stop token",
+            reason=Reason.STOPPING_RULE,
+            expected=f"a stop token or {max_tokens} tokens",
+            computed=f"{n} tokens ending in {int(token_ids[-1])}",
+        )

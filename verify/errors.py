@@ -49,7 +49,9 @@ class Reason(enum.StrEnum):
     FUTURE_VERSION = "future_version"
     ASSIGNMENT_LIMIT = "assignment_limit"  # too many assignments open or abandoned at once
     STOPPING_RULE = "stopping_rule"  # length or end of a completion breaks the assignment's rule
-    UNSUPPORTED_PRECISION = "unsupported_precision"  # no calibrated tolerance for the declared dtype
+    UNSUPPORTED_PRECISION = (
+        "unsupported_precision"  # no calibrated tolerance for the declared dtype
+    )
     WRONG_MANIFEST = "wrong_manifest"
     # -- commitments and proofs
     COMMITMENT_MISMATCH = "commitment_mismatch"
@@ -84,8 +86,9 @@ class ConfigError(ProofTrainError):
     """A configuration file or value is invalid."""
 
 
-def build_registered(kind: str, registry: Mapping[str, Callable[..., T]], name: str,
-                     params: Mapping[str, object]) -> T:
+def build_registered(
+    kind: str, registry: Mapping[str, Callable[..., T]], name: str, params: Mapping[str, object]
+) -> T:
     """``registry[name](**params)``; ConfigError naming ``kind`` for an unknown name (with
     the known ones) or for parameters the factory refuses (TypeError or ValueError)."""
     try:
@@ -146,7 +149,9 @@ class VerificationError(ProofTrainError):
         }
 
 
-def _rebuilt(cls: type[VerificationError], args: tuple[Any, ...], state: dict[str, Any]) -> VerificationError:
+def _rebuilt(
+    cls: type[VerificationError], args: tuple[Any, ...], state: dict[str, Any]
+) -> VerificationError:
     error = cls.__new__(cls)
     error.args = args
     error.__dict__.update(state)

@@ -46,8 +46,15 @@ def gumbel_noise(
     return _gumbel(_gumbel_stream(key, nonce, seed, position, vocab, sample_index), 1, vocab)[0]
 
 
-def sampler_stream(domain: bytes, key: bytes, nonce: bytes, seed: int, position: int,
-                   sample_index: int, length: int) -> bytes:
+def sampler_stream(
+    domain: bytes,
+    key: bytes,
+    nonce: bytes,
+    seed: int,
+    position: int,
+    sample_index: int,
+    length: int,
+) -> bytes:
     """``length`` bytes of a verifiable sampler's randomness for one token: blake3 keyed by
     ``key`` over ``domain || 0x00 || u32 len(nonce) || nonce || u64 seed || u32 sample_index
     || u64 position`` (little-endian). Every sampler (``verify.samplers``) draws from it."""
@@ -60,8 +67,9 @@ def sampler_stream(domain: bytes, key: bytes, nonce: bytes, seed: int, position:
     return blake3_keyed_stream(key, domain, head, tail, length=length)
 
 
-def _gumbel_stream(key: bytes, nonce: bytes, seed: int, position: int, vocab: int,
-                   sample_index: int) -> bytes:
+def _gumbel_stream(
+    key: bytes, nonce: bytes, seed: int, position: int, vocab: int, sample_index: int
+) -> bytes:
     if vocab <= 0:
         raise ValueError(f"vocab must be > 0, got {vocab}")
     return sampler_stream(SAMPLER_GUMBEL, key, nonce, seed, position, sample_index, 8 * vocab)
@@ -75,8 +83,13 @@ def _gumbel(raw: bytes, rows: int, vocab: int) -> torch.Tensor:
 
 
 def noise_for_positions(
-    key: bytes, nonce: bytes, seed: int, positions: range | list[int], vocab: int,
-    *, sample_index: int = 0,
+    key: bytes,
+    nonce: bytes,
+    seed: int,
+    positions: range | list[int],
+    vocab: int,
+    *,
+    sample_index: int = 0,
 ) -> torch.Tensor:
     """:func:`gumbel_noise` for several positions -> ``(T, vocab)`` float64, row t equal to
     ``gumbel_noise(..., positions[t], ...)``."""
@@ -89,8 +102,11 @@ NoiseSpec = tuple[bytes, bytes, int, int, "range | list[int]"]
 
 def noise_for_streams(specs: list[NoiseSpec], vocab: int) -> torch.Tensor:
     """:func:`noise_for_positions` of several completions stacked -> ``(sum T, vocab)``."""
-    raw = b"".join(_gumbel_stream(key, nonce, seed, p, vocab, index)
-                   for key, nonce, seed, index, positions in specs for p in positions)
+    raw = b"".join(
+        _gumbel_stream(key, nonce, seed, p, vocab, index)
+        for key, nonce, seed, index, positions in specs
+        for p in positions
+    )
     if not raw:
         return torch.empty((0, vocab), dtype=torch.float64)
     return _gumbel(raw, len(raw) // (8 * vocab), vocab)

@@ -51,7 +51,9 @@ IcdfSpec = tuple[bytes, bytes, int, int, "range | Sequence[int]"]
 """``(key, nonce, seed, sample_index, positions)`` of one completion."""
 
 
-def icdf_uniform(key: bytes, nonce: bytes, seed: int, position: int, *, sample_index: int = 0) -> float:
+def icdf_uniform(
+    key: bytes, nonce: bytes, seed: int, position: int, *, sample_index: int = 0
+) -> float:
     """The keyed uniform in (0, 1) of one token.
 
     Stream: blake3 keyed by ``key`` (32 bytes; the contributor's public key) over
@@ -59,15 +61,19 @@ def icdf_uniform(key: bytes, nonce: bytes, seed: int, position: int, *, sample_i
     || u64 position`` (little-endian); its first 8 output bytes read as a
     little-endian uint64 w give ``u = ((w >> 11) + 0.5) / 2**53``, exact in float64.
     """
-    word = int.from_bytes(sampler_stream(SAMPLER_ICDF, key, nonce, seed, position, sample_index, 8),
-                          "little")
+    word = int.from_bytes(
+        sampler_stream(SAMPLER_ICDF, key, nonce, seed, position, sample_index, 8), "little"
+    )
     return ((word >> 11) + 0.5) * 2.0**-53
 
 
 def icdf_uniforms(specs: Sequence[IcdfSpec]) -> torch.Tensor:
     """:func:`icdf_uniform` of every position of several completions -> float64 ``(sum T,)``."""
-    out = [icdf_uniform(key, nonce, seed, p, sample_index=index)
-           for key, nonce, seed, index, positions in specs for p in positions]
+    out = [
+        icdf_uniform(key, nonce, seed, p, sample_index=index)
+        for key, nonce, seed, index, positions in specs
+        for p in positions
+    ]
     return torch.tensor(out, dtype=torch.float64)
 
 
@@ -92,8 +98,11 @@ def _blocks(processed_logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
 def _within(p: torch.Tensor, sums: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     """``C`` over block ``block[i]`` of each row -> float64 ``(n, B)``."""
     rows = torch.arange(p.shape[0], device=p.device)
-    before = torch.where(block > 0, sums.gather(-1, (block - 1).clamp(min=0)[:, None])[:, 0],
-                         torch.zeros_like(sums[:, 0]))
+    before = torch.where(
+        block > 0,
+        sums.gather(-1, (block - 1).clamp(min=0)[:, None])[:, 0],
+        torch.zeros_like(sums[:, 0]),
+    )
     return before[:, None] + torch.cumsum(p[rows, block].to(torch.float64), dim=-1)
 
 
@@ -108,7 +117,7 @@ def _by_rows(fn, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[no-unt
     rows = max(1, CHUNK_ENTRIES // width)
     if n <= rows:
         return fn(*tensors)
-    return torch.cat([fn(*(t[i:i + rows] for t in tensors)) for i in range(0, n, rows)])
+    return torch.cat([fn(*(t[i : i + rows] for t in tensors)) for i in range(0, n, rows)])
 
 
 def sample_icdf(processed_logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -129,8 +138,9 @@ def _sample_rows(processed_logprobs: torch.Tensor, uniforms: torch.Tensor) -> to
     return (block * width + inner).clamp(max=processed_logprobs.shape[-1] - 1)
 
 
-def icdf_gaps(token_ids: torch.Tensor, processed_logprobs: torch.Tensor,
-              uniforms: torch.Tensor) -> torch.Tensor:
+def icdf_gaps(
+    token_ids: torch.Tensor, processed_logprobs: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """How far each scaled uniform lies outside its claimed token's interval, in probability
     mass -> float64 ``(n,)``: 0 inside ``[C_{x-1}, C_x)``, else the distance to the nearer
     end (for a token off the support, whose interval is empty, the distance to where it
@@ -139,8 +149,9 @@ def icdf_gaps(token_ids: torch.Tensor, processed_logprobs: torch.Tensor,
     return _by_rows(_gap_rows, token_ids.to(device), processed_logprobs, uniforms.to(device))
 
 
-def _gap_rows(token_ids: torch.Tensor, processed_logprobs: torch.Tensor,
-              uniforms: torch.Tensor) -> torch.Tensor:
+def _gap_rows(
+    token_ids: torch.Tensor, processed_logprobs: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     p, sums = _blocks(processed_logprobs)
     x = token_ids.to(device=sums.device, dtype=torch.long)
     width = p.shape[-1]
@@ -152,8 +163,13 @@ def _gap_rows(token_ids: torch.Tensor, processed_logprobs: torch.Tensor,
     return torch.where(inside, torch.zeros_like(gap), gap)
 
 
-def icdf_tokens(logits: torch.Tensor | np.ndarray, temperature: float, top_k: int, top_p: float,
-                uniforms: torch.Tensor) -> torch.Tensor:
+def icdf_tokens(
+    logits: torch.Tensor | np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    uniforms: torch.Tensor,
+) -> torch.Tensor:
     """:func:`sample_icdf` of raw logits under the committed definition (greedy: the argmax)."""
     lp = process_logits(logits, temperature, top_k, top_p)
     if temperature == 0.0:

@@ -77,7 +77,9 @@ class PublicKey:
         try:
             self._verify_key.verify(message, signature)
         except nacl.exceptions.BadSignatureError:
-            raise SignatureError(f"signature does not verify under key {self.fingerprint}") from None
+            raise SignatureError(
+                f"signature does not verify under key {self.fingerprint}"
+            ) from None
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, PublicKey) and other._raw == self._raw
@@ -146,7 +148,9 @@ def _to_pem(key: SigningKey, passphrase: bytes | None) -> bytes:
     )
 
 
-def save_signing_key(key: SigningKey, path: str | os.PathLike, passphrase: bytes | None = None) -> Path:
+def save_signing_key(
+    key: SigningKey, path: str | os.PathLike, passphrase: bytes | None = None
+) -> Path:
     """Write ``key`` to ``path`` with mode 0600; refuse to overwrite.
 
     The file is written to a temporary name in the same directory, then linked
@@ -192,10 +196,14 @@ def load_signing_key(path: str | os.PathLike, passphrase: bytes | None = None) -
             Reason.BAD_PASSPHRASE,
         )
     try:
-        private = serialization.load_pem_private_key(data, password=passphrase if encrypted else None)
+        private = serialization.load_pem_private_key(
+            data, password=passphrase if encrypted else None
+        )
     except ValueError:
         if encrypted:
-            raise KeyFileError(f"wrong passphrase for key file {target}", Reason.BAD_PASSPHRASE) from None
+            raise KeyFileError(
+                f"wrong passphrase for key file {target}", Reason.BAD_PASSPHRASE
+            ) from None
         raise KeyFileError(f"key file {target} is not a PKCS#8 Ed25519 private key") from None
     if not isinstance(private, Ed25519PrivateKey):
         raise KeyFileError(f"key file {target} does not hold an Ed25519 key")

@@ -42,16 +42,25 @@ def check_manifest(sealed: SignedManifest, trainer: PublicKey) -> PolicyManifest
     """Steps 1 and 3 for one manifest."""
     manifest = open_sealed(PolicyManifest, sealed, trainer)
     if manifest.trainer_key != trainer.raw:
-        raise VerificationError("manifest names another trainer key", reason=Reason.WRONG_SIGNER,
-                                expected=trainer.raw, computed=manifest.trainer_key)
+        raise VerificationError(
+            "manifest names another trainer key",
+            reason=Reason.WRONG_SIGNER,
+            expected=trainer.raw,
+            computed=manifest.trainer_key,
+        )
     stages = [shard.stage for shard in manifest.shards]
     if stages != list(range(len(stages))):
-        raise DecodeError("manifest stages must be 0..S-1 in order", reason=Reason.INCONSISTENT,
-                          expected=list(range(len(stages))), computed=stages)
+        raise DecodeError(
+            "manifest stages must be 0..S-1 in order",
+            reason=Reason.INCONSISTENT,
+            expected=list(range(len(stages))),
+            computed=stages,
+        )
     for shard in manifest.shards:
         if shard.kind not in KINDS:
-            raise DecodeError("unknown shard kind", reason=Reason.MALFORMED, expected=KINDS,
-                              computed=shard.kind)
+            raise DecodeError(
+                "unknown shard kind", reason=Reason.MALFORMED, expected=KINDS, computed=shard.kind
+            )
     return manifest
 
 
@@ -65,43 +74,68 @@ def check_chain(chain: Sequence[SignedManifest], trainer: PublicKey) -> list[Pol
             prev, prev_digest = previous
             check_successor(manifest, prev.version, prev_digest, prev.base_digest)
             if len(manifest.shards) != len(prev.shards):
-                raise VerificationError("manifest changes the number of stages",
-                                        reason=Reason.INCONSISTENT, expected=len(prev.shards),
-                                        computed=len(manifest.shards))
+                raise VerificationError(
+                    "manifest changes the number of stages",
+                    reason=Reason.INCONSISTENT,
+                    expected=len(prev.shards),
+                    computed=len(manifest.shards),
+                )
         elif manifest.parent_digest and any(s.kind != "full" for s in manifest.shards):
-            raise VerificationError("a chain must start at version 1 or at a full snapshot",
-                                    reason=Reason.WRONG_MANIFEST)
+            raise VerificationError(
+                "a chain must start at version 1 or at a full snapshot",
+                reason=Reason.WRONG_MANIFEST,
+            )
         out.append(manifest)
         previous = (manifest, manifest_digest(sealed))
     return out
 
 
-def check_successor(manifest: PolicyManifest, parent_version: int, parent_digest: bytes,
-                    base_digest: bytes) -> None:
+def check_successor(
+    manifest: PolicyManifest, parent_version: int, parent_digest: bytes, base_digest: bytes
+) -> None:
     """Step 2: ``manifest`` is version ``parent_version + 1``, names ``parent_digest`` as its
     parent (empty when the parent is the base, version 0) and keeps the base model."""
     if manifest.version != parent_version + 1:
-        raise VerificationError("manifest does not follow its parent's version",
-                                reason=Reason.INCONSISTENT, expected=parent_version + 1,
-                                computed=manifest.version)
+        raise VerificationError(
+            "manifest does not follow its parent's version",
+            reason=Reason.INCONSISTENT,
+            expected=parent_version + 1,
+            computed=manifest.version,
+        )
     if manifest.parent_digest != parent_digest:
-        raise VerificationError("manifest does not extend its parent", reason=Reason.WRONG_MANIFEST,
-                                expected=parent_digest, computed=manifest.parent_digest)
+        raise VerificationError(
+            "manifest does not extend its parent",
+            reason=Reason.WRONG_MANIFEST,
+            expected=parent_digest,
+            computed=manifest.parent_digest,
+        )
     if manifest.base_digest != base_digest:
-        raise VerificationError("manifest is for another base model", reason=Reason.WRONG_MANIFEST,
-                                expected=base_digest, computed=manifest.base_digest)
+        raise VerificationError(
+            "manifest is for another base model",
+            reason=Reason.WRONG_MANIFEST,
+            expected=base_digest,
+            computed=manifest.base_digest,
+        )
 
 
 def check_blob(manifest: PolicyManifest, stage: int, data: bytes) -> None:
     """Step 4: a stage's blob has the size and digest its manifest names."""
     shard = manifest.shards[stage]
     if len(data) != shard.nbytes:
-        raise VerificationError("blob has the wrong size", reason=Reason.DIGEST_MISMATCH,
-                                expected=shard.nbytes, computed=len(data))
+        raise VerificationError(
+            "blob has the wrong size",
+            reason=Reason.DIGEST_MISMATCH,
+            expected=shard.nbytes,
+            computed=len(data),
+        )
     got = blob_digest(data)
     if got != shard.digest:
-        raise VerificationError("blob digest does not match the manifest",
-                                reason=Reason.DIGEST_MISMATCH, expected=shard.digest, computed=got)
+        raise VerificationError(
+            "blob digest does not match the manifest",
+            reason=Reason.DIGEST_MISMATCH,
+            expected=shard.digest,
+            computed=got,
+        )
 
 
 def base_model_digest(model_dir: str | os.PathLike) -> bytes:

@@ -39,14 +39,16 @@ def pit_randomizer(key: bytes, label: bytes, count: int) -> np.ndarray:
     """
     if len(key) != SAMPLER_KEY_SIZE:
         raise ValueError(f"PIT key must be {SAMPLER_KEY_SIZE} bytes")
-    raw = blake3_keyed_stream(key, SAMPLER_PIT, struct.pack("<I", len(label)), label,
-                              length=8 * count)
+    raw = blake3_keyed_stream(
+        key, SAMPLER_PIT, struct.pack("<I", len(label)), label, length=8 * count
+    )
     words = np.frombuffer(raw, dtype="<u8")
     return ((words >> np.uint64(11)).astype(np.float64) + 0.5) * (2.0**-53)
 
 
 def pit_values(
-    token_ids: torch.Tensor | np.ndarray | list[int], processed_logprobs: torch.Tensor,
+    token_ids: torch.Tensor | np.ndarray | list[int],
+    processed_logprobs: torch.Tensor,
     randomizer: np.ndarray,
 ) -> np.ndarray:
     """Randomised PIT ``u_t = F_t(x_t^-) + V_t * q_t(x_t)`` -> float64 ``(T,)``.
@@ -106,7 +108,8 @@ def pit_uniformity_test(u: np.ndarray, *, alpha: float = 1e-3) -> KsResult:
         raise SpotCheckError(
             f"sampled tokens are not distributed as claimed over {result.n} tokens "
             f"(KS D={result.statistic:.4f})",
-            reason=Reason.SAMPLING_DISTRIBUTION, expected=f"p >= {alpha}",
+            reason=Reason.SAMPLING_DISTRIBUTION,
+            expected=f"p >= {alpha}",
             computed=result.p_value,
         )
     return result

@@ -44,7 +44,9 @@ def as_token_ids(token_ids: torch.Tensor | np.ndarray | list[int], n: int) -> to
     if tokens.ndim != 1 or tokens.shape[0] != n:
         raise SpotCheckError(
             "token count does not match recomputed positions",
-            reason=Reason.INCONSISTENT, expected=int(tokens.numel()), computed=n,
+            reason=Reason.INCONSISTENT,
+            expected=int(tokens.numel()),
+            computed=n,
         )
     return tokens
 
@@ -61,8 +63,14 @@ def raise_at(
 
 
 def relaxed_support(
-    logits: torch.Tensor | np.ndarray, token_ids: torch.Tensor | np.ndarray | list[int],
-    temperature: float, top_k: int, top_p: float, *, logit_tol: float, mass_tol: float,
+    logits: torch.Tensor | np.ndarray,
+    token_ids: torch.Tensor | np.ndarray | list[int],
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    *,
+    logit_tol: float,
+    mass_tol: float,
     position_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """For each position: is ``token_ids[t]`` in the support up to numerical slack?
@@ -79,8 +87,13 @@ def relaxed_support(
     vocab = x.shape[-1]
     if bool(((tokens < 0) | (tokens >= vocab)).any()):
         bad = int(torch.nonzero((tokens < 0) | (tokens >= vocab))[0, 0])
-        raise_at(Reason.TOKEN_OUTSIDE_SUPPORT, "token id out of vocabulary",
-               position_offset + bad, int(tokens[bad]), vocab)
+        raise_at(
+            Reason.TOKEN_OUTSIDE_SUPPORT,
+            "token id out of vocabulary",
+            position_offset + bad,
+            int(tokens[bad]),
+            vocab,
+        )
     s = x if temperature == 0.0 else scale_logits(x, temperature)
     s_x = s.gather(-1, tokens[:, None])  # (T, 1)
     finite = torch.isfinite(s_x[:, 0])
@@ -104,22 +117,37 @@ def relaxed_support(
 
 
 def support_check(
-    token_ids: torch.Tensor | np.ndarray | list[int], logits: torch.Tensor | np.ndarray,
-    temperature: float, top_k: int, top_p: float, *,
-    logit_tol: float = 1e-3, mass_tol: float = 1e-4, position_offset: int = 0,
+    token_ids: torch.Tensor | np.ndarray | list[int],
+    logits: torch.Tensor | np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    *,
+    logit_tol: float = 1e-3,
+    mass_tol: float = 1e-4,
+    position_offset: int = 0,
 ) -> None:
     """Raise ``TOKEN_OUTSIDE_SUPPORT`` at the first token outside the relaxed support."""
     ok, ahead, mass = relaxed_support(
-        logits, token_ids, temperature, top_k, top_p, logit_tol=logit_tol, mass_tol=mass_tol,
+        logits,
+        token_ids,
+        temperature,
+        top_k,
+        top_p,
+        logit_tol=logit_tol,
+        mass_tol=mass_tol,
         position_offset=position_offset,
     )
     if bool(ok.all()):
         return
     t = int(torch.nonzero(~ok)[0, 0])
-    raise_at(Reason.TOKEN_OUTSIDE_SUPPORT, "sampled token outside the claimed support",
-           position_offset + t,
-           f"top_k={top_k} top_p={top_p} temperature={temperature}",
-           f"{int(ahead[t])} tokens ahead, mass ahead {float(mass[t]):.6g}")
+    raise_at(
+        Reason.TOKEN_OUTSIDE_SUPPORT,
+        "sampled token outside the claimed support",
+        position_offset + t,
+        f"top_k={top_k} top_p={top_p} temperature={temperature}",
+        f"{int(ahead[t])} tokens ahead, mass ahead {float(mass[t]):.6g}",
+    )
 
 
 @dataclass(frozen=True)
@@ -134,9 +162,17 @@ class ReplayStats:
 
 
 def replay_check(
-    token_ids: torch.Tensor | np.ndarray | list[int], logits: torch.Tensor | np.ndarray,
-    temperature: float, top_k: int, top_p: float, noise: torch.Tensor, *,
-    eps: float = 1e-4, logit_tol: float = 1e-3, mass_tol: float = 1e-4, position_offset: int = 0,
+    token_ids: torch.Tensor | np.ndarray | list[int],
+    logits: torch.Tensor | np.ndarray,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    noise: torch.Tensor,
+    *,
+    eps: float = 1e-4,
+    logit_tol: float = 1e-3,
+    mass_tol: float = 1e-4,
+    position_offset: int = 0,
 ) -> ReplayStats:
     """Replay the verifiable sampler on recomputed ``logits (T, V)`` with ``noise (T, V)``.
 
@@ -152,7 +188,13 @@ def replay_check(
         raise ValueError(f"noise shape {tuple(noise.shape)} != logits shape {tuple(lp.shape)}")
     tokens = as_token_ids(token_ids, lp.shape[0])
     relaxed, _, _ = relaxed_support(
-        logits, tokens, temperature, top_k, top_p, logit_tol=logit_tol, mass_tol=mass_tol,
+        logits,
+        tokens,
+        temperature,
+        top_k,
+        top_p,
+        logit_tol=logit_tol,
+        mass_tol=mass_tol,
         position_offset=position_offset,
     )
     expected = sample_verifiable(lp, noise)  # (T,)
@@ -171,12 +213,21 @@ def replay_check(
         accept = exact | (relaxed & (gap <= eps))
     if not bool(accept.all()):
         t = int(torch.nonzero(~accept)[0, 0])
-        why = (f"score gap {float(gap[t]):.6g} > eps {eps}" if bool(relaxed[t])
-               else "token outside the claimed support")
-        raise_at(Reason.SAMPLER_REPLAY_MISMATCH, f"token is not the replayed sample ({why})",
-               position_offset + t, int(tokens[t]), int(expected[t]))
+        why = (
+            f"score gap {float(gap[t]):.6g} > eps {eps}"
+            if bool(relaxed[t])
+            else "token outside the claimed support"
+        )
+        raise_at(
+            Reason.SAMPLER_REPLAY_MISMATCH,
+            f"token is not the replayed sample ({why})",
+            position_offset + t,
+            int(tokens[t]),
+            int(expected[t]),
+        )
     near = gap[~exact]
     return ReplayStats(
-        tokens=len(tokens), exact=int(exact.sum()),
+        tokens=len(tokens),
+        exact=int(exact.sum()),
         max_gap=float(near.max()) if near.numel() else 0.0,
     )

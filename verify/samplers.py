@@ -57,10 +57,19 @@ class Sampler(Protocol):
         """Replay slack that covers the honest noise ``tolerance`` bounds."""
         ...
 
-    def replay(self, token_ids: torch.Tensor | np.ndarray | Sequence[int], logits: torch.Tensor | np.ndarray,
-               temperature: float, top_k: int, top_p: float, randomness: torch.Tensor, *,
-               slack: float, position_offset: int = 0,
-               processed: torch.Tensor | None = None) -> ReplayStats:
+    def replay(
+        self,
+        token_ids: torch.Tensor | np.ndarray | Sequence[int],
+        logits: torch.Tensor | np.ndarray,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        randomness: torch.Tensor,
+        *,
+        slack: float,
+        position_offset: int = 0,
+        processed: torch.Tensor | None = None,
+    ) -> ReplayStats:
         """Raise SAMPLER_REPLAY_MISMATCH at the first token the sampler would not have drawn.
         ``processed``: ``process_logits`` of ``logits`` under these parameters, if the caller
         has it already."""
@@ -79,10 +88,29 @@ class GumbelSampler:
     def slack(self, tolerance: Tolerance) -> float:
         return 2 * tolerance.token_abs
 
-    def replay(self, token_ids, logits, temperature, top_k, top_p, randomness, *,  # type: ignore[no-untyped-def]
-               slack: float, position_offset: int = 0, processed=None) -> ReplayStats:
-        return replay_check(token_ids, logits, temperature, top_k, top_p, randomness, eps=slack,
-                            position_offset=position_offset)
+    def replay(
+        self,
+        token_ids,
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        randomness,
+        *,  # type: ignore[no-untyped-def]
+        slack: float,
+        position_offset: int = 0,
+        processed=None,
+    ) -> ReplayStats:
+        return replay_check(
+            token_ids,
+            logits,
+            temperature,
+            top_k,
+            top_p,
+            randomness,
+            eps=slack,
+            position_offset=position_offset,
+        )
 
 
 class InverseCdfSampler:
@@ -97,9 +125,21 @@ class InverseCdfSampler:
     def slack(self, tolerance: Tolerance) -> float:
         return tolerance.cdf_slack
 
-    def replay(self, token_ids, logits, temperature, top_k, top_p, randomness, *,  # type: ignore[no-untyped-def]
-               slack: float, position_offset: int = 0, processed=None, logit_tol: float = 1e-3,
-               mass_tol: float = 1e-4) -> ReplayStats:
+    def replay(
+        self,
+        token_ids,
+        logits,
+        temperature,
+        top_k,
+        top_p,
+        randomness,
+        *,  # type: ignore[no-untyped-def]
+        slack: float,
+        position_offset: int = 0,
+        processed=None,
+        logit_tol: float = 1e-3,
+        mass_tol: float = 1e-4,
+    ) -> ReplayStats:
         """Accept token x when it is in the relaxed support and the scaled uniform lies in its
         recomputed interval widened by ``slack``; greedy positions accept any token within
         ``logit_tol`` of the max raw logit."""
@@ -109,8 +149,16 @@ class InverseCdfSampler:
             raise ValueError(f"uniforms shape {tuple(randomness.shape)} != ({lp.shape[0]},)")
         if temperature == 0.0:
             gaps = torch.zeros(len(tokens), dtype=torch.float64)
-            relaxed, _, _ = relaxed_support(logits, tokens, temperature, top_k, top_p, logit_tol=logit_tol,
-                                            mass_tol=mass_tol, position_offset=position_offset)
+            relaxed, _, _ = relaxed_support(
+                logits,
+                tokens,
+                temperature,
+                top_k,
+                top_p,
+                logit_tol=logit_tol,
+                mass_tol=mass_tol,
+                position_offset=position_offset,
+            )
         else:
             gaps = icdf_gaps(tokens, lp, randomness)
             # Inside its recomputed interval a token has mass there, so it is in the support;
@@ -119,21 +167,42 @@ class InverseCdfSampler:
             off = torch.nonzero(gaps > 0)[:, 0]
             if off.numel():
                 x = torch.as_tensor(logits)
-                relaxed[off] = relaxed_support(x[off], tokens[off], temperature, top_k, top_p,
-                                               logit_tol=logit_tol, mass_tol=mass_tol)[0]
+                relaxed[off] = relaxed_support(
+                    x[off],
+                    tokens[off],
+                    temperature,
+                    top_k,
+                    top_p,
+                    logit_tol=logit_tol,
+                    mass_tol=mass_tol,
+                )[0]
         accept = relaxed & (gaps <= slack)
         if not bool(accept.all()):
             t = int(torch.nonzero(~accept)[0, 0])
-            why = (f"uniform {float(gaps[t]):.6g} outside its interval > slack {slack:g}"
-                   if bool(relaxed[t]) else "token outside the claimed support")
-            expected = int(lp[t].argmax()) if temperature == 0.0 else int(
-                sample_icdf(lp[t:t + 1], randomness[t:t + 1])[0])
-            raise_at(Reason.SAMPLER_REPLAY_MISMATCH, f"token is not the replayed sample ({why})",
-                     position_offset + t, int(tokens[t]), expected)
+            why = (
+                f"uniform {float(gaps[t]):.6g} outside its interval > slack {slack:g}"
+                if bool(relaxed[t])
+                else "token outside the claimed support"
+            )
+            expected = (
+                int(lp[t].argmax())
+                if temperature == 0.0
+                else int(sample_icdf(lp[t : t + 1], randomness[t : t + 1])[0])
+            )
+            raise_at(
+                Reason.SAMPLER_REPLAY_MISMATCH,
+                f"token is not the replayed sample ({why})",
+                position_offset + t,
+                int(tokens[t]),
+                expected,
+            )
         exact = gaps == 0
         near = gaps[~exact]
-        return ReplayStats(tokens=len(tokens), exact=int(exact.sum()),
-                           max_gap=float(near.max()) if near.numel() else 0.0)
+        return ReplayStats(
+            tokens=len(tokens),
+            exact=int(exact.sum()),
+            max_gap=float(near.max()) if near.numel() else 0.0,
+        )
 
 
 SAMPLERS: dict[str, Sampler] = {s.name: s for s in (InverseCdfSampler(), GumbelSampler())}
@@ -144,5 +213,9 @@ def sampler_named(name: str) -> Sampler:
     try:
         return SAMPLERS[name]
     except KeyError:
-        raise VerificationError("unknown sampler", reason=Reason.UNKNOWN_SAMPLER,
-                                expected=sorted(SAMPLERS), computed=name) from None
+        raise VerificationError(
+            "unknown sampler",
+            reason=Reason.UNKNOWN_SAMPLER,
+            expected=sorted(SAMPLERS),
+            computed=name,
+        ) from None

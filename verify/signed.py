@@ -87,8 +87,9 @@ def open_sealed(cls: type[T], sealed: Struct, signer: PublicKey | bytes) -> T:
     return decode(cls, payload, max_bytes=len(payload))
 
 
-def open_group_verdict(sealed: Struct, validator: PublicKey | bytes,
-                       group_digest: bytes | None = None) -> list[Verdict]:
+def open_group_verdict(
+    sealed: Struct, validator: PublicKey | bytes, group_digest: bytes | None = None
+) -> list[Verdict]:
     """The verdicts of a ``SignedGroupVerdict``, once it verifies under ``validator``.
 
     Checks, in order: the signature; every verdict names ``validator`` and the
@@ -100,14 +101,26 @@ def open_group_verdict(sealed: Struct, validator: PublicKey | bytes,
     assignment = group.verdicts[0].assignment_id
     for v in group.verdicts:
         if v.validator_key != key.raw:
-            raise SignatureError("a verdict names another validator", reason=Reason.WRONG_SIGNER,
-                                 expected=key.raw, computed=v.validator_key)
+            raise SignatureError(
+                "a verdict names another validator",
+                reason=Reason.WRONG_SIGNER,
+                expected=key.raw,
+                computed=v.validator_key,
+            )
         if v.assignment_id != assignment:
-            raise DecodeError("a group verdict spans two assignments", reason=Reason.INCONSISTENT,
-                              expected=assignment, computed=v.assignment_id)
+            raise DecodeError(
+                "a group verdict spans two assignments",
+                reason=Reason.INCONSISTENT,
+                expected=assignment,
+                computed=v.assignment_id,
+            )
     if group_digest is not None and group.group_digest != group_digest:
-        raise DecodeError("the verdicts are for another submission", reason=Reason.INCONSISTENT,
-                          expected=group_digest, computed=group.group_digest)
+        raise DecodeError(
+            "the verdicts are for another submission",
+            reason=Reason.INCONSISTENT,
+            expected=group_digest,
+            computed=group.group_digest,
+        )
     return group.verdicts
 
 

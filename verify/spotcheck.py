@@ -49,8 +49,13 @@ class LogprobOracle(Protocol):
     """Processed logprobs of completion tokens under a given policy version."""
 
     def logprobs(
-        self, version: int, input_ids: Sequence[int], prompt_len: int,
-        temperature: float, top_k: int, top_p: float,
+        self,
+        version: int,
+        input_ids: Sequence[int],
+        prompt_len: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
     ) -> np.ndarray:
         """float32 ``(len(input_ids) - prompt_len,)``: log q_t(x_t) of each completion token."""
         ...
@@ -86,12 +91,19 @@ class LogitsOracle:
     definition (``verify.sampling.process_logits``) happens here, once.
     """
 
-    def logits_batch(self, version: int, seqs: Sequence[tuple[Sequence[int], int]]) -> Sequence[Any]:
+    def logits_batch(
+        self, version: int, seqs: Sequence[tuple[Sequence[int], int]]
+    ) -> Sequence[Any]:
         raise NotImplementedError
 
     def logprobs(
-        self, version: int, input_ids: Sequence[int], prompt_len: int,
-        temperature: float, top_k: int, top_p: float,
+        self,
+        version: int,
+        input_ids: Sequence[int],
+        prompt_len: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
     ) -> np.ndarray:
         request = OracleRequest(tuple(input_ids), prompt_len, temperature, top_k, top_p)
         return self.logprobs_batch(version, [request])[0]
@@ -109,7 +121,9 @@ class LogitsOracle:
             out.append(lp.gather(-1, target)[:, 0].numpy().astype(np.float32))
         return out
 
-    def completion_logits(self, version: int, input_ids: Sequence[int], prompt_len: int) -> np.ndarray:
+    def completion_logits(
+        self, version: int, input_ids: Sequence[int], prompt_len: int
+    ) -> np.ndarray:
         return np.asarray(self.logits_batch(version, [(tuple(input_ids), prompt_len)])[0])
 
 
@@ -177,16 +191,21 @@ class Tolerances:
     def __post_init__(self) -> None:
         unknown = set(self.by_precision) - set(PRECISIONS)
         if unknown or not self.by_precision:
-            raise ValueError(f"tolerances need one or more of {PRECISIONS}, got {sorted(self.by_precision)}")
+            raise ValueError(
+                f"tolerances need one or more of {PRECISIONS}, got {sorted(self.by_precision)}"
+            )
 
     def of(self, precision: str) -> Tolerance:
         """The bound for ``precision``; VerificationError(UNSUPPORTED_PRECISION) without one."""
         try:
             return self.by_precision[precision]
         except KeyError:
-            raise VerificationError("no calibrated tolerance for the declared precision",
-                                    reason=Reason.UNSUPPORTED_PRECISION,
-                                    expected=sorted(self.by_precision), computed=precision) from None
+            raise VerificationError(
+                "no calibrated tolerance for the declared precision",
+                reason=Reason.UNSUPPORTED_PRECISION,
+                expected=sorted(self.by_precision),
+                computed=precision,
+            ) from None
 
     @classmethod
     def coerce(cls, tolerance: Tolerance | Tolerances) -> Tolerances:
@@ -209,8 +228,14 @@ class ChunkStats:
     worst_position: int
 
 
-def _fail(message: str, reason: Reason, chunk_index: int, position: int | None,
-          expected: object, computed: object) -> SpotCheckError:
+def _fail(
+    message: str,
+    reason: Reason,
+    chunk_index: int,
+    position: int | None,
+    expected: object,
+    computed: object,
+) -> SpotCheckError:
     err = SpotCheckError(message, reason=reason, expected=expected, computed=computed)
     err.chunk_index = chunk_index  # type: ignore[attr-defined]
     err.position = position  # type: ignore[attr-defined]
@@ -229,8 +254,12 @@ def token_diffs(claimed: np.ndarray, recomputed: np.ndarray, tolerance: Toleranc
 
 
 def compare_chunk(
-    claimed: np.ndarray, recomputed: np.ndarray, tolerance: Tolerance, chunk_index: int,
-    *, position_offset: int = 0,
+    claimed: np.ndarray,
+    recomputed: np.ndarray,
+    tolerance: Tolerance,
+    chunk_index: int,
+    *,
+    position_offset: int = 0,
 ) -> ChunkStats:
     """Compare one opened chunk; raise ``LOGPROB_MISMATCH`` at the worst token.
 
@@ -246,8 +275,14 @@ def compare_chunk(
     claimed = np.asarray(claimed)
     recomputed = np.asarray(recomputed)
     if claimed.shape != recomputed.shape or claimed.ndim != 1:
-        raise _fail(f"chunk {chunk_index}: shape mismatch", Reason.INCONSISTENT, chunk_index,
-                    None, claimed.shape, recomputed.shape)
+        raise _fail(
+            f"chunk {chunk_index}: shape mismatch",
+            Reason.INCONSISTENT,
+            chunk_index,
+            None,
+            claimed.shape,
+            recomputed.shape,
+        )
     if claimed.size == 0:
         return ChunkStats(chunk_index, 0, 0.0, 0.0, position_offset)
     diff = token_diffs(claimed, recomputed, tolerance)
@@ -261,7 +296,10 @@ def compare_chunk(
             f"chunk {chunk_index}: logprob differs at position {position} "
             f"(max |diff| {max_abs:.3g} vs {tolerance.token_abs:.3g}, "
             f"mean |diff| {mean_abs:.3g} vs {tolerance.chunk_mean_abs:.3g})",
-            Reason.LOGPROB_MISMATCH, chunk_index, position,
-            float(claimed[worst]), float(recomputed[worst]),
+            Reason.LOGPROB_MISMATCH,
+            chunk_index,
+            position,
+            float(claimed[worst]),
+            float(recomputed[worst]),
         )
     return ChunkStats(chunk_index, int(claimed.size), max_abs, mean_abs, position)

@@ -407,8 +407,10 @@ def decode(cls: type[T], data: bytes, *, max_bytes: int, canonical: bool = True)
     """
     if len(data) > max_bytes:
         raise DecodeError(
-            f"{cls.__name__} input is too large", reason=Reason.TOO_LARGE,
-            expected=f"<= {max_bytes}", computed=len(data),
+            f"{cls.__name__} input is too large",
+            reason=Reason.TOO_LARGE,
+            expected=f"<= {max_bytes}",
+            computed=len(data),
         )
     try:
         obj = _decoder(cls).decode(data)

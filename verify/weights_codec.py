@@ -268,8 +268,12 @@ def add_state_delta_(
             raise ValueError(f"{name}: weights must be contiguous float32 on the CPU")
         header, idx, values = decode_parts(part, limits)
         if tuple(w.shape) != header.shape:
-            raise decode_error("delta shape differs from the weights", Reason.INCONSISTENT,
-                               tuple(w.shape), header.shape)
+            raise decode_error(
+                "delta shape differs from the weights",
+                Reason.INCONSISTENT,
+                tuple(w.shape),
+                header.shape,
+            )
         flat = w.detach().numpy().reshape(-1)
         if idx is None:
             flat += values

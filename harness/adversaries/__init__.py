@@ -21,5 +21,12 @@ from harness.adversaries.base import (
     register_strategy,
 )
 
-__all__ = ["STRATEGIES", "Context", "Honest", "Strategy", "available_strategies", "make_strategy",
-           "register_strategy"]
+__all__ = [
+    "STRATEGIES",
+    "Context",
+    "Honest",
+    "Strategy",
+    "available_strategies",
+    "make_strategy",
+    "register_strategy",
+]

@@ -14,7 +14,9 @@ from rollout.backends import GeneratedCompletion, TransformersBackend
 from verify.errors import Reason
 from verify.types import GroupSubmission, SignedAssignment, canonical_bytes
 
-SPOT = frozenset({Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT})
+SPOT = frozenset(
+    {Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT}
+)
 HEADER = frozenset({Reason.ASSIGNMENT_MISMATCH, Reason.WRONG_PROMPT})
 
 
@@ -63,8 +65,9 @@ class LowPrecisionCopy:
 
     dtype: str = "bfloat16"
     name: ClassVar[str] = "low-precision-copy"
-    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.LOGPROB_MISMATCH,
-                                                     Reason.SAMPLER_REPLAY_MISMATCH})
+    expect: ClassVar[frozenset[Reason]] = frozenset(
+        {Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH}
+    )
     _copies: dict[int, TransformersBackend] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
@@ -110,8 +113,9 @@ class FabricatedTokens:
 
     text: str = "100"
     name: ClassVar[str] = "fabricated-tokens"
-    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.SAMPLER_REPLAY_MISMATCH,
-                                                     Reason.TOKEN_OUTSIDE_SUPPORT})
+    expect: ClassVar[frozenset[Reason]] = frozenset(
+        {Reason.SAMPLER_REPLAY_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT}
+    )
     plain_generation: ClassVar[bool] = True
 
     def forge(self, ctx: Context, a, comps: list[GeneratedCompletion]) -> list[GeneratedCompletion]:  # type: ignore[no-untyped-def]
@@ -126,7 +130,9 @@ class FabricatedTokens:
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
-        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, self.forge(ctx, a, ctx.generate(a)))))
+        return ctx.remember(
+            GroupSubmission(a.assignment_id, ctx.sign(a, self.forge(ctx, a, ctx.generate(a))))
+        )
 
 
 @register_strategy
@@ -143,7 +149,10 @@ class SplicedTokens:
         a = ctx.assignment(sealed)
         comps = ctx.generate(a)
         n = len(comps)
-        out = [completion(g, comps[(g + 1) % n].token_ids, comps[(g + 1) % n].logprobs) for g in range(n)]
+        out = [
+            completion(g, comps[(g + 1) % n].token_ids, comps[(g + 1) % n].logprobs)
+            for g in range(n)
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
 
 
@@ -182,9 +191,18 @@ class StaleVersion:
         from verify.envelope import build_envelope
 
         a = ctx.assignment(sealed)
-        envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1),
-                                         "policy_version": a.policy_version + self.lag},
-                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
+        envs = [
+            build_envelope(
+                ctx.key,
+                {
+                    **header_fields(a, c.group_index, 1),
+                    "policy_version": a.policy_version + self.lag,
+                },
+                c.token_ids,
+                c.logprobs,
+            )
+            for c in ctx.generate(a)
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, envs))
 
 
@@ -199,8 +217,10 @@ class Greedy:
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
-        comps = [completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
-                 for c in ctx.generate(a, temperature=0.0)]
+        comps = [
+            completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
+            for c in ctx.generate(a, temperature=0.0)
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
 
 
@@ -216,8 +236,10 @@ class WrongTemperature:
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
-        comps = [completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
-                 for c in ctx.generate(a, temperature=self.temperature)]
+        comps = [
+            completion(c.group_index, c.token_ids, ctx.honest_logprobs(a, list(c.token_ids)))
+            for c in ctx.generate(a, temperature=self.temperature)
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
 
 
@@ -255,9 +277,14 @@ class CrossKeyCopy:
             pool.append(ctx.memory[-1])
             return raw
         donor = pool[-1]
-        comps = [completion(g, np.frombuffer(e.body.token_ids, "<u4").tolist(),
-                            np.frombuffer(e.body.logprobs, "<f4"))
-                 for g, e in enumerate(donor.envelopes[: a.group_size])]
+        comps = [
+            completion(
+                g,
+                np.frombuffer(e.body.token_ids, "<u4").tolist(),
+                np.frombuffer(e.body.logprobs, "<f4"),
+            )
+            for g, e in enumerate(donor.envelopes[: a.group_size])
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
 
 
@@ -296,9 +323,18 @@ class WrongPrompt:
         from verify.envelope import build_envelope
 
         a = ctx.assignment(sealed)
-        envs = [build_envelope(ctx.key, {**header_fields(a, c.group_index, 1), "prompt_id": self.prompt_id
-                                         + ("x" if self.prompt_id == a.prompt_id else "")},
-                               c.token_ids, c.logprobs) for c in ctx.generate(a)]
+        envs = [
+            build_envelope(
+                ctx.key,
+                {
+                    **header_fields(a, c.group_index, 1),
+                    "prompt_id": self.prompt_id + ("x" if self.prompt_id == a.prompt_id else ""),
+                },
+                c.token_ids,
+                c.logprobs,
+            )
+            for c in ctx.generate(a)
+        ]
         return ctx.remember(GroupSubmission(a.assignment_id, envs))
 
 
@@ -339,8 +375,10 @@ class GradientInflation:
         a = ctx.assignment(sealed)
         comps = ctx.generate(a)
         kept = max(1, int(round(self.keep * len(comps))))
-        special = {getattr(ctx.tokenizer, n, None) for n in
-                   ("eos_token_id", "bos_token_id", "pad_token_id")}
+        special = {
+            getattr(ctx.tokenizer, n, None)
+            for n in ("eos_token_id", "bos_token_id", "pad_token_id")
+        }
         vocab = [t for t in range(int(getattr(ctx.tokenizer, "vocab_size", 0))) if t not in special]
         if not vocab:
             raise ValueError("gradient-inflation needs a tokenizer with a vocab_size")
@@ -396,9 +434,16 @@ class MalformedFlood:
 
     size: int = 256
     name: ClassVar[str] = "malformed-flood"
-    expect: ClassVar[frozenset[Reason]] = frozenset({Reason.MALFORMED, Reason.TRUNCATED,
-                                                     Reason.TRAILING_BYTES, Reason.BAD_SIGNATURE,
-                                                     Reason.COMMITMENT_MISMATCH, Reason.INCONSISTENT})
+    expect: ClassVar[frozenset[Reason]] = frozenset(
+        {
+            Reason.MALFORMED,
+            Reason.TRUNCATED,
+            Reason.TRAILING_BYTES,
+            Reason.BAD_SIGNATURE,
+            Reason.COMMITMENT_MISMATCH,
+            Reason.INCONSISTENT,
+        }
+    )
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         raw = bytearray(Honest().answer(ctx, sealed))

@@ -45,7 +45,8 @@ class Context:
     shared: dict[str, Any] = field(default_factory=dict)
     rng: np.random.Generator = field(default_factory=lambda: np.random.default_rng(0))
     prefetched: dict[GenerationRequest, tuple[list[GeneratedCompletion], float]] = field(
-        default_factory=dict)
+        default_factory=dict
+    )
     prefetch_s: float = 0.0
 
     def assignment(self, sealed: SignedAssignment) -> WorkAssignment:
@@ -80,10 +81,13 @@ class Context:
             raise ConfigError("this strategy needs a logprob oracle in its context")
         prompt = self.prompt_ids(a)
         s = a.sampling
-        return self.oracle.logprobs(a.policy_version, prompt + list(tokens), len(prompt),
-                                    s.temperature, s.top_k, s.top_p)
+        return self.oracle.logprobs(
+            a.policy_version, prompt + list(tokens), len(prompt), s.temperature, s.top_k, s.top_p
+        )
 
-    def sign(self, a: WorkAssignment, completions: list[GeneratedCompletion]) -> list[RolloutEnvelope]:
+    def sign(
+        self, a: WorkAssignment, completions: list[GeneratedCompletion]
+    ) -> list[RolloutEnvelope]:
         return sign_completions(self.key, a, completions, **declared(self.backend))
 
     def remember(self, group: GroupSubmission) -> bytes:
@@ -122,7 +126,9 @@ def make_strategy(name: str, **params: Any) -> Strategy:
     try:
         cls = STRATEGIES[name]
     except KeyError:
-        raise ConfigError(f"unknown strategy {name!r} (known: {', '.join(available_strategies())})") from None
+        raise ConfigError(
+            f"unknown strategy {name!r} (known: {', '.join(available_strategies())})"
+        ) from None
     try:
         return cls(**params)
     except TypeError as exc:
@@ -139,7 +145,9 @@ def plain_generation(strategy: Strategy) -> bool:
     return bool(getattr(type(strategy), "plain_generation", False))
 
 
-def completion(g: int, tokens: list[int] | tuple[int, ...], logprobs: np.ndarray) -> GeneratedCompletion:
+def completion(
+    g: int, tokens: list[int] | tuple[int, ...], logprobs: np.ndarray
+) -> GeneratedCompletion:
     lp = np.asarray(logprobs, dtype=np.float32).copy()
     lp.setflags(write=False)
     return GeneratedCompletion(g, tuple(int(t) for t in tokens), lp, "stop")
@@ -159,4 +167,6 @@ class Honest:
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, ctx.generate(a))))
 
 
-Transform = Callable[[Context, WorkAssignment, list[GeneratedCompletion]], list[GeneratedCompletion]]
+Transform = Callable[
+    [Context, WorkAssignment, list[GeneratedCompletion]], list[GeneratedCompletion]
+]

@@ -17,43 +17,56 @@ from verify.errors import LedgerError, ProofTrainError, Reason
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "audit", help="verify a ledger, a contributor's history or an inclusion proof offline",
+        "audit",
+        help="verify a ledger, a contributor's history or an inclusion proof offline",
         description="Offline audit of a prooftrain ledger (a SQLite file or a postgresql:// DSN).",
     )
     p.set_defaults(_parser=p)
     sub = p.add_subparsers(dest="audit_command", metavar="ACTION")
 
-    v = sub.add_parser("verify", help="recompute the tree, checkpoints and reputation",
-                       description="Recompute the Merkle tree from the entries, check every "
-                       "checkpoint signature and consistency, replay reputation, and report the "
-                       "first discrepancy. Exit 0 when everything verifies, 1 otherwise.")
+    v = sub.add_parser(
+        "verify",
+        help="recompute the tree, checkpoints and reputation",
+        description="Recompute the Merkle tree from the entries, check every "
+        "checkpoint signature and consistency, replay reputation, and report the "
+        "first discrepancy. Exit 0 when everything verifies, 1 otherwise.",
+    )
     v.add_argument("ledger", help="ledger file or postgresql:// DSN")
     _keys(v, required=False)
     v.add_argument("--blobs", help="blob directory (default: LEDGER.blobs when it exists)")
     v.add_argument("--json", action="store_true", help="print the full report as JSON")
     v.set_defaults(func=run_verify)
 
-    c = sub.add_parser("contributor", help="a contributor's history, score, ban and slash evidence",
-                       description="Print a contributor's ledger history, reputation score, ban "
-                       "status and the evidence behind every slash.")
+    c = sub.add_parser(
+        "contributor",
+        help="a contributor's history, score, ban and slash evidence",
+        description="Print a contributor's ledger history, reputation score, ban "
+        "status and the evidence behind every slash.",
+    )
     c.add_argument("ledger")
     c.add_argument("key", help="the contributor's public key (64 hex digits)")
     c.add_argument("--blobs", help="blob directory (default: LEDGER.blobs)")
     c.add_argument("--json", action="store_true")
     c.set_defaults(func=run_contributor)
 
-    pr = sub.add_parser("prove", help="write a c2sp tlog-proof for one entry",
-                        description="Write a self-contained c2sp.org/tlog-proof@v1 file for the "
-                        "entry named by DIGEST (its leaf hash, or an envelope, manifest or "
-                        "evidence digest it records).")
+    pr = sub.add_parser(
+        "prove",
+        help="write a c2sp tlog-proof for one entry",
+        description="Write a self-contained c2sp.org/tlog-proof@v1 file for the "
+        "entry named by DIGEST (its leaf hash, or an envelope, manifest or "
+        "evidence digest it records).",
+    )
     pr.add_argument("ledger")
     pr.add_argument("digest", help="64 hex digits, or #INDEX (#-1: the last entry)")
     pr.add_argument("--out", required=True, help="proof file to write")
     pr.set_defaults(func=run_prove)
 
-    k = sub.add_parser("check-proof", help="verify a tlog-proof file without the ledger",
-                       description="Verify a c2sp.org/tlog-proof@v1 file against the log's public "
-                       "key: checkpoint signature(s), then the entry's inclusion.")
+    k = sub.add_parser(
+        "check-proof",
+        help="verify a tlog-proof file without the ledger",
+        description="Verify a c2sp.org/tlog-proof@v1 file against the log's public "
+        "key: checkpoint signature(s), then the entry's inclusion.",
+    )
     k.add_argument("proof", help="proof file")
     _keys(k, required=True)
     k.add_argument("--quorum", type=int, default=0, help="witness cosignatures required")
@@ -61,11 +74,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _keys(p: argparse.ArgumentParser, required: bool) -> None:
-    p.add_argument("--key", required=required,
-                   help="the log's public key: a vkey (name+id+base64), a file holding one, or "
-                   "64 hex digits (named by the checkpoint origin)")
-    p.add_argument("--witness", action="append", default=[],
-                   help="a trusted witness vkey (repeatable)")
+    p.add_argument(
+        "--key",
+        required=required,
+        help="the log's public key: a vkey (name+id+base64), a file holding one, or "
+        "64 hex digits (named by the checkpoint origin)",
+    )
+    p.add_argument(
+        "--witness", action="append", default=[], help="a trusted witness vkey (repeatable)"
+    )
 
 
 def _read_key(value: str | None, origin: str | None) -> Verifier | None:
@@ -103,10 +120,16 @@ def run_verify(args: argparse.Namespace) -> int:
         log_key = _read_key(args.key, _safe_origin(store))
         witnesses = [parse_verifier(w) for w in args.witness]
         total = _safe_size(store)
-        with tqdm(total=total, unit="entry", disable=args.json or total < 50_000,
-                  file=sys.stderr) as bar:
-            report = verify_ledger(store, log_key=log_key, witnesses=witnesses, blobs=_blobs(args),
-                                   progress=lambda n: bar.update(n - bar.n))
+        with tqdm(
+            total=total, unit="entry", disable=args.json or total < 50_000, file=sys.stderr
+        ) as bar:
+            report = verify_ledger(
+                store,
+                log_key=log_key,
+                witnesses=witnesses,
+                blobs=_blobs(args),
+                progress=lambda n: bar.update(n - bar.n),
+            )
     finally:
         store.close()
     if args.json:
@@ -115,8 +138,10 @@ def run_verify(args: argparse.Namespace) -> int:
         for warning in report.warnings:
             print(f"warning: {warning}", file=sys.stderr)
         if report.ok:
-            print(f"ok: {report.size} entries, {report.checkpoints} checkpoints, "
-                  f"{report.contributors} contributors verified in {report.seconds:.2f}s")
+            print(
+                f"ok: {report.size} entries, {report.checkpoints} checkpoints, "
+                f"{report.contributors} contributors verified in {report.seconds:.2f}s"
+            )
         else:
             first = report.findings[0]
             print(f"FAILED: first discrepancy at {first}")
@@ -155,10 +180,14 @@ def run_contributor(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=2))
         return 0
     status = "BANNED" if report["banned"] else "active"
-    print(f"contributor {report['contributor']}: {status}, score {report['score']:.4f}, "
-          f"audit rate {report['audit_rate']:.3f}")
-    print(f"  checks passed {report['passed']}, failed {report['failed']}, "
-          f"slashed {report['slashed']}; {report['entries']} ledger entries")
+    print(
+        f"contributor {report['contributor']}: {status}, score {report['score']:.4f}, "
+        f"audit rate {report['audit_rate']:.3f}"
+    )
+    print(
+        f"  checks passed {report['passed']}, failed {report['failed']}, "
+        f"slashed {report['slashed']}; {report['entries']} ledger entries"
+    )
     if not report["stored_matches_replay"]:
         print("  WARNING: stored reputation differs from the replay of the log")
     for item in report["history"]:
@@ -167,8 +196,10 @@ def run_contributor(args: argparse.Namespace) -> int:
     for s in report["slashes"]:
         verified = {True: "verified", False: "BAD", None: "not checked"}[s["evidence_verified"]]
         print(f"  slash #{s['index']} [{s['reason']}] {s['detail']}")
-        print(f"    evidence {s['evidence_digest']} ({s['evidence_source']}, {verified}, "
-              f"{s.get('evidence_bytes', '?')} bytes)")
+        print(
+            f"    evidence {s['evidence_digest']} ({s['evidence_source']}, {verified}, "
+            f"{s.get('evidence_bytes', '?')} bytes)"
+        )
         if "evidence_hex" in s:
             print(f"    {s['evidence_hex'][:160]}")
     return 0
@@ -190,14 +221,17 @@ def run_prove(args: argparse.Namespace) -> int:
             except ValueError:
                 raise ProofTrainError("DIGEST must be 64 hex digits or #INDEX") from None
             if len(digest) != 32:
-                raise LedgerError("a digest is 32 bytes", reason=Reason.MALFORMED, computed=len(digest))
+                raise LedgerError(
+                    "a digest is 32 bytes", reason=Reason.MALFORMED, computed=len(digest)
+                )
             index = find_entry(store, digest)
         proof = prove_entry(store, index)
     finally:
         store.close()
     Path(args.out).write_text(proof.to_text())
-    print(f"wrote proof of entry {index} (tree size "
-          f"{proof.checkpoint.splitlines()[1]}) to {args.out}")
+    print(
+        f"wrote proof of entry {index} (tree size {proof.checkpoint.splitlines()[1]}) to {args.out}"
+    )
     return 0
 
 

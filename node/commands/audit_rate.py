@@ -45,8 +45,11 @@ def run(args: argparse.Namespace) -> int:
         state = apply(state, params, 1, 0, 0, audits)
     detect_new = 1 - (1 - min(1.0, schedule[0]) * f) ** n
     result = {
-        "cheat_fraction": f, "rollouts": n, "confidence": c,
-        "required_audit_rate": min(p, math.inf), "achievable": p <= 1.0,
+        "cheat_fraction": f,
+        "rollouts": n,
+        "confidence": c,
+        "required_audit_rate": min(p, math.inf),
+        "achievable": p <= 1.0,
         "new_key_audit_rate": schedule[0],
         "audit_rate_after_honest_audits": schedule,
         "floor_audit_rate": params.min_audit_rate,
@@ -56,12 +59,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"to catch a contributor cheating on {f:.1%} of rollouts within {n} rollouts "
-          f"with probability {c:.1%}:")
-    print(f"  audit rate needed     {p:.4f}" + ("" if p <= 1 else "  (not achievable: more rollouts needed)"))
+    print(
+        f"to catch a contributor cheating on {f:.1%} of rollouts within {n} rollouts "
+        f"with probability {c:.1%}:"
+    )
+    print(
+        f"  audit rate needed     {p:.4f}"
+        + ("" if p <= 1 else "  (not achievable: more rollouts needed)")
+    )
     print(f"  a new key is audited  {schedule[0]:.4f}")
     for k, rate in schedule.items():
         print(f"  after {k:>3} passed audits: rate {rate:.4f}")
-    print(f"  detection at the floor rate {params.min_audit_rate}: "
-          f"{result['detection_at_floor_rate']:.4f}")
+    print(
+        f"  detection at the floor rate {params.min_audit_rate}: "
+        f"{result['detection_at_floor_rate']:.4f}"
+    )
     return 0

@@ -23,20 +23,45 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "restart, never regenerated.",
     )
     p.add_argument("--validator", required=True, help="validator URL, e.g. http://127.0.0.1:8470")
-    p.add_argument("--key", type=Path, required=True, help="contributor key file (prooftrain keys new)")
-    p.add_argument("--model", type=Path, required=True, help="local base model directory (policy version 0)")
-    p.add_argument("--state-dir", type=Path, default=None,
-                   help="where progress is kept; one process per directory (default: "
-                   "runs/contributor/<key fingerprint>)")
+    p.add_argument(
+        "--key", type=Path, required=True, help="contributor key file (prooftrain keys new)"
+    )
+    p.add_argument(
+        "--model", type=Path, required=True, help="local base model directory (policy version 0)"
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="where progress is kept; one process per directory (default: "
+        "runs/contributor/<key fingerprint>)",
+    )
     p.add_argument("--name", default="", help="a name recorded with the registration")
-    p.add_argument("--groups", type=int, default=None, help="stop after this many groups (default: run forever)")
-    p.add_argument("--backend", default="transformers", help="generation backend (transformers, vllm)")
-    p.add_argument("--device", default=None,
-                   help="torch device (transformers: default cpu; vllm: a CUDA device, default cuda)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"], help="generation precision")
-    p.add_argument("--uploads", type=_at_least_one, default=1, metavar="N",
-                   help="groups that may be uploading while the next one generates; 1 = one at a time "
-                   "(every generated group is kept in --state-dir before it is sent)")
+    p.add_argument(
+        "--groups",
+        type=int,
+        default=None,
+        help="stop after this many groups (default: run forever)",
+    )
+    p.add_argument(
+        "--backend", default="transformers", help="generation backend (transformers, vllm)"
+    )
+    p.add_argument(
+        "--device",
+        default=None,
+        help="torch device (transformers: default cpu; vllm: a CUDA device, default cuda)",
+    )
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="generation precision"
+    )
+    p.add_argument(
+        "--uploads",
+        type=_at_least_one,
+        default=1,
+        metavar="N",
+        help="groups that may be uploading while the next one generates; 1 = one at a time "
+        "(every generated group is kept in --state-dir before it is sent)",
+    )
     p.set_defaults(func=run)
 
 
@@ -53,11 +78,16 @@ def _at_least_one(text: str) -> int:
 def _stop_on_signals(contributor: Contributor) -> None:
     """The first SIGTERM or SIGINT asks for a clean stop (the uploads in flight are answered,
     nothing generated is lost); a second one stops at once."""
+
     def handler(signum: int, _frame: object) -> None:
-        contributor.log(f"{signal.Signals(signum).name}: stopping after the uploads in flight "
-                        "(send it again to stop at once)")
+        contributor.log(
+            f"{signal.Signals(signum).name}: stopping after the uploads in flight "
+            "(send it again to stop at once)"
+        )
         contributor.stop.set()
-        signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+        signal.signal(
+            signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL
+        )
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, handler)
@@ -75,14 +105,26 @@ def run(args: argparse.Namespace) -> int:
     client = ValidatorClient(args.validator, key)
     try:
         added = client.register(args.name)
-        print(f"{'registered' if added else 'already registered'} as {key.public.fingerprint}; "
-              f"state in {state_dir}")
-        contributor = Contributor(client, key, args.model, state_dir, backend=args.backend,
-                                  device=args.device, dtype=args.dtype, uploads=args.uploads)
+        print(
+            f"{'registered' if added else 'already registered'} as {key.public.fingerprint}; "
+            f"state in {state_dir}"
+        )
+        contributor = Contributor(
+            client,
+            key,
+            args.model,
+            state_dir,
+            backend=args.backend,
+            device=args.device,
+            dtype=args.dtype,
+            uploads=args.uploads,
+        )
         _stop_on_signals(contributor)
         stats = contributor.run(args.groups)
     finally:
         client.close()
-    print(f"submitted {stats.submitted} groups: {stats.accepted} rollouts accepted, "
-          f"{stats.rejected} rejected {stats.reasons or ''}")
+    print(
+        f"submitted {stats.submitted} groups: {stats.accepted} rollouts accepted, "
+        f"{stats.rejected} rejected {stats.reasons or ''}"
+    )
     return 0

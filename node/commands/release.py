@@ -12,15 +12,20 @@ from verify.errors import ConfigError, KeyFileError
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
-        "release", help="build a release of a trained policy, or verify one offline",
+        "release",
+        help="build a release of a trained policy, or verify one offline",
         description="Build a release directory of policy version V from a validator's ledger "
         "(and its blob store): the model (loadable with transformers), a trainer-signed release "
         "manifest, ledger inclusion proofs, the delta chain, the eval table and a model card. "
         "`prooftrain release verify DIR` checks such a directory offline.",
     )
     p.add_argument("--ledger", help="the validator's ledger (SQLite file or postgresql:// DSN)")
-    p.add_argument("--blobs", type=Path, help="its blob store, node.blob_dir (default: LEDGER.blobs; "
-                   "required for a PostgreSQL ledger)")
+    p.add_argument(
+        "--blobs",
+        type=Path,
+        help="its blob store, node.blob_dir (default: LEDGER.blobs; "
+        "required for a PostgreSQL ledger)",
+    )
     p.add_argument("--version", type=int, help="policy version (default: the latest published)")
     p.add_argument("--out", type=Path, help="release directory to create")
     p.add_argument("--base-model", type=Path, help="the base model directory")
@@ -29,12 +34,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-k", "--k", type=int, default=8, help="k of pass@k (default 8)")
     p.add_argument("--task", action="append", help="task to evaluate (default: the ledger's)")
     p.add_argument("--seed", type=int, default=0, help="eval problem and sampling seed")
-    p.add_argument("--no-chain", action="store_true",
-                   help="leave the base weights and update blobs out (verifiers pass them)")
+    p.add_argument(
+        "--no-chain",
+        action="store_true",
+        help="leave the base weights and update blobs out (verifiers pass them)",
+    )
     p.set_defaults(func=run_build, _parser=p)
     sub = p.add_subparsers(dest="release_command", metavar="ACTION")
     v = sub.add_parser(
-        "verify", help="verify a release directory offline",
+        "verify",
+        help="verify a release directory offline",
         description="Check a release offline from the trainer's and the validator's public keys: "
         "signatures, the ledger checkpoint, every inclusion proof, the manifest chain from the "
         "base digest, a replay of the delta chain to the released weights, the safetensors, the "
@@ -43,8 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     v.add_argument("directory", type=Path)
     v.add_argument("--trainer-key", required=True, help="trainer public key (hex or .pub file)")
-    v.add_argument("--validator-key", required=True,
-                   help="validator (log) public key (hex, .pub file or vkey)")
+    v.add_argument(
+        "--validator-key", required=True, help="validator (log) public key (hex, .pub file or vkey)"
+    )
     v.add_argument("--blobs", type=Path, help="update blobs to replay instead of DIR/chain/blobs")
     v.add_argument("--base-model", type=Path, help="base model instead of DIR/chain/base")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -70,17 +80,29 @@ def run_build(args: argparse.Namespace) -> int:
     from node.commands.keys import load_key_file
     from trainer.release import build_release
 
-    missing = [f"--{n.replace('_', '-')}" for n in ("ledger", "out", "base_model", "trainer_key")
-               if getattr(args, n) is None]
+    missing = [
+        f"--{n.replace('_', '-')}"
+        for n in ("ledger", "out", "base_model", "trainer_key")
+        if getattr(args, n) is None
+    ]
     if missing:
         raise ConfigError(f"release needs {', '.join(missing)} (or: prooftrain release verify DIR)")
     if "://" in args.ledger and args.blobs is None:
         raise ConfigError("a PostgreSQL ledger needs --blobs (the validator's node.blob_dir)")
     ledger = args.ledger if "://" in args.ledger else Path(args.ledger)  # a DSN is not a path
-    out = build_release(ledger=ledger, out=args.out, base_model=args.base_model,
-                        trainer_key=load_key_file(args.trainer_key), version=args.version,
-                        eval_problems=args.eval_problems, k=args.k, blobs=args.blobs,
-                        tasks=args.task, seed=args.seed, ship_chain=not args.no_chain)
+    out = build_release(
+        ledger=ledger,
+        out=args.out,
+        base_model=args.base_model,
+        trainer_key=load_key_file(args.trainer_key),
+        version=args.version,
+        eval_problems=args.eval_problems,
+        k=args.k,
+        blobs=args.blobs,
+        tasks=args.task,
+        seed=args.seed,
+        ship_chain=not args.no_chain,
+    )
     print(f"wrote release {out}")
     return 0
 
@@ -90,13 +112,20 @@ def run_verify(args: argparse.Namespace) -> int:
     from verify.errors import VerificationError
 
     try:
-        report = verify_release(args.directory, trainer_key=_public(args.trainer_key),
-                                validator_key=_public(args.validator_key), blobs=args.blobs,
-                                base_model=args.base_model)
+        report = verify_release(
+            args.directory,
+            trainer_key=_public(args.trainer_key),
+            validator_key=_public(args.validator_key),
+            blobs=args.blobs,
+            base_model=args.base_model,
+        )
     except VerificationError as exc:
         if args.json:
-            print(json.dumps({"ok": False, "file": getattr(exc, "file", None), **exc.to_dict()},
-                             indent=2))
+            print(
+                json.dumps(
+                    {"ok": False, "file": getattr(exc, "file", None), **exc.to_dict()}, indent=2
+                )
+            )
         else:
             where = exc.file if isinstance(exc, ReleaseError) else str(args.directory)
             print(f"FAILED: {exc}")
@@ -111,10 +140,14 @@ def run_verify(args: argparse.Namespace) -> int:
     else:
         print(f"ok: release of policy version {report.version} verified in {report.seconds:.2f}s")
         print(f"  {report.files} files match the trainer-signed manifest")
-        print(f"  checkpoint of size {report.checkpoint_size} signed by the validator; "
-              f"{report.proofs} inclusion proofs verify")
+        print(
+            f"  checkpoint of size {report.checkpoint_size} signed by the validator; "
+            f"{report.proofs} inclusion proofs verify"
+        )
         print(f"  {report.verdicts} accepted verdicts proven before version {report.version}")
         print(f"  {report.evals} signed eval statements match the ledger, evals.json and README.md")
-        print(f"  delta chain from base {report.base_digest[:16]}… replays to weights "
-              f"{report.weights_digest[:16]}… = model.safetensors")
+        print(
+            f"  delta chain from base {report.base_digest[:16]}… replays to weights "
+            f"{report.weights_digest[:16]}… = model.safetensors"
+        )
     return 0

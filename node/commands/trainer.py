@@ -32,20 +32,37 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "runs against an in-process network and prints a before/after eval table.",
     )
     p.add_argument("--config", type=Path, help="trainer TOML (default: built-in defaults)")
-    p.add_argument("--validator", help="validator URL (remote mode; the node must trust "
-                   "--trainer-key; task, [rules] and the sampling temperature are read from it)")
+    p.add_argument(
+        "--validator",
+        help="validator URL (remote mode; the node must trust "
+        "--trainer-key; task, [rules] and the sampling temperature are read from it)",
+    )
     p.add_argument("--trainer-key", type=Path, help="trainer signing key file (remote mode)")
-    p.add_argument("--model", type=Path, help="base model directory (overrides model_dir; remote "
-                   "mode: the validator's policy.model_dir)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        help="base model directory (overrides model_dir; remote "
+        "mode: the validator's policy.model_dir)",
+    )
     p.add_argument("--steps", type=int, help="override the number of optimizer steps")
     p.add_argument("--checkpoint-dir", type=Path, help="override checkpoint_dir")
     p.add_argument("--resume", action="store_true", help="resume from checkpoint_dir/latest")
-    p.add_argument("--max-restarts", type=int, default=0, metavar="N",
-                   help="stages > 1: let torchrun restart the stages N times after a failure "
-                   "(each restart resumes from the last checkpoint)")
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="stages > 1: let torchrun restart the stages N times after a failure "
+        "(each restart resumes from the last checkpoint)",
+    )
     p.add_argument("--metrics", type=Path, help="append metrics as JSON lines to this file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (dotted, JSON value), e.g. --set lr=1e-4")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key (dotted, JSON value), e.g. --set lr=1e-4",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
 
@@ -59,8 +76,14 @@ def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     key = load_key_file(args.trainer_key)
     sink = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
     try:
-        history = run_remote(cfg, args.validator, key, progress=not args.quiet,
-                             resume=args.resume, on_metrics=_metrics_writer(sink))
+        history = run_remote(
+            cfg,
+            args.validator,
+            key,
+            progress=not args.quiet,
+            resume=args.resume,
+            on_metrics=_metrics_writer(sink),
+        )
     finally:
         if sink is not None:
             sink.close()
@@ -73,6 +96,7 @@ def _metrics_writer(sink):  # type: ignore[no-untyped-def]
         if sink is not None:
             sink.write(json.dumps({"version": version, **metrics}) + "\n")
             sink.flush()
+
     return on_metrics
 
 
@@ -108,8 +132,13 @@ def run(args: argparse.Namespace) -> int:
     if cfg.stages > 1 and "RANK" not in os.environ:
         from trainer.launch import run_torchrun  # noqa: PLC0415
 
-        done = run_torchrun("node.cli", cfg.stages, args=_forward(args),
-                            max_restarts=args.max_restarts, timeout_s=7 * 24 * 3600)
+        done = run_torchrun(
+            "node.cli",
+            cfg.stages,
+            args=_forward(args),
+            max_restarts=args.max_restarts,
+            timeout_s=7 * 24 * 3600,
+        )
         sys.stdout.write(done.stdout)
         sys.stderr.write(done.stderr[-4000:])
         return 0
@@ -122,8 +151,9 @@ def run(args: argparse.Namespace) -> int:
         from node.local import run_local_pipeline  # noqa: PLC0415
 
         try:
-            history = run_local_pipeline(cfg, progress=not args.quiet, on_metrics=on_metrics,
-                                         resume=args.resume or restarted)
+            history = run_local_pipeline(
+                cfg, progress=not args.quiet, on_metrics=on_metrics, resume=args.resume or restarted
+            )
         finally:
             if sink is not None:
                 sink.close()
@@ -132,14 +162,18 @@ def run(args: argparse.Namespace) -> int:
         return 0
     network = _caught_up_network(cfg) if args.resume and cfg.checkpoint_dir else None
     try:
-        history, net = run_local(cfg, network=network, progress=not args.quiet,
-                                 on_metrics=on_metrics, resume=args.resume)
+        history, net = run_local(
+            cfg, network=network, progress=not args.quiet, on_metrics=on_metrics, resume=args.resume
+        )
     finally:
         if sink is not None:
             sink.close()
     try:
-        print(f"network: {dict(net.stats.verdicts)} audited={net.stats.audited} "
-              f"admission_errors={dict(net.stats.admission_errors)}", file=sys.stderr)
+        print(
+            f"network: {dict(net.stats.verdicts)} audited={net.stats.audited} "
+            f"admission_errors={dict(net.stats.admission_errors)}",
+            file=sys.stderr,
+        )
         print(eval_table(history.evals))
     finally:
         net.close()
@@ -169,8 +203,14 @@ def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
     if head > checkpoint_version(cfg.checkpoint_dir):
         torch.set_num_threads(cfg.threads)
         ensure_process_group()
-        runner = PipelineRunner(load_stage(model_dir, 0, 1), 0, 1, num_microbatches=cfg.microbatches,
-                                temperature=cfg.local.temperature, seed=cfg.seed)
+        runner = PipelineRunner(
+            load_stage(model_dir, 0, 1),
+            0,
+            1,
+            num_microbatches=cfg.microbatches,
+            temperature=cfg.local.temperature,
+            seed=cfg.seed,
+        )
         loop = TrainerLoop(cfg, runner, net, weights=net.weights, progress=False)
         loop.resume(cfg.checkpoint_dir, published=head)
         loop.save(cfg.checkpoint_dir)
@@ -180,8 +220,13 @@ def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
 def _forward(args: argparse.Namespace) -> list[str]:
     """The same command line for each torchrun worker."""
     out = ["trainer"]
-    for flag, value in (("--config", args.config), ("--steps", args.steps), ("--model", args.model),
-                        ("--checkpoint-dir", args.checkpoint_dir), ("--metrics", args.metrics)):
+    for flag, value in (
+        ("--config", args.config),
+        ("--steps", args.steps),
+        ("--model", args.model),
+        ("--checkpoint-dir", args.checkpoint_dir),
+        ("--metrics", args.metrics),
+    ):
         if value is not None:
             out += [flag, str(value)]
     for item in args.set:
@@ -195,8 +240,9 @@ def eval_table(evals: dict) -> str:
     rows = [("version", "pass@1 (greedy)", "95% CI", "n")]
     for version, report in sorted(evals.items()):
         m = report.metric("pass@1 (greedy)")
-        rows.append((str(version), f"{m.value:.4f}", f"[{m.ci_low:.4f}, {m.ci_high:.4f}]",
-                     str(m.n)))
+        rows.append(
+            (str(version), f"{m.value:.4f}", f"[{m.ci_low:.4f}, {m.ci_high:.4f}]", str(m.n))
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = []
     for j, r in enumerate(rows):

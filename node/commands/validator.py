@@ -16,16 +16,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "(see configs/validator.toml); unknown keys are an error. SIGTERM or SIGINT stops it "
         "cleanly: admissions in flight finish and a final checkpoint is signed.",
     )
-    p.add_argument("--config", type=Path, default=None, help="validator TOML (default: built-in defaults)")
+    p.add_argument(
+        "--config", type=Path, default=None, help="validator TOML (default: built-in defaults)"
+    )
     p.add_argument("--host", default=None, help="override node.host")
     p.add_argument("--port", type=int, default=None, help="override node.port")
-    p.add_argument("--check", action="store_true",
-                   help="load and check every setting and file, print a summary, and exit; "
-                   "changes nothing on disk")
-    p.add_argument("--log-format", choices=["text", "json"], default="text",
-                   help="log lines as text or as one JSON object per line")
-    p.add_argument("--summary-s", type=float, default=30.0, metavar="S",
-                   help="log an admission summary every S seconds (default 30)")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="load and check every setting and file, print a summary, and exit; "
+        "changes nothing on disk",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=["text", "json"],
+        default="text",
+        help="log lines as text or as one JSON object per line",
+    )
+    p.add_argument(
+        "--summary-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="log an admission summary every S seconds (default 30)",
+    )
     p.set_defaults(func=run)
 
 
@@ -33,7 +47,9 @@ def run(args: argparse.Namespace) -> int:
     from node.config import ValidatorConfig, load
     from node.validator.check import describe
 
-    overrides = {k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None}
+    overrides = {
+        k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None
+    }
     cfg = load(ValidatorConfig, args.config, overrides)
     for line in describe(cfg):
         print(line, flush=True)

@@ -140,7 +140,10 @@ class LocalNetwork:
     """See the module docstring. ``close()`` releases the ledger and state files."""
 
     def __init__(
-        self, model_dir: str | Path, settings: LocalSettings = LocalSettings(), *,
+        self,
+        model_dir: str | Path,
+        settings: LocalSettings = LocalSettings(),
+        *,
         work_dir: str | Path | None = None,
     ) -> None:
         self.settings = s = settings
@@ -159,19 +162,29 @@ class LocalNetwork:
         cfg = ValidatorConfig(
             node=NodeSection(checkpoint_every=256),
             rules=s.rules.model_copy(update={"max_staleness": window}),
-            assignment=AssignmentSection(group_size=s.group_size, max_tokens=s.max_tokens,
-                                         temperature=s.temperature),
+            assignment=AssignmentSection(
+                group_size=s.group_size, max_tokens=s.max_tokens, temperature=s.temperature
+            ),
             audit=AuditSection(epoch_groups=64),
         )
-        self.ledger = Ledger.open(self.work_dir / "ledger.sqlite", signing_key=vkey,
-                                  origin="prooftrain/local")
+        self.ledger = Ledger.open(
+            self.work_dir / "ledger.sqlite", signing_key=vkey, origin="prooftrain/local"
+        )
         self.state = StateStore(self.work_dir / "state.sqlite")
         self.versions = PolicyVersions(model_dir_digest(self.model_dir), self.trainer_key.public)
         problems = generate_problems(s.task, "train", s.pool, seed=s.seed)
-        self.validator = Validator(cfg, vkey, self.ledger, self.state, self.codec,
-                                   RegistryOracle(self.registry), problems, self.versions,
-                                   FLOAT32_TOLERANCE,
-                                   entropy=simulation_entropy(s.seed, self.ledger.size()))
+        self.validator = Validator(
+            cfg,
+            vkey,
+            self.ledger,
+            self.state,
+            self.codec,
+            RegistryOracle(self.registry),
+            problems,
+            self.versions,
+            FLOAT32_TOLERANCE,
+            entropy=simulation_entropy(s.seed, self.ledger.size()),
+        )
         names = ["honest"] * s.contributors + list(s.adversaries)
         self.contributors: list[tuple[SigningKey, str]] = []
         for i, name in enumerate(names):
@@ -180,8 +193,9 @@ class LocalNetwork:
             self.contributors.append((key, name))
         self._turn = itertools.cycle(range(len(self.contributors)))
         self._held: list[tuple[int, PreTrainedModel, SignedManifest]] = []  # not yet announced
-        self.publisher = StagePublisher.for_stage(base, 0, s.codec, dict(s.codec_params),
-                                                  s.snapshot_every)
+        self.publisher = StagePublisher.for_stage(
+            base, 0, s.codec, dict(s.codec_params), s.snapshot_every
+        )
         self._parent: SignedManifest | None = None
         self._pending_evals: list[tuple[int, EvalReport, int]] = []
         self.stats = Stats()
@@ -208,12 +222,13 @@ class LocalNetwork:
         """
         turns = [next(self._turn) for _ in range(groups)]
         for lo in range(0, len(turns), len(self.contributors)):
-            self._round([self.contributors[i] for i in turns[lo: lo + len(self.contributors)]])
+            self._round([self.contributors[i] for i in turns[lo : lo + len(self.contributors)]])
 
     def _round(self, members: list[tuple[SigningKey, str]]) -> None:
         issued = []
-        for (key, name), sealed in zip(members, self.validator.assign_many(
-                [key.public.raw for key, _ in members]), strict=True):
+        for (key, name), sealed in zip(
+            members, self.validator.assign_many([key.public.raw for key, _ in members]), strict=True
+        ):
             if isinstance(sealed, AdmissionError):
                 self._refused(sealed)
             else:
@@ -228,13 +243,21 @@ class LocalNetwork:
                 self.stats.verdicts["accepted" if v.accepted else v.reason] += 1
                 self.stats.audited += int(v.audited)
 
-    def _answers(self, issued: list[tuple[SigningKey, str, SignedAssignment, WorkAssignment]]) -> list[bytes]:
+    def _answers(
+        self, issued: list[tuple[SigningKey, str, SignedAssignment, WorkAssignment]]
+    ) -> list[bytes]:
         """Each issued assignment's group, in order: honest ones generated in batches."""
         honest = [i for i, (_, name, _, _) in enumerate(issued) if name == "honest"]
         done = generate_grouped(
-            [(issued[i][3].policy_version, honest_request(issued[i][3], issued[i][0].public, self.codec))
-             for i in honest],
-            lambda version: TransformersBackend(self.registry[version]))
+            [
+                (
+                    issued[i][3].policy_version,
+                    honest_request(issued[i][3], issued[i][0].public, self.codec),
+                )
+                for i in honest
+            ],
+            lambda version: TransformersBackend(self.registry[version]),
+        )
         generated = {i: got[0] for i, got in zip(honest, done, strict=True) if got is not None}
         bodies = []
         for i, (key, name, sealed, a) in enumerate(issued):
@@ -247,11 +270,14 @@ class LocalNetwork:
 
     def check_strategy(self, name: str) -> None:
         """Refuse a contributor strategy this network cannot play: here, any but honest."""
-        raise ConfigError(f"adversary {name!r}: the in-process network runs honest contributors "
-                          "only; adversaries play in harness scenarios (`prooftrain harness run`)")
+        raise ConfigError(
+            f"adversary {name!r}: the in-process network runs honest contributors "
+            "only; adversaries play in harness scenarios (`prooftrain harness run`)"
+        )
 
-    def answer_as(self, strategy: str, key: SigningKey, sealed: SignedAssignment,
-                  a: WorkAssignment) -> bytes:
+    def answer_as(
+        self, strategy: str, key: SigningKey, sealed: SignedAssignment, a: WorkAssignment
+    ) -> bytes:
         """The group a contributor playing ``strategy`` (not honest) submits for ``sealed``."""
         raise ConfigError(f"the in-process network cannot play {strategy!r}")
 
@@ -279,13 +305,22 @@ class LocalNetwork:
         after ``publish_delay`` further publications.
         """
         if version != self.publisher.version + 1:
-            raise ConfigError(f"the network has published version {self.publisher.version}; "
-                              f"cannot publish {version}")
+            raise ConfigError(
+                f"the network has published version {self.publisher.version}; "
+                f"cannot publish {version}"
+            )
         update = self.publisher.update(state)
         assert self.ledger.blobs is not None
         self.ledger.blobs.put(update.blob)
-        sealed = build_manifest(version, self._parent, self.versions.base_digest, [update],
-                                self.publisher.codec_name, self.trainer_key, self.validator.clock())
+        sealed = build_manifest(
+            version,
+            self._parent,
+            self.versions.base_digest,
+            [update],
+            self.publisher.codec_name,
+            self.trainer_key,
+            self.validator.clock(),
+        )
         self._parent = sealed
         self._held.append((version, self._published_model(), sealed))
         while len(self._held) > self.settings.publish_delay:
@@ -307,10 +342,18 @@ class LocalNetwork:
         while self._pending_evals and self._pending_evals[0][0] <= current:
             version, report, seed = self._pending_evals.pop(0)
             digest = self.versions.digest(version) if version else b""
-            self.validator.record_eval(eval_statement(
-                report, version=version, manifest_digest=digest or b"", task=report.task,
-                split=report.split, seed=seed, key=self.trainer_key,
-                created_at_ms=self.validator.clock()))
+            self.validator.record_eval(
+                eval_statement(
+                    report,
+                    version=version,
+                    manifest_digest=digest or b"",
+                    task=report.task,
+                    split=report.split,
+                    seed=seed,
+                    key=self.trainer_key,
+                    created_at_ms=self.validator.clock(),
+                )
+            )
 
     def _published_model(self) -> PreTrainedModel:
         model = copy.deepcopy(self.registry[0])
@@ -358,10 +401,14 @@ class LocalNetwork:
         sync = PolicySync(self.model_dir, self.trainer_key.public, self.manifest, blobs.get, 1)
         rebuilt = sync.state_at(version)
         own = self.publisher.published_state()
-        self.publisher.load_state({
-            "version": version, "own": {n: rebuilt[n] for n in own}, "mirror": {},
-            "residual": {},
-        })
+        self.publisher.load_state(
+            {
+                "version": version,
+                "own": {n: rebuilt[n] for n in own},
+                "mirror": {},
+                "residual": {},
+            }
+        )
         self._parent = self.manifest(version) if version else None
         if version:
             self.registry.add(version, self._published_model())

@@ -40,17 +40,28 @@ from verify.types import SampleBatch
 def settings_from(cfg: TrainerConfig) -> LocalSettings:
     c = cfg.local
     return LocalSettings(
-        contributors=c.contributors, group_size=c.group_size, max_tokens=c.max_tokens,
-        temperature=c.temperature, pool=c.pool, task=cfg.task, seed=cfg.seed, rules=cfg.rules,
-        groups_per_fetch=c.groups_per_fetch, codec=cfg.publish.codec,
+        contributors=c.contributors,
+        group_size=c.group_size,
+        max_tokens=c.max_tokens,
+        temperature=c.temperature,
+        pool=c.pool,
+        task=cfg.task,
+        seed=cfg.seed,
+        rules=cfg.rules,
+        groups_per_fetch=c.groups_per_fetch,
+        codec=cfg.publish.codec,
         codec_params=tuple(sorted(cfg.publish.codec_params.items())),
         snapshot_every=cfg.publish.snapshot_every,
     )
 
 
 def run_local(
-    cfg: TrainerConfig, *, network: LocalNetwork | None = None, progress: bool = True,
-    on_metrics: Callable[[int, Metrics], None] | None = None, resume: bool = False,
+    cfg: TrainerConfig,
+    *,
+    network: LocalNetwork | None = None,
+    progress: bool = True,
+    on_metrics: Callable[[int, Metrics], None] | None = None,
+    resume: bool = False,
 ) -> tuple[History, LocalNetwork]:
     """Train a one-stage policy against an in-process network; returns the history and network.
 
@@ -68,18 +79,42 @@ def run_local(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def evaluate_version(version: int) -> EvalReport:
-        report = evaluate((net.model(version), tokenizer), cfg.task, "heldout",
-                          n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        report = evaluate(
+            (net.model(version), tokenizer),
+            cfg.task,
+            "heldout",
+            n=cfg.eval_problems,
+            k=1,
+            samples=1,
+            seed=cfg.seed,
+        )
         net.record_eval(version, report, seed=cfg.seed)
         return report
 
     stage = load_stage(model_dir, 0, 1)
-    runner = PipelineRunner(stage, 0, 1, num_microbatches=cfg.microbatches,
-                            temperature=cfg.local.temperature, seed=cfg.seed)
-    loop = TrainerLoop(cfg, runner, net, publish=net.publish, evaluate=evaluate_version,
-                       weights=net.weights, on_metrics=on_metrics, progress=progress)
-    if resume and cfg.checkpoint_dir is not None and loop.resume(
-            cfg.checkpoint_dir, published=net.validator.versions.current):
+    runner = PipelineRunner(
+        stage,
+        0,
+        1,
+        num_microbatches=cfg.microbatches,
+        temperature=cfg.local.temperature,
+        seed=cfg.seed,
+    )
+    loop = TrainerLoop(
+        cfg,
+        runner,
+        net,
+        publish=net.publish,
+        evaluate=evaluate_version,
+        weights=net.weights,
+        on_metrics=on_metrics,
+        progress=progress,
+    )
+    if (
+        resume
+        and cfg.checkpoint_dir is not None
+        and loop.resume(cfg.checkpoint_dir, published=net.validator.versions.current)
+    ):
         net.adopt(loop.version, stage)
     return loop.run(), net
 
@@ -97,9 +132,13 @@ class BroadcastSource:
         return box[0]
 
 
-def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
-                       on_metrics: Callable[[int, Metrics], None] | None = None,
-                       resume: bool = False) -> History | None:
+def run_local_pipeline(
+    cfg: TrainerConfig,
+    *,
+    progress: bool = True,
+    on_metrics: Callable[[int, Metrics], None] | None = None,
+    resume: bool = False,
+) -> History | None:
     """One rank of an S-stage run (under torchrun) against an in-process network on rank 0.
 
     Rank 0 hosts the network and evaluates; after each step the stages' tensors
@@ -133,17 +172,35 @@ def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
             return None
         if tokenizer is None:  # rank 0 loads both the network and the tokenizer
             raise RuntimeError("rank 0 holds the network but no tokenizer")
-        report = evaluate((net.model(version), tokenizer), cfg.task, "heldout",
-                          n=cfg.eval_problems, k=1, samples=1, seed=cfg.seed)
+        report = evaluate(
+            (net.model(version), tokenizer),
+            cfg.task,
+            "heldout",
+            n=cfg.eval_problems,
+            k=1,
+            samples=1,
+            seed=cfg.seed,
+        )
         net.record_eval(version, report, seed=cfg.seed)
         return report
 
-    runner = PipelineRunner(load_stage(model_dir, rank, world), rank, world,
-                            num_microbatches=cfg.microbatches,
-                            temperature=cfg.local.temperature, seed=cfg.seed)
-    loop = TrainerLoop(cfg, runner, BroadcastSource(net), publish=publish,
-                       evaluate=evaluate_version, on_metrics=on_metrics if rank == 0 else None,
-                       progress=progress)
+    runner = PipelineRunner(
+        load_stage(model_dir, rank, world),
+        rank,
+        world,
+        num_microbatches=cfg.microbatches,
+        temperature=cfg.local.temperature,
+        seed=cfg.seed,
+    )
+    loop = TrainerLoop(
+        cfg,
+        runner,
+        BroadcastSource(net),
+        publish=publish,
+        evaluate=evaluate_version,
+        on_metrics=on_metrics if rank == 0 else None,
+        progress=progress,
+    )
     try:
         if resume and cfg.checkpoint_dir is not None:
             head = [net.validator.versions.current if net is not None else 0]
@@ -152,8 +209,9 @@ def run_local_pipeline(cfg: TrainerConfig, *, progress: bool = True,
                 publish(-loop.version, runner.stage)  # negative: adopt, do not announce
         history = loop.run()
         if net is not None:
-            print(f"network: {dict(net.stats.verdicts)} audited={net.stats.audited}",
-                  file=sys.stderr)
+            print(
+                f"network: {dict(net.stats.verdicts)} audited={net.stats.audited}", file=sys.stderr
+            )
         return history if rank == 0 else None
     finally:
         if net is not None:

@@ -54,4 +54,3 @@ class RegistryOracle(TransformersOracle):
 
     def model(self, version: int) -> torch.nn.Module:
         return self.registry[version]
-

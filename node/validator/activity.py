@@ -41,8 +41,12 @@ class JsonFormatter(logging.Formatter):
     _STANDARD = set(vars(logging.makeLogRecord({})))
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {"time": round(record.created, 3), "level": record.levelname,
-                               "logger": record.name, "message": record.getMessage()}
+        out: dict[str, Any] = {
+            "time": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
         out.update({k: v for k, v in vars(record).items() if k not in self._STANDARD})
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
@@ -52,8 +56,11 @@ class JsonFormatter(logging.Formatter):
 def setup_logging(fmt: str = "text", level: int = logging.INFO) -> None:
     """Log to stderr at ``level``, as text lines or (``fmt="json"``) JSON lines."""
     handler = logging.StreamHandler()
-    handler.setFormatter(JsonFormatter() if fmt == "json" else
-                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(
+        JsonFormatter()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
@@ -66,8 +73,9 @@ def fingerprint(raw: bytes) -> str:
 class ActivityLog:
     """Follows ``ledger`` from its current size; ``poll()`` handles what was appended since."""
 
-    def __init__(self, ledger: Ledger, gauges: Any, queue_depth: Callable[[], int],
-                 summary_s: float = 30.0) -> None:
+    def __init__(
+        self, ledger: Ledger, gauges: Any, queue_depth: Callable[[], int], summary_s: float = 30.0
+    ) -> None:
         """``gauges`` has ``ledger_size``, ``policy_version``, ``banned`` and ``audit_rate``."""
         self.ledger, self.gauges, self.queue_depth = ledger, gauges, queue_depth
         self.summary_s = summary_s
@@ -119,8 +127,11 @@ class ActivityLog:
         for contributor in watch - self.banned:
             if self.ledger.is_banned(contributor):
                 self.banned.add(contributor)
-                LOG.info("ban: contributor %s", fingerprint(contributor),
-                         extra={"event": "ban", "contributor": fingerprint(contributor)})
+                LOG.info(
+                    "ban: contributor %s",
+                    fingerprint(contributor),
+                    extra={"event": "ban", "contributor": fingerprint(contributor)},
+                )
         self.position = size
         self._set_gauges(size)
 
@@ -135,28 +146,57 @@ class ActivityLog:
                 self.rejected[rec.reason] += 1
                 watch.add(rec.contributor)
         elif isinstance(rec, ContributorRegistered):
-            LOG.info("registration: contributor %s (%r)", fingerprint(rec.contributor), rec.name,
-                     extra={"event": "registration", "contributor": fingerprint(rec.contributor)})
+            LOG.info(
+                "registration: contributor %s (%r)",
+                fingerprint(rec.contributor),
+                rec.name,
+                extra={"event": "registration", "contributor": fingerprint(rec.contributor)},
+            )
         elif isinstance(rec, PolicyPublished):
             self.version = max(self.version, rec.version)
-            LOG.info("policy published: version %d (manifest %s)", rec.version,
-                     rec.manifest_digest.hex()[:16], extra={"event": "policy", "version": rec.version})
+            LOG.info(
+                "policy published: version %d (manifest %s)",
+                rec.version,
+                rec.manifest_digest.hex()[:16],
+                extra={"event": "policy", "version": rec.version},
+            )
         elif isinstance(rec, Slashed):
             watch.add(rec.contributor)
-            LOG.info("slash: contributor %s for %s", fingerprint(rec.contributor), rec.reason,
-                     extra={"event": "slash", "contributor": fingerprint(rec.contributor),
-                            "reason": rec.reason})
+            LOG.info(
+                "slash: contributor %s for %s",
+                fingerprint(rec.contributor),
+                rec.reason,
+                extra={
+                    "event": "slash",
+                    "contributor": fingerprint(rec.contributor),
+                    "reason": rec.reason,
+                },
+            )
 
     def summary(self) -> None:
         """Log what was admitted since the last summary, then start counting afresh."""
         total = self.accepted + sum(self.rejected.values())
         rejected = ", ".join(f"{r} {n}" for r, n in self.rejected.most_common()) or "none"
-        LOG.info("admission: %d rollouts, %d accepted, rejected: %s; %d audited; queue depth %d; "
-                 "ledger %d entries, policy version %d", total, self.accepted, rejected, self.audited,
-                 self.queue_depth(), self.position, self.version,
-                 extra={"event": "admission", "accepted": self.accepted, "rejected": dict(self.rejected),
-                        "audited": self.audited, "queue_depth": self.queue_depth(),
-                        "ledger_size": self.position, "policy_version": self.version})
+        LOG.info(
+            "admission: %d rollouts, %d accepted, rejected: %s; %d audited; queue depth %d; "
+            "ledger %d entries, policy version %d",
+            total,
+            self.accepted,
+            rejected,
+            self.audited,
+            self.queue_depth(),
+            self.position,
+            self.version,
+            extra={
+                "event": "admission",
+                "accepted": self.accepted,
+                "rejected": dict(self.rejected),
+                "audited": self.audited,
+                "queue_depth": self.queue_depth(),
+                "ledger_size": self.position,
+                "policy_version": self.version,
+            },
+        )
         self.accepted = self.audited = 0
         self.rejected.clear()
 

@@ -43,8 +43,11 @@ def plan(cpus: Iterable[int], workers: int) -> Placement | None:
     ordered = sorted(set(cpus))
     if workers < 1 or len(ordered) <= workers:
         return None
-    return Placement(frozenset(ordered), frozenset(ordered[:-workers]),
-                     tuple(frozenset({cpu}) for cpu in ordered[-workers:]))
+    return Placement(
+        frozenset(ordered),
+        frozenset(ordered[:-workers]),
+        tuple(frozenset({cpu}) for cpu in ordered[-workers:]),
+    )
 
 
 def allowed(pid: int = 0) -> frozenset[int] | None:

@@ -38,10 +38,12 @@ def load_tolerance(cfg: ValidatorConfig) -> Tolerances:
     bfloat16, declared or recomputed, needs a calibration of the node's own model."""
     if cfg.audit.tolerance_file is None:
         if cfg.policy.dtype != "float32":
-            raise ConfigError(f"policy.dtype = {cfg.policy.dtype!r} needs audit.tolerance_file: honest "
-                              "noise in that precision depends on the model; measure it with "
-                              "`prooftrain calibrate MODEL_DIR --recompute-dtype "
-                              f"{cfg.policy.dtype} --out FILE`")
+            raise ConfigError(
+                f"policy.dtype = {cfg.policy.dtype!r} needs audit.tolerance_file: honest "
+                "noise in that precision depends on the model; measure it with "
+                "`prooftrain calibrate MODEL_DIR --recompute-dtype "
+                f"{cfg.policy.dtype} --out FILE`"
+            )
         return Tolerances({"float32": FLOAT32_TOLERANCE})
     from node.validator.calibration import load_tolerance_file
 
@@ -50,8 +52,10 @@ def load_tolerance(cfg: ValidatorConfig) -> Tolerances:
 
 def load_key(path: Path) -> SigningKey:
     if not path.exists():
-        raise ConfigError(f"validator key {path} does not exist; create it with "
-                          f"`prooftrain keys new --out {path}`")
+        raise ConfigError(
+            f"validator key {path} does not exist; create it with "
+            f"`prooftrain keys new --out {path}`"
+        )
     passphrase = os.environ.get(PASSPHRASE_ENV)
     return load_signing_key(path, passphrase.encode() if passphrase else None)
 
@@ -64,18 +68,25 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
     key = key or load_key(cfg.node.key_file)
     model_dir = cfg.policy.model_dir
     if not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(f"policy.model_dir {model_dir} is not a model directory; build one with "
-                          "`prooftrain base-model build`")
-    ledger = Ledger.open(cfg.node.ledger, signing_key=key, origin=cfg.node.origin,
-                         blobs=cfg.node.blob_path())
+        raise ConfigError(
+            f"policy.model_dir {model_dir} is not a model directory; build one with "
+            "`prooftrain base-model build`"
+        )
+    ledger = Ledger.open(
+        cfg.node.ledger, signing_key=key, origin=cfg.node.origin, blobs=cfg.node.blob_path()
+    )
     codec = HFTextCodec(model_dir)
     state = StateStore(cfg.node.state_path())
     trainer = trainer_key(cfg)
     versions = PolicyVersions(model_dir_digest(model_dir), trainer)
-    oracle = TransformersOracle(policy_loader(model_dir, trainer, state, ledger), dtype=cfg.policy.dtype,
-                                max_versions=cfg.rules.max_staleness + 2)
-    return Validator(cfg, key, ledger, state, codec, oracle, load_problems(cfg), versions,
-                     load_tolerance(cfg))
+    oracle = TransformersOracle(
+        policy_loader(model_dir, trainer, state, ledger),
+        dtype=cfg.policy.dtype,
+        max_versions=cfg.rules.max_staleness + 2,
+    )
+    return Validator(
+        cfg, key, ledger, state, codec, oracle, load_problems(cfg), versions, load_tolerance(cfg)
+    )
 
 
 def policy_loader(model_dir: Path, trainer: PublicKey | None, state: StateStore, ledger: Ledger):  # type: ignore[no-untyped-def]
@@ -86,7 +97,9 @@ def policy_loader(model_dir: Path, trainer: PublicKey | None, state: StateStore,
     def manifest(version: int) -> SignedManifest:
         data = state.manifest(version)
         if data is None:
-            raise VerificationError(f"no manifest for policy version {version}", reason=Reason.NOT_FOUND)
+            raise VerificationError(
+                f"no manifest for policy version {version}", reason=Reason.NOT_FOUND
+            )
         return decode(SignedManifest, data, max_bytes=len(data))
 
     def load(version: int):  # type: ignore[no-untyped-def]
@@ -95,7 +108,9 @@ def policy_loader(model_dir: Path, trainer: PublicKey | None, state: StateStore,
         if trainer is None or ledger.blobs is None:
             raise ConfigError("policy versions above 0 need node.trainer_key and a blob store")
         if "sync" not in syncs:
-            stages = len(decode(PolicyManifest, manifest(version).manifest, max_bytes=1 << 20).shards)
+            stages = len(
+                decode(PolicyManifest, manifest(version).manifest, max_bytes=1 << 20).shards
+            )
             syncs["sync"] = PolicySync(model_dir, trainer, manifest, ledger.blobs.get, stages)
         return syncs["sync"].model_at(version)  # type: ignore[attr-defined]
 

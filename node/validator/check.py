@@ -32,19 +32,27 @@ def describe(cfg: ValidatorConfig, key: SigningKey | None = None) -> list[str]:
     key = key or load_key(cfg.node.key_file)
     model_dir = cfg.policy.model_dir
     if not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(f"policy.model_dir {model_dir} is not a model directory; build one with "
-                          "`prooftrain base-model build`")
+        raise ConfigError(
+            f"policy.model_dir {model_dir} is not a model directory; build one with "
+            "`prooftrain base-model build`"
+        )
     size, version = _ledger_summary(cfg, key)
     tolerances = load_tolerance(cfg)
-    bounds = ", ".join(f"{p}: token {t.token_abs:g}, chunk mean {t.chunk_mean_abs:g}"
-                       for p, t in sorted(tolerances.by_precision.items()))
+    bounds = ", ".join(
+        f"{p}: token {t.token_abs:g}, chunk mean {t.chunk_mean_abs:g}"
+        for p, t in sorted(tolerances.by_precision.items())
+    )
     trainer = trainer_key(cfg)
     problems = load_problems(cfg)
     a = cfg.assignment
     return [
         f"validator key {key.public.hex()} ({cfg.node.key_file})",
         f"ledger        {redact(cfg.node.ledger)} "
-        + (f"({size} entries)" if size is not None else "(not created yet: the first start creates it)"),
+        + (
+            f"({size} entries)"
+            if size is not None
+            else "(not created yet: the first start creates it)"
+        ),
         f"state file    {cfg.node.state_path()}",
         f"blob store    {cfg.node.blob_path()}",
         f"policy        {model_dir} (version {version}, recomputed in {cfg.policy.dtype}, "
@@ -53,8 +61,12 @@ def describe(cfg: ValidatorConfig, key: SigningKey | None = None) -> list[str]:
         f"sampling      group_size {a.group_size}, temperature {a.temperature:g}, top_p {a.top_p:g}, "
         f"top_k {a.top_k}, max_tokens {a.max_tokens}",
         f"tolerance     {cfg.audit.tolerance_file or 'built-in'} ({bounds})",
-        "trainer key   " + (f"{trainer.hex()} ({cfg.node.trainer_key})" if trainer is not None
-                            else "none: /v1/samples, /v1/policy and /v1/blobs uploads are disabled"),
+        "trainer key   "
+        + (
+            f"{trainer.hex()} ({cfg.node.trainer_key})"
+            if trainer is not None
+            else "none: /v1/samples, /v1/policy and /v1/blobs uploads are disabled"
+        ),
         f"admission     {cfg.node.admission_threads} thread(s), "
         f"{cfg.node.admission_processes or 'no'} precheck process(es)",
     ]
@@ -74,8 +86,10 @@ def _ledger_summary(cfg: ValidatorConfig, key: SigningKey) -> tuple[int | None, 
             return None, 0
         genesis = decode_record(first[1])
         if isinstance(genesis, LogCreated) and genesis.log_key != key.public.raw:
-            raise ConfigError(f"node.key_file {cfg.node.key_file} is not the key of the ledger "
-                              f"{redact(cfg.node.ledger)} (its log key is {genesis.log_key.hex()})")
+            raise ConfigError(
+                f"node.key_file {cfg.node.key_file} is not the key of the ledger "
+                f"{redact(cfg.node.ledger)} (its log key is {genesis.log_key.hex()})"
+            )
         version = 0
         for _, _, data in store.entries():
             rec = decode_record(data)

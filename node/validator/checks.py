@@ -116,26 +116,42 @@ def fail(member: Member, reason: Reason) -> Member:
 class GroupChecks:
     """Judges groups; holds the completion reservations, audit slots and PIT pools."""
 
-    def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore, codec: TextCodec,
-                 oracle: DistributionOracle, versions: PolicyVersions, tolerances: Tolerances,
-                 lock: threading.RLock, clock: Callable[[], int],
-                 metrics: dict[str, float]) -> None:
+    def __init__(
+        self,
+        cfg: ValidatorConfig,
+        ledger: Ledger,
+        state: StateStore,
+        codec: TextCodec,
+        oracle: DistributionOracle,
+        versions: PolicyVersions,
+        tolerances: Tolerances,
+        lock: threading.RLock,
+        clock: Callable[[], int],
+        metrics: dict[str, float],
+    ) -> None:
         self.cfg, self.ledger, self.state = cfg, ledger, state
-        self.codec, self.oracle, self.versions, self.tolerances = codec, oracle, versions, tolerances
+        self.codec, self.oracle, self.versions, self.tolerances = (
+            codec,
+            oracle,
+            versions,
+            tolerances,
+        )
         self.clock, self.metrics = clock, metrics
         self._lock = lock
         self._audit_slots = threading.BoundedSemaphore(cfg.audit.queue)
         # One spot-check forward pass at a time, shared by every group waiting for one.
         self._auditor: Batcher[SpotJob, AuditResults] = Batcher(
-            self._spot_batch, max_batch=cfg.audit.queue)
+            self._spot_batch, max_batch=cfg.audit.queue
+        )
         self._pending_completions: set[bytes] = set()
         self._pit: dict[bytes, list[np.ndarray]] = {}
         self.placement: Placement | None = None
         """Where the node's threads run while serving; a spot check's forward pass spreads
         over all of its CPUs (``node.validator.affinity.spread``)."""
 
-    def judge(self, issued: Issued, members: list[Member], secret: bytes,
-              reserved: set[bytes]) -> Steps[None]:
+    def judge(
+        self, issued: Issued, members: list[Member], secret: bytes, reserved: set[bytes]
+    ) -> Steps[None]:
         """Set each member's ``reason`` (None: accepted); digests reserved go into ``reserved``.
 
         Steps: yields the group's ``SpotJob`` when members are drawn for audit and
@@ -146,8 +162,11 @@ class GroupChecks:
         """
         failed, repeats = self._group_checks(issued, members, reserved)
         audit_rate = self._audit_rate(issued.wire.contributor_key)
-        drawn = [m for m in members
-                 if m.completion in repeats or should_audit(secret, m.rollout.digest, audit_rate)]
+        drawn = [
+            m
+            for m in members
+            if m.completion in repeats or should_audit(secret, m.rollout.digest, audit_rate)
+        ]
         needs_audit = failed is None and bool(drawn)
         if needs_audit and not self._audit_slots.acquire(blocking=False):
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
@@ -168,8 +187,9 @@ class GroupChecks:
             with self._lock:
                 self._pending_completions.difference_update(reserved)
 
-    def _group_checks(self, issued: Issued, members: list[Member],
-                      reserved: set[bytes]) -> tuple[Member | None, set[bytes]]:
+    def _group_checks(
+        self, issued: Issued, members: list[Member], reserved: set[bytes]
+    ) -> tuple[Member | None, set[bytes]]:
         """(the first failing member or None, completion digests seen before: audit those)."""
         a = issued.wire
         indices = [m.rollout.header.group_index for m in members]
@@ -183,8 +203,16 @@ class GroupChecks:
                 header_matches(m.rollout, a)
                 check_stopping_rule(m.rollout.token_ids, a.sampling.max_tokens, a.stop_token_ids)
             except VerificationError as exc:
-                m.evidence = build_evidence(exc.reason, m.raw, issued.sealed, issued.prompt_ids, [],
-                                            None, self._tolerance(m), str(exc))
+                m.evidence = build_evidence(
+                    exc.reason,
+                    m.raw,
+                    issued.sealed,
+                    issued.prompt_ids,
+                    [],
+                    None,
+                    self._tolerance(m),
+                    str(exc),
+                )
                 return fail(m, exc.reason), set()
             if m.rollout.header.precision not in self.tolerances.by_precision:
                 return fail(m, Reason.UNSUPPORTED_PRECISION), set()
@@ -222,8 +250,9 @@ class GroupChecks:
         """Spot checks of several groups' drawn members: one batch, shared with concurrent callers."""
         return self._auditor.run_many(jobs)
 
-    def _score_and_audit(self, issued: Issued, members: list[Member], audited: list[Member],
-                         secret: bytes) -> Steps[Member | None]:
+    def _score_and_audit(
+        self, issued: Issued, members: list[Member], audited: list[Member], secret: bytes
+    ) -> Steps[Member | None]:
         if all(m.prescored is not None for m in members):
             for m in members:
                 m.reward = m.prescored  # type: ignore[assignment]
@@ -236,16 +265,25 @@ class GroupChecks:
             for m, result in zip(audited, results, strict=True):
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
-                    m.evidence = build_evidence(result.reason, m.raw, issued.sealed, issued.prompt_ids,
-                                                result.chunks, result.recomputed, self._tolerance(m),
-                                                str(result))
+                    m.evidence = build_evidence(
+                        result.reason,
+                        m.raw,
+                        issued.sealed,
+                        issued.prompt_ids,
+                        result.chunks,
+                        result.recomputed,
+                        self._tolerance(m),
+                        str(result),
+                    )
                     return fail(m, result.reason)
                 m.pit = result.pit
         return self._pit_check(issued, members)
 
     def _spot_batch(self, jobs: list[SpotJob]) -> list[AuditResults]:
         with spread(self.placement):
-            results = spot_check_jobs(jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerances)
+            results = spot_check_jobs(
+                jobs, self.oracle, self.cfg.audit.chunks_per_audit, self.tolerances
+            )
         self.metrics["audit/batch_groups"] = float(len(jobs))
         self.metrics["audit/groups"] = self.metrics.get("audit/groups", 0.0) + len(jobs)
         self.metrics["audit/batches"] = self.metrics.get("audit/batches", 0.0) + 1
@@ -271,9 +309,19 @@ class GroupChecks:
         if result.p_value >= alpha:
             return None
         m = audited[-1]
-        detail = (f"sampled tokens are not distributed as claimed: KS D={result.statistic:.6f} over "
-                  f"{result.n} pooled PIT values of this contributor's audited tokens, "
-                  f"p={result.p_value:.3g} < alpha={alpha:g}")
-        m.evidence = build_evidence(Reason.SAMPLING_DISTRIBUTION, m.raw, issued.sealed, issued.prompt_ids,
-                                    [], None, self._tolerance(m), detail)
+        detail = (
+            f"sampled tokens are not distributed as claimed: KS D={result.statistic:.6f} over "
+            f"{result.n} pooled PIT values of this contributor's audited tokens, "
+            f"p={result.p_value:.3g} < alpha={alpha:g}"
+        )
+        m.evidence = build_evidence(
+            Reason.SAMPLING_DISTRIBUTION,
+            m.raw,
+            issued.sealed,
+            issued.prompt_ids,
+            [],
+            None,
+            self._tolerance(m),
+            detail,
+        )
         return fail(m, Reason.SAMPLING_DISTRIBUTION)

@@ -86,8 +86,9 @@ class Batcher(Generic[T, R]):
             try:
                 results = list(self._fn([t.item for t in batch]))
                 if len(results) != len(batch):
-                    raise RuntimeError(f"batch function returned {len(results)} results "
-                                       f"for {len(batch)} items")
+                    raise RuntimeError(
+                        f"batch function returned {len(results)} results for {len(batch)} items"
+                    )
                 for t, r in zip(batch, results, strict=True):
                     t.result = r
             except BaseException as exc:
@@ -129,9 +130,13 @@ def drive(steps: Steps[R], serve: Callable[[list[Any]], Sequence[Any]]) -> R:
     return drive_many([steps], serve, rank=lambda _: 0, catch=())[0]  # type: ignore[return-value]
 
 
-def drive_many(jobs: Sequence[Steps[R]], serve: Callable[[list[Any]], Sequence[Any]], *,
-               rank: Callable[[Any], int],
-               catch: tuple[type[BaseException], ...]) -> list[R | BaseException]:
+def drive_many(
+    jobs: Sequence[Steps[R]],
+    serve: Callable[[list[Any]], Sequence[Any]],
+    *,
+    rank: Callable[[Any], int],
+    catch: tuple[type[BaseException], ...],
+) -> list[R | BaseException]:
     """Advance ``jobs`` together; return each one's result, or the ``catch`` error it raised.
 
     Each round takes the pending requests of the lowest ``rank`` (jobs in

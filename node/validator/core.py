@@ -117,9 +117,18 @@ class Validator:
     """Assigns work, admits groups, records verdicts, serves accepted samples."""
 
     def __init__(
-        self, cfg: ValidatorConfig, key: SigningKey, ledger: Ledger, state: StateStore,
-        codec: TextCodec, oracle: DistributionOracle, problems: Sequence[Problem],
-        versions: PolicyVersions, tolerance: Tolerance | Tolerances, *, clock: Callable[[], int] = now_ms,
+        self,
+        cfg: ValidatorConfig,
+        key: SigningKey,
+        ledger: Ledger,
+        state: StateStore,
+        codec: TextCodec,
+        oracle: DistributionOracle,
+        problems: Sequence[Problem],
+        versions: PolicyVersions,
+        tolerance: Tolerance | Tolerances,
+        *,
+        clock: Callable[[], int] = now_ms,
         entropy: Callable[[int], bytes] = os.urandom,
     ) -> None:
         if not problems:
@@ -130,13 +139,26 @@ class Validator:
         """Each declared generation precision's bound (a lone Tolerance: float32 only)."""
         self.problems = list(problems)
         self.clock, self.entropy = clock, entropy
-        self.limits = Limits(max_tokens=cfg.limits.max_tokens, max_group_size=cfg.limits.max_group_size,
-                             max_group_bytes=cfg.limits.max_body_bytes)
+        self.limits = Limits(
+            max_tokens=cfg.limits.max_tokens,
+            max_group_size=cfg.limits.max_group_size,
+            max_group_bytes=cfg.limits.max_body_bytes,
+        )
         self.metrics: dict[str, float] = {}
         self._lock = threading.RLock()
         self._epochs = EpochSecrets(cfg, ledger, state, self._lock, clock, entropy)
-        self._checks = GroupChecks(cfg, ledger, state, codec, oracle, versions, self.tolerances,
-                                   self._lock, clock, self.metrics)
+        self._checks = GroupChecks(
+            cfg,
+            ledger,
+            state,
+            codec,
+            oracle,
+            versions,
+            self.tolerances,
+            self._lock,
+            clock,
+            self.metrics,
+        )
         self._recorder = Recorder(cfg, key, ledger, state, self._lock, clock)
         self._issued: dict[bytes, Issued] = {}
         self._open: dict[bytes, set[bytes]] = {}
@@ -225,8 +247,9 @@ class Validator:
             self._cursor += 1
             if (problem.id, version) not in self._used_prompts:
                 return problem
-        raise AdmissionError("every prompt has been assigned for this policy version",
-                             reason=Reason.BACKPRESSURE)
+        raise AdmissionError(
+            "every prompt has been assigned for this policy version", reason=Reason.BACKPRESSURE
+        )
 
     def assign(self, contributor: bytes) -> SignedAssignment:
         """Issue one prompt, G completions, a fresh nonce and seed, the stopping rule and chunk
@@ -263,7 +286,9 @@ class Validator:
                 self._open.get(item.wire.contributor_key, set()).discard(aid)
                 continue
             self._used_prompts.discard((item.problem.id, item.wire.policy_version))
-            heapq.heappush(self._expiries, (when + int(self.cfg.assignment.ttl_s * 1000), aid, True))
+            heapq.heappush(
+                self._expiries, (when + int(self.cfg.assignment.ttl_s * 1000), aid, True)
+            )
 
     def _check_outstanding(self, contributor: bytes) -> None:
         held = len(self._open.get(contributor, ()))
@@ -272,7 +297,10 @@ class Validator:
             raise AdmissionError(
                 f"{held} assignments are open or recently abandoned (assignment.max_outstanding); "
                 "answer one, or wait for an abandoned one's place to free",
-                reason=Reason.ASSIGNMENT_LIMIT, expected=f"< {limit}", computed=held)
+                reason=Reason.ASSIGNMENT_LIMIT,
+                expected=f"< {limit}",
+                computed=held,
+            )
 
     def assign_many(self, contributors: Sequence[bytes]) -> list[SignedAssignment | AdmissionError]:
         """:meth:`assign` for several contributors at once, each one's assignment or refusal in
@@ -294,12 +322,25 @@ class Validator:
                 issued.append(item)
                 out.append(item.sealed)
             if issued:
-                self.state.put_assignments([(i.wire.assignment_id, canonical_bytes(i.sealed))
-                                            for i in issued])
-                self.ledger.append_many([AssignmentIssued(
-                    w.assignment_id, w.contributor_key, w.task_id, w.prompt_id, w.prompt_digest,
-                    w.policy_version, w.group_size, w.nonce, w.issued_at_ms)
-                    for w in (i.wire for i in issued)])
+                self.state.put_assignments(
+                    [(i.wire.assignment_id, canonical_bytes(i.sealed)) for i in issued]
+                )
+                self.ledger.append_many(
+                    [
+                        AssignmentIssued(
+                            w.assignment_id,
+                            w.contributor_key,
+                            w.task_id,
+                            w.prompt_id,
+                            w.prompt_digest,
+                            w.policy_version,
+                            w.group_size,
+                            w.nonce,
+                            w.issued_at_ms,
+                        )
+                        for w in (i.wire for i in issued)
+                    ]
+                )
                 for i in issued:
                     self._track(i)
         return out
@@ -310,17 +351,32 @@ class Validator:
         problem = self._next_problem(version)
         now = self.clock()
         wire = WorkAssignment(
-            schema_version=ROLLOUT_SCHEMA_VERSION, assignment_id=self.entropy(16),
-            validator_key=self.key.public.raw, contributor_key=contributor,
-            task_id=problem.task, prompt_id=problem.id,
-            prompt_digest=bytes.fromhex(problem.prompt_digest), prompt=problem.prompt,
-            group_size=a_cfg.group_size, policy_version=version,
+            schema_version=ROLLOUT_SCHEMA_VERSION,
+            assignment_id=self.entropy(16),
+            validator_key=self.key.public.raw,
+            contributor_key=contributor,
+            task_id=problem.task,
+            prompt_id=problem.id,
+            prompt_digest=bytes.fromhex(problem.prompt_digest),
+            prompt=problem.prompt,
+            group_size=a_cfg.group_size,
+            policy_version=version,
             manifest_digest=self.versions.digest(version) or b"\x00" * 32,
-            sampling=SamplingParams(a_cfg.temperature, a_cfg.top_p, a_cfg.top_k, a_cfg.max_tokens,
-                                    int.from_bytes(self.entropy(8), "little") >> 1, a_cfg.sampler),
-            nonce=self.entropy(32), issued_at_ms=now, expires_at_ms=now + int(a_cfg.ttl_s * 1000),
+            sampling=SamplingParams(
+                a_cfg.temperature,
+                a_cfg.top_p,
+                a_cfg.top_k,
+                a_cfg.max_tokens,
+                int.from_bytes(self.entropy(8), "little") >> 1,
+                a_cfg.sampler,
+            ),
+            nonce=self.entropy(32),
+            issued_at_ms=now,
+            expires_at_ms=now + int(a_cfg.ttl_s * 1000),
             chunk_size=a_cfg.chunk_size,
-            stop_token_ids=[] if self.codec.eos_token_id is None else [int(self.codec.eos_token_id)],
+            stop_token_ids=[]
+            if self.codec.eos_token_id is None
+            else [int(self.codec.eos_token_id)],
         )
         sealed = seal(self.key, wire)
         return Issued(sealed, wire, problem, tuple(self.codec.encode(problem.prompt)))
@@ -347,8 +403,11 @@ class Validator:
         issued = self._issued.get(aid)
         return None if issued is None else (issued.wire.contributor_key, issued.problem)
 
-    def admit_many(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None = None,
-                   ) -> list[SubmitResult | VerificationError]:
+    def admit_many(
+        self,
+        raws: Sequence[bytes],
+        prechecked: Sequence[Prechecked | None] | None = None,
+    ) -> list[SubmitResult | VerificationError]:
         """:meth:`admit` of several groups together, each one's result or refusal in order.
 
         The groups' spot checks share one batched forward pass and their writes
@@ -359,11 +418,18 @@ class Validator:
         group of a batch of several while the audit epoch is changing (its
         groups cannot wait for the change they hold up).
         """
-        return drive_many(self._jobs(raws, prechecked), self.serve, rank=_rank,  # type: ignore[return-value]
-                          catch=(VerificationError,))
+        return drive_many(
+            self._jobs(raws, prechecked),
+            self.serve,
+            rank=_rank,  # type: ignore[return-value]
+            catch=(VerificationError,),
+        )
 
-    def admit_in_turn(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None = None,
-                      ) -> list[SubmitResult | VerificationError]:
+    def admit_in_turn(
+        self,
+        raws: Sequence[bytes],
+        prechecked: Sequence[Prechecked | None] | None = None,
+    ) -> list[SubmitResult | VerificationError]:
         """:meth:`admit_many`, then each group it refused with BACKPRESSURE admitted again alone,
         in order, as a contributor retries a 429: every group gets the outcome it would get
         delivered one at a time, with the batch's shared passes for the rest."""
@@ -380,13 +446,18 @@ class Validator:
             return self._checks.spot(requests)  # type: ignore[arg-type]
         return self._recorder.write(requests)  # type: ignore[arg-type]
 
-    def _jobs(self, raws: Sequence[bytes], prechecked: Sequence[Prechecked | None] | None,
-              ) -> list[Steps[SubmitResult]]:
+    def _jobs(
+        self,
+        raws: Sequence[bytes],
+        prechecked: Sequence[Prechecked | None] | None,
+    ) -> list[Steps[SubmitResult]]:
         pres = prechecked or [None] * len(raws)
         alone = len(raws) == 1
         return [self._admission(raw, pre, alone) for raw, pre in zip(raws, pres, strict=True)]
 
-    def _admission(self, raw: bytes, pre: Prechecked | None = None, alone: bool = True) -> Steps[SubmitResult]:
+    def _admission(
+        self, raw: bytes, pre: Prechecked | None = None, alone: bool = True
+    ) -> Steps[SubmitResult]:
         # A worker that verified these bytes parsed them canonically already.
         group = decode_group(raw, self.limits, canonical=pre is None or pre.error is not None)
         digest = pre.digest if pre is not None else group_digest(raw)
@@ -403,14 +474,19 @@ class Validator:
             if issued is None:
                 raise AdmissionError("unknown assignment", reason=Reason.UNKNOWN_ASSIGNMENT)
             if aid in self._inflight:
-                raise AdmissionError("a submission for this assignment is in progress",
-                                     reason=Reason.BACKPRESSURE)
+                raise AdmissionError(
+                    "a submission for this assignment is in progress", reason=Reason.BACKPRESSURE
+                )
             self._check_key(issued.wire.contributor_key)
             self._inflight.add(aid)
         try:
             key = issued.wire.contributor_key
-            members = _members(group.envelopes, key, self.limits,
-                               pre if pre is not None and pre.key == key else None)
+            members = _members(
+                group.envelopes,
+                key,
+                self.limits,
+                pre if pre is not None and pre.key == key else None,
+            )
             secret = self._epochs.draw(wait=alone)
             if secret is None:  # a batch holding the secret cannot wait for the epoch change
                 raise AdmissionError("the audit epoch is changing", reason=Reason.BACKPRESSURE)
@@ -425,7 +501,9 @@ class Validator:
         finally:
             with self._lock:
                 self._inflight.discard(aid)
-        return SubmitResult(answer, True, tuple(m.reason.value if m.reason else "" for m in members))
+        return SubmitResult(
+            answer, True, tuple(m.reason.value if m.reason else "" for m in members)
+        )
 
     def _stored_answer(self, group_digest: bytes, blob: bytes) -> SignedGroupVerdict:
         """The answer stored for a group. One stored as a list of singly signed verdicts
@@ -435,15 +513,20 @@ class Validator:
             return decode(SignedGroupVerdict, blob, max_bytes=len(blob))
         except DecodeError:
             try:
-                verdicts = [decode(Verdict, v, max_bytes=len(v)) for v, _ in _LEGACY_ANSWER.decode(blob)]
+                verdicts = [
+                    decode(Verdict, v, max_bytes=len(v)) for v, _ in _LEGACY_ANSWER.decode(blob)
+                ]
             except (DecodeError, msgspec.DecodeError) as exc:
-                raise LedgerError(f"the answer stored for this group is unreadable: {exc}",
-                                  reason=Reason.LEDGER_CORRUPT) from None
+                raise LedgerError(
+                    f"the answer stored for this group is unreadable: {exc}",
+                    reason=Reason.LEDGER_CORRUPT,
+                ) from None
         sealed = seal(self.key, GroupVerdict(group_digest, verdicts))
         return sealed
 
-    def _judge(self, issued: Issued, members: list[Member], secret: bytes,
-               group_digest: bytes) -> Steps[SignedGroupVerdict]:
+    def _judge(
+        self, issued: Issued, members: list[Member], secret: bytes, group_digest: bytes
+    ) -> Steps[SignedGroupVerdict]:
         reserved: set[bytes] = set()
         try:
             yield from self._checks.judge(issued, members, secret, reserved)
@@ -463,9 +546,14 @@ class Validator:
         Every blob it names must already be in the blob store with the size and
         digest the manifest states, so contributors can always rebuild it.
         """
-        return trainer_side.publish_policy(sealed_manifest, versions=self.versions,
-                                           ledger=self.ledger, state=self.state,
-                                           lock=self._lock, clock=self.clock)
+        return trainer_side.publish_policy(
+            sealed_manifest,
+            versions=self.versions,
+            ledger=self.ledger,
+            state=self.state,
+            lock=self._lock,
+            clock=self.clock,
+        )
 
     def record_eval(self, sealed: SignedEvalStatement) -> int:
         """Record a trainer-signed evaluation of a published version; return its ledger index.
@@ -475,8 +563,9 @@ class Validator:
         0, the base model). Its canonical sealed bytes go to the blob store,
         then ``EvalRecorded`` (with a new checkpoint) to the ledger.
         """
-        return trainer_side.record_eval(sealed, versions=self.versions, ledger=self.ledger,
-                                        lock=self._lock, clock=self.clock)
+        return trainer_side.record_eval(
+            sealed, versions=self.versions, ledger=self.ledger, lock=self._lock, clock=self.clock
+        )
 
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_sealed(WorkAssignment, sealed, self.key.public)
@@ -488,8 +577,11 @@ def _rank(request: object) -> int:
 
 
 def _backpressured(results: Sequence[object]) -> list[int]:
-    return [i for i, r in enumerate(results)
-            if isinstance(r, AdmissionError) and r.reason is Reason.BACKPRESSURE]
+    return [
+        i
+        for i, r in enumerate(results)
+        if isinstance(r, AdmissionError) and r.reason is Reason.BACKPRESSURE
+    ]
 
 
 class _GroupHead(msgspec.Struct, array_like=True):
@@ -501,8 +593,9 @@ class _GroupHead(msgspec.Struct, array_like=True):
 _GROUP_HEAD = msgspec.msgpack.Decoder(_GroupHead)
 
 
-def _members(envelopes: Sequence[RolloutEnvelope], key: bytes, limits: Limits,
-             pre: Prechecked | None) -> list[Member]:
+def _members(
+    envelopes: Sequence[RolloutEnvelope], key: bytes, limits: Limits, pre: Prechecked | None
+) -> list[Member]:
     """Every envelope verified under ``key`` (the first failure raised), with ``pre``'s
     results and rewards when given (its rollouts rebuilt from ``envelopes`` when it verified
     them in another process)."""
@@ -510,8 +603,12 @@ def _members(envelopes: Sequence[RolloutEnvelope], key: bytes, limits: Limits,
         return [Member(verify_envelope(env, limits, key), env) for env in envelopes]
     if pre.error is not None:
         raise pre.error
-    rollouts = pre.rollouts if pre.rollouts is not None else [already_verified(env) for env in envelopes]
+    rollouts = (
+        pre.rollouts if pre.rollouts is not None else [already_verified(env) for env in envelopes]
+    )
     rewards: Sequence[float | None] = pre.rewards or [None] * len(envelopes)
     completions = pre.completions or [b""] * len(envelopes)
-    return [Member(r, env, prescored=score, completion=completion)
-            for r, env, score, completion in zip(rollouts, envelopes, rewards, completions, strict=True)]
+    return [
+        Member(r, env, prescored=score, completion=completion)
+        for r, env, score, completion in zip(rollouts, envelopes, rewards, completions, strict=True)
+    ]

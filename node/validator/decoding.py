@@ -62,7 +62,9 @@ class PieceTable:
         encoded = [p.encode("utf-8") for p in pieces]
         self.pieces = list(pieces)
         self._lengths = np.array([len(b) for b in encoded], dtype=np.int64)
-        self._bytes = np.zeros((len(encoded), max(1, int(self._lengths.max(initial=0)))), dtype=np.uint8)
+        self._bytes = np.zeros(
+            (len(encoded), max(1, int(self._lengths.max(initial=0)))), dtype=np.uint8
+        )
         for i, b in enumerate(encoded):
             self._bytes[i, : len(b)] = np.frombuffer(b, dtype=np.uint8)
         self._columns = np.arange(self._bytes.shape[1])
@@ -97,10 +99,15 @@ def _piece_table(backend: Tokenizer, vocab_size: int) -> PieceTable | None:
         spec = json.loads(backend.to_str())
     except (AttributeError, ValueError):
         return None
-    if spec.get("decoder") != {"type": "Fuse"} or (spec.get("model") or {}).get("type") != "WordLevel":
+    if (
+        spec.get("decoder") != {"type": "Fuse"}
+        or (spec.get("model") or {}).get("type") != "WordLevel"
+    ):
         return None
     table = PieceTable([backend.decode([i], skip_special_tokens=True) for i in range(vocab_size)])
     ids = list(range(vocab_size))
-    if backend.decode(ids + ids[::-1], skip_special_tokens=True) != table.decode(np.array(ids + ids[::-1])):
+    if backend.decode(ids + ids[::-1], skip_special_tokens=True) != table.decode(
+        np.array(ids + ids[::-1])
+    ):
         return None
     return table

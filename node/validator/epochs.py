@@ -42,9 +42,15 @@ from verify.challenge import epoch_commitment
 class EpochSecrets:
     """The current epoch and its secret, with the count of admissions holding it."""
 
-    def __init__(self, cfg: ValidatorConfig, ledger: Ledger, state: StateStore,
-                 lock: threading.RLock, clock: Callable[[], int],
-                 entropy: Callable[[int], bytes]) -> None:
+    def __init__(
+        self,
+        cfg: ValidatorConfig,
+        ledger: Ledger,
+        state: StateStore,
+        lock: threading.RLock,
+        clock: Callable[[], int],
+        entropy: Callable[[int], bytes],
+    ) -> None:
         self.cfg, self.ledger, self.state = cfg, ledger, state
         self.clock, self.entropy = clock, entropy
         self._lock = lock
@@ -68,8 +74,9 @@ class EpochSecrets:
             self.epoch += 1
             self._secret = self.entropy(32)
             self.state.put_epoch(self.epoch, self._secret)
-            self.ledger.append(EpochCommitted(self.epoch, epoch_commitment(self.epoch, self._secret),
-                                              self.clock()))
+            self.ledger.append(
+                EpochCommitted(self.epoch, epoch_commitment(self.epoch, self._secret), self.clock())
+            )
             self._submissions = 0
 
     def draw(self, wait: bool = True) -> bytes | None:

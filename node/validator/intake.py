@@ -33,19 +33,29 @@ class AdmissionQueue(Generic[Item]):
     ``admit_batch`` itself from every future of the batch.
     """
 
-    def __init__(self, admit_batch: Callable[[list[Item]], Sequence[object]], *, threads: int = 1,
-                 max_batch: int = 64, name: str = "admit",
-                 observe: Callable[[int, float, float], None] | None = None) -> None:
+    def __init__(
+        self,
+        admit_batch: Callable[[list[Item]], Sequence[object]],
+        *,
+        threads: int = 1,
+        max_batch: int = 64,
+        name: str = "admit",
+        observe: Callable[[int, float, float], None] | None = None,
+    ) -> None:
         if threads < 1 or max_batch < 1:
-            raise ValueError("an admission queue needs at least one thread and batches of at least one")
+            raise ValueError(
+                "an admission queue needs at least one thread and batches of at least one"
+            )
         self._admit = admit_batch
         self._max_batch = max_batch
         self._observe = observe
         self._waiting: deque[tuple[Item, Future[object]]] = deque()
         self._cv = threading.Condition()
         self._closed = False
-        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
-                         for i in range(threads)]
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
         for t in self._threads:
             t.start()
 
@@ -73,12 +83,16 @@ class AdmissionQueue(Generic[Item]):
                     self._cv.wait()
                 if not self._waiting:
                     return
-                batch = [self._waiting.popleft() for _ in range(min(len(self._waiting), self._max_batch))]
+                batch = [
+                    self._waiting.popleft() for _ in range(min(len(self._waiting), self._max_batch))
+                ]
             wall, cpu = time.perf_counter(), time.thread_time()
             try:
                 results = self._admit([item for item, _ in batch])
                 if len(results) != len(batch):
-                    raise RuntimeError(f"admission returned {len(results)} results for {len(batch)} items")
+                    raise RuntimeError(
+                        f"admission returned {len(results)} results for {len(batch)} items"
+                    )
             except BaseException as exc:  # noqa: BLE001 - every submission of the batch gets the failure
                 results = [exc] * len(batch)
             if self._observe is not None:

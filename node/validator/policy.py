@@ -87,8 +87,12 @@ model_dir_digest = base_model_digest
 class PolicyVersions:
     """Version -> manifest digest; the current version; trainer-signed publication."""
 
-    def __init__(self, base_digest: bytes, trainer: PublicKey | None = None,
-                 loader: Callable[[int], object] | None = None) -> None:
+    def __init__(
+        self,
+        base_digest: bytes,
+        trainer: PublicKey | None = None,
+        loader: Callable[[int], object] | None = None,
+    ) -> None:
         self.base_digest = base_digest
         self.trainer = trainer
         self.loader = loader

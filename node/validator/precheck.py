@@ -98,7 +98,9 @@ def precheck(raw: bytes, key: bytes, problem: Problem, limits: Limits, codec: ob
         rewards: list[float] | None = score(codec, problem, [r.token_ids for r in rollouts])
     except Exception:  # noqa: BLE001 - the admission thread scores it again and reports its own error
         rewards = None
-    return Prechecked(digest, key, rollouts, None, rewards, [completion_digest(r) for r in rollouts])
+    return Prechecked(
+        digest, key, rollouts, None, rewards, [completion_digest(r) for r in rollouts]
+    )
 
 
 class PrecheckPool:
@@ -116,12 +118,20 @@ class PrecheckPool:
     event loop, and :meth:`close` it when done.
     """
 
-    def __init__(self, processes: int, limits: Limits, codec: object, depth: int = 2,
-                 cpus: Sequence[frozenset[int]] | None = None) -> None:
+    def __init__(
+        self,
+        processes: int,
+        limits: Limits,
+        codec: object,
+        depth: int = 2,
+        cpus: Sequence[frozenset[int]] | None = None,
+    ) -> None:
         """``cpus``: the CPUs of each worker in turn (``node.validator.affinity``); None leaves
         them where the operating system puts them."""
         if processes < 1 or depth < 1:
-            raise ValueError("a precheck pool needs at least one process holding at least one check")
+            raise ValueError(
+                "a precheck pool needs at least one process holding at least one check"
+            )
         self.depth = depth
         self._tickets = itertools.count()
         self._waiters: deque[asyncio.Future[None]] = deque()
@@ -130,8 +140,12 @@ class PrecheckPool:
         workers: list[_Worker] = []
         for i in range(processes):  # each takes a second or two: start them all, then wait
             ours, theirs = socket.socketpair()
-            proc = context.Process(target=_serve, args=(theirs, limits, decoder), name="prooftrain-precheck",
-                                   daemon=True)
+            proc = context.Process(
+                target=_serve,
+                args=(theirs, limits, decoder),
+                name="prooftrain-precheck",
+                daemon=True,
+            )
             proc.start()
             theirs.close()
             if cpus and proc.pid is not None:
@@ -155,7 +169,9 @@ class PrecheckPool:
         """:func:`precheck` of one submission in a worker process."""
         worker = await self._take()
         ticket = next(self._tickets)
-        answer = pickle.loads(await worker.exchange(pickle.dumps((ticket, raw, key, problem), _PICKLE)))
+        answer = pickle.loads(
+            await worker.exchange(pickle.dumps((ticket, raw, key, problem), _PICKLE))
+        )
         if not (isinstance(answer, tuple) and len(answer) == 6 and answer[0] == ticket):
             raise TypeError("a precheck worker answered another check")
         _, digest, verified_key, error, rewards, completions = answer
@@ -230,8 +246,11 @@ class _Worker:
         """Make the socket this event loop's transport (once, before the first check; callers
         that come while it is being made wait for the same one)."""
         if self._attaching is None:
-            self._attaching = asyncio.ensure_future(asyncio.get_running_loop().create_unix_connection(
-                lambda: _Answers(self), sock=self.sock))
+            self._attaching = asyncio.ensure_future(
+                asyncio.get_running_loop().create_unix_connection(
+                    lambda: _Answers(self), sock=self.sock
+                )
+            )
         transport, _ = await asyncio.shield(self._attaching)
         self._transport = transport
 
@@ -297,8 +316,8 @@ class _Answers(asyncio.Protocol):
             size = int.from_bytes(self.buf[:_FRAME], "little")
             if len(self.buf) < _FRAME + size:
                 return
-            message = bytes(self.buf[_FRAME:_FRAME + size])
-            del self.buf[:_FRAME + size]
+            message = bytes(self.buf[_FRAME : _FRAME + size])
+            del self.buf[: _FRAME + size]
             self.worker.answered(message)
 
     def eof_received(self) -> bool:
@@ -362,6 +381,9 @@ def _serve(sock: socket.socket, limits: Limits, codec: object) -> None:
             return
         r = precheck(raw, key, problem, limits, codec)
         try:
-            _send(sock, pickle.dumps((ticket, r.digest, r.key, r.error, r.rewards, r.completions), _PICKLE))
+            _send(
+                sock,
+                pickle.dumps((ticket, r.digest, r.key, r.error, r.rewards, r.completions), _PICKLE),
+            )
         except OSError:  # the node went away
             return

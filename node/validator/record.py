@@ -51,9 +51,16 @@ from verify.types import (
     canonical_bytes,
 )
 
-SLASHED = frozenset({Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.STOPPING_RULE,
-                     Reason.LOGPROB_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT,
-                     Reason.SAMPLER_REPLAY_MISMATCH})
+SLASHED = frozenset(
+    {
+        Reason.WRONG_PROMPT,
+        Reason.ASSIGNMENT_MISMATCH,
+        Reason.STOPPING_RULE,
+        Reason.LOGPROB_MISMATCH,
+        Reason.TOKEN_OUTSIDE_SUPPORT,
+        Reason.SAMPLER_REPLAY_MISMATCH,
+    }
+)
 """Offences an honest contributor cannot commit, each proven by its evidence: slashed (and
 banned). A copied completion is no offence of its own: it is always audited and fails the
 sampler replay. SAMPLING_DISTRIBUTION, a statistical test an honest contributor fails with
@@ -67,23 +74,35 @@ class GroupWrite:
 
     records: list[Record]
     samples: list[tuple[bytes, bytes]]  # (envelope digest, AcceptedSample bytes)
-    completions: tuple[bytes, bytes, list[bytes]]  # (prompt digest, assignment id, accepted completions)
-    submission: tuple[bytes, bytes, bytes]  # (assignment id, group digest, SignedGroupVerdict bytes)
+    completions: tuple[
+        bytes, bytes, list[bytes]
+    ]  # (prompt digest, assignment id, accepted completions)
+    submission: tuple[
+        bytes, bytes, bytes
+    ]  # (assignment id, group digest, SignedGroupVerdict bytes)
 
 
 class Recorder:
     """Seals verdicts and writes judged groups durably, several at a time."""
 
-    def __init__(self, cfg: ValidatorConfig, key: SigningKey, ledger: Ledger, state: StateStore,
-                 lock: threading.RLock, clock: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        cfg: ValidatorConfig,
+        key: SigningKey,
+        ledger: Ledger,
+        state: StateStore,
+        lock: threading.RLock,
+        clock: Callable[[], int],
+    ) -> None:
         self.cfg, self.key, self.ledger, self.state = cfg, key, ledger, state
         self.clock = clock
         self._lock = lock
         self._records_since_checkpoint = 0
         self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
 
-    def record(self, issued: Issued, members: list[Member],
-               group_digest: bytes) -> Steps[SignedGroupVerdict]:
+    def record(
+        self, issued: Issued, members: list[Member], group_digest: bytes
+    ) -> Steps[SignedGroupVerdict]:
         """Build the verdicts and seal them together, then store them durably before
         returning them.
 
@@ -101,10 +120,19 @@ class Recorder:
             accepted = m.reason is None
             ev_digest = evidence_digest(m.evidence) if m.evidence else b""
             audited = m.audited or (m.reason in SLASHED) or m.reason is Reason.SAMPLING_DISTRIBUTION
-            records.append(VerdictRecorded(a.contributor_key, a.assignment_id, h.group_index,
-                                           m.rollout.digest, accepted,
-                                           "" if accepted else m.reason.value,  # type: ignore[union-attr]
-                                           audited, ev_digest, now))
+            records.append(
+                VerdictRecorded(
+                    a.contributor_key,
+                    a.assignment_id,
+                    h.group_index,
+                    m.rollout.digest,
+                    accepted,
+                    "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                    audited,
+                    ev_digest,
+                    now,
+                )
+            )
             if m.reason in SLASHED:
                 records.append(slash_record(self.ledger, a.contributor_key, m, now))
             elif m.evidence and self.ledger.blobs is not None:
@@ -112,16 +140,30 @@ class Recorder:
             if accepted:
                 samples.append((m.rollout.digest, canonical_bytes(accepted_sample(m, prompt_ids))))
                 completions.append(m.completion or completion_digest(m.rollout))
-            verdicts.append(Verdict(SCHEMA_VERSION, self.key.public.raw, a.assignment_id, h.group_index,
-                                    m.rollout.digest, accepted, "" if accepted else m.reason.value,  # type: ignore[union-attr]
-                                    m.reward, m.audited, ev_digest, now))
+            verdicts.append(
+                Verdict(
+                    SCHEMA_VERSION,
+                    self.key.public.raw,
+                    a.assignment_id,
+                    h.group_index,
+                    m.rollout.digest,
+                    accepted,
+                    "" if accepted else m.reason.value,  # type: ignore[union-attr]
+                    m.reward,
+                    m.audited,
+                    ev_digest,
+                    now,
+                )
+            )
         for rec in records:  # a bad record fails this group alone, not its whole batch
             check_record(rec)
         signed = seal(self.key, GroupVerdict(group_digest, verdicts))
         submission = (a.assignment_id, group_digest, canonical_bytes(signed))
         # Returns once durable in the ledger. Until then the group is in flight, so a
         # resubmission gets BACKPRESSURE, never a second judgement.
-        yield GroupWrite(records, samples, (a.prompt_digest, a.assignment_id, completions), submission)
+        yield GroupWrite(
+            records, samples, (a.prompt_digest, a.assignment_id, completions), submission
+        )
         return signed
 
     def write(self, writes: list[GroupWrite]) -> list[None]:
@@ -141,8 +183,11 @@ class Recorder:
         stored = None
         if samples:  # on disk while the ledger transaction is prepared; it commits after them
             stored = self.state.store_samples(samples, [w.completions for w in batch])
-        self.ledger.append_many([r for w in batch for r in w.records],
-                                checkpoint=self._checkpoint_due(len(batch)), before_commit=stored)
+        self.ledger.append_many(
+            [r for w in batch for r in w.records],
+            checkpoint=self._checkpoint_due(len(batch)),
+            before_commit=stored,
+        )
         self.state.put_submissions([w.submission for w in batch])
 
     def _checkpoint_due(self, groups: int = 1) -> bool:
@@ -161,19 +206,35 @@ def slash_record(ledger: Ledger, contributor: bytes, m: Member, now: int) -> Sla
     if len(inline) > 4096 and ledger.blobs is not None:
         ledger.blobs.put(inline)
         inline = b""
-    return Slashed(contributor, m.reason.value, f"group member {m.rollout.header.group_index}",  # type: ignore[union-attr]
-                   digest, inline, now)
+    return Slashed(
+        contributor,
+        m.reason.value,  # type: ignore[union-attr]
+        f"group member {m.rollout.header.group_index}",
+        digest,
+        inline,
+        now,
+    )
 
 
 def accepted_sample(m: Member, prompt_ids: bytes) -> AcceptedSample:
     """The stored body of an accepted member (``ledger_index`` is filled in when served)."""
     h = m.rollout.header
     return AcceptedSample(
-        ledger_index=0, envelope_digest=m.rollout.digest, contributor_key=h.contributor_key,
-        assignment_id=h.assignment_id, group_index=h.group_index, group_size=h.group_size,
-        policy_version=h.policy_version, task_id=h.task_id, prompt_id=h.prompt_id,
+        ledger_index=0,
+        envelope_digest=m.rollout.digest,
+        contributor_key=h.contributor_key,
+        assignment_id=h.assignment_id,
+        group_index=h.group_index,
+        group_size=h.group_size,
+        policy_version=h.policy_version,
+        task_id=h.task_id,
+        prompt_id=h.prompt_id,
         prompt_ids=prompt_ids,
-        token_ids=m.envelope.body.token_ids, logprobs=m.envelope.body.logprobs,  # the arrays' bytes
-        temperature=h.sampling.temperature, top_k=h.sampling.top_k, top_p=h.sampling.top_p,
-        reward=m.reward, audited=m.audited,
+        token_ids=m.envelope.body.token_ids,
+        logprobs=m.envelope.body.logprobs,  # the arrays' bytes
+        temperature=h.sampling.temperature,
+        top_k=h.sampling.top_k,
+        top_p=h.sampling.top_p,
+        reward=m.reward,
+        audited=m.audited,
     )

@@ -65,9 +65,15 @@ def server_config(app: FastAPI, host: str, port: int, log_level: str = "error") 
     """
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
-                          http="httptools" if _installed("httptools") else "h11",
-                          loop="uvloop" if _installed("uvloop") else "asyncio")
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        access_log=False,
+        http="httptools" if _installed("httptools") else "h11",
+        loop="uvloop" if _installed("uvloop") else "asyncio",
+    )
 
 
 def _installed(module: str) -> bool:

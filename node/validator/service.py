@@ -85,37 +85,66 @@ def _finish_spec(spec: dict[str, Any]) -> dict[str, Any]:
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.requests = Counter("prooftrain_http_requests_total", "HTTP requests answered, by route "
-                                "and status", ["endpoint", "status"], registry=self.registry)
-        self.verdicts = Counter("prooftrain_verify_verdicts_total", "rollout verdicts",
-                                ["accepted", "reason"], registry=self.registry)
-        self.latency = Histogram("prooftrain_verify_admission_seconds", "submit latency",
-                                 registry=self.registry)
-        self.queue = Gauge("prooftrain_verify_queue_depth", "validator calls waiting",
-                           registry=self.registry)
+        self.requests = Counter(
+            "prooftrain_http_requests_total",
+            "HTTP requests answered, by route and status",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.verdicts = Counter(
+            "prooftrain_verify_verdicts_total",
+            "rollout verdicts",
+            ["accepted", "reason"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "prooftrain_verify_admission_seconds", "submit latency", registry=self.registry
+        )
+        self.queue = Gauge(
+            "prooftrain_verify_queue_depth", "validator calls waiting", registry=self.registry
+        )
         self.ledger_size = Gauge("prooftrain_ledger_size", "ledger entries", registry=self.registry)
-        self.policy_version = Gauge("prooftrain_policy_version", "current policy version",
-                                    registry=self.registry)
-        self.audit_rate = Gauge("prooftrain_verify_audit_rate", "fraction of the rollouts judged since "
-                                "the node started that were audited", registry=self.registry)
-        self.banned = Gauge("prooftrain_reputation_banned", "contributors banned", registry=self.registry)
-        self.prechecked = Counter("prooftrain_verify_prechecked_total",
-                                  "submissions verified and scored by a precheck worker process",
-                                  registry=self.registry)
-        self.precheck_failures = Counter("prooftrain_verify_precheck_failures_total",
-                                         "submissions a precheck worker failed to answer (checked in process)",
-                                         registry=self.registry)
-        self.batch_groups = Histogram("prooftrain_verify_admission_batch_groups",
-                                      "submissions admitted together in one batch",
-                                      buckets=(1, 2, 4, 8, 16, 32, 64), registry=self.registry)
-        self.admitting = Counter("prooftrain_verify_admission_busy_seconds",
-                                 "wall-clock seconds the admission threads spent admitting batches "
-                                 "(per second: how busy they are; near their number, admission is "
-                                 "the node's bottleneck)", registry=self.registry)
-        self.admitting_cpu = Counter("prooftrain_verify_admission_cpu_seconds",
-                                     "CPU seconds the admission threads spent admitting batches "
-                                     "(the rest of their busy time they waited: for fsyncs, the "
-                                     "interpreter lock or a core)", registry=self.registry)
+        self.policy_version = Gauge(
+            "prooftrain_policy_version", "current policy version", registry=self.registry
+        )
+        self.audit_rate = Gauge(
+            "prooftrain_verify_audit_rate",
+            "fraction of the rollouts judged since the node started that were audited",
+            registry=self.registry,
+        )
+        self.banned = Gauge(
+            "prooftrain_reputation_banned", "contributors banned", registry=self.registry
+        )
+        self.prechecked = Counter(
+            "prooftrain_verify_prechecked_total",
+            "submissions verified and scored by a precheck worker process",
+            registry=self.registry,
+        )
+        self.precheck_failures = Counter(
+            "prooftrain_verify_precheck_failures_total",
+            "submissions a precheck worker failed to answer (checked in process)",
+            registry=self.registry,
+        )
+        self.batch_groups = Histogram(
+            "prooftrain_verify_admission_batch_groups",
+            "submissions admitted together in one batch",
+            buckets=(1, 2, 4, 8, 16, 32, 64),
+            registry=self.registry,
+        )
+        self.admitting = Counter(
+            "prooftrain_verify_admission_busy_seconds",
+            "wall-clock seconds the admission threads spent admitting batches "
+            "(per second: how busy they are; near their number, admission is "
+            "the node's bottleneck)",
+            registry=self.registry,
+        )
+        self.admitting_cpu = Counter(
+            "prooftrain_verify_admission_cpu_seconds",
+            "CPU seconds the admission threads spent admitting batches "
+            "(the rest of their busy time they waited: for fsyncs, the "
+            "interpreter lock or a core)",
+            registry=self.registry,
+        )
 
     def admitted_batch(self, groups: int, wall_s: float, cpu_s: float) -> None:
         """One batch of ``groups`` submissions admitted in ``wall_s`` seconds, ``cpu_s`` on a CPU."""
@@ -124,7 +153,9 @@ class Metrics:
         self.admitting_cpu.inc(cpu_s)
 
 
-def _unplace(validator: Validator, placement: affinity.Placement, threads: Sequence[int] = ()) -> None:
+def _unplace(
+    validator: Validator, placement: affinity.Placement, threads: Sequence[int] = ()
+) -> None:
     """The calling thread, and the threads ``threads`` names (native ids), back on every
     CPU they had before ``placement`` pinned them."""
     validator.placement = None
@@ -133,17 +164,26 @@ def _unplace(validator: Validator, placement: affinity.Placement, threads: Seque
         affinity.pin(placement.everything, thread)
 
 
-def create_app(validator: Validator, trainer: PublicKey | None = None,
-               clock_ms: Callable[[], int] | None = None, admission_threads: int | None = None,
-               summary_s: float = 30.0) -> FastAPI:
+def create_app(
+    validator: Validator,
+    trainer: PublicKey | None = None,
+    clock_ms: Callable[[], int] | None = None,
+    admission_threads: int | None = None,
+    summary_s: float = 30.0,
+) -> FastAPI:
     """The FastAPI app around one validator; ``admission_threads`` (default: the validator's
     ``node.admission_threads``) admit submissions. While it serves, events and an admission
     summary every ``summary_s`` seconds are logged (``node.validator.activity``)."""
-    threads = validator.cfg.node.admission_threads if admission_threads is None else admission_threads
+    threads = (
+        validator.cfg.node.admission_threads if admission_threads is None else admission_threads
+    )
     node = Serving(validator, trainer, Metrics(), clock_ms or (lambda: time.time_ns() // 1_000_000))
-    app = _ValidatorApp(title="prooftrain validator", version="1",
-                        lifespan=lambda _: _serve(node, threads, summary_s),
-                        description="Assigns work, admits signed rollout groups, serves accepted samples.")
+    app = _ValidatorApp(
+        title="prooftrain validator",
+        version="1",
+        lifespan=lambda _: _serve(node, threads, summary_s),
+        description="Assigns work, admits signed rollout groups, serves accepted samples.",
+    )
     default_openapi = app.openapi
     app.openapi = lambda: app.openapi_schema or _finish_spec(default_openapi())  # type: ignore[method-assign]
     app.exception_handler(ApiError)(api_error)
@@ -169,8 +209,11 @@ async def _serve(node: Serving, threads: int, summary_s: float) -> AsyncIterator
         # The event loop's thread runs this: pinned first, the admission threads, the
         # executor's and the workers' start inherit its CPUs (each worker is then moved to its own).
         before = affinity.allowed()
-        placement = (affinity.plan(before, cfg.node.admission_processes)
-                     if cfg.node.cpu_affinity and before is not None else None)
+        placement = (
+            affinity.plan(before, cfg.node.admission_processes)
+            if cfg.node.cpu_affinity and before is not None
+            else None
+        )
         if placement is not None and affinity.pin(placement.node):
             validator.placement = placement
             undo.callback(_unplace, validator, placement, node.executor_threads)
@@ -181,17 +224,29 @@ async def _serve(node: Serving, threads: int, summary_s: float) -> AsyncIterator
         undo.callback(activity.stop)  # after the intake closes: its last entries are logged too
         undo.callback(lambda: running.pop("prechecks").close() if "prechecks" in running else None)
         running["intake"] = AdmissionQueue(
-            lambda items: validator.admit_in_turn([raw for raw, _ in items], [pre for _, pre in items]),
-            threads=max(1, threads), max_batch=cfg.audit.queue, observe=metrics.admitted_batch)
+            lambda items: validator.admit_in_turn(
+                [raw for raw, _ in items], [pre for _, pre in items]
+            ),
+            threads=max(1, threads),
+            max_batch=cfg.audit.queue,
+            observe=metrics.admitted_batch,
+        )
         undo.callback(lambda: running.pop("intake").close())
         if cfg.node.admission_processes:
             try:
                 running["prechecks"] = await asyncio.get_running_loop().run_in_executor(
-                    node.executor, lambda: PrecheckPool(cfg.node.admission_processes, validator.limits,
-                                                        validator.codec,
-                                                        cpus=placement.workers if placement else None))
+                    node.executor,
+                    lambda: PrecheckPool(
+                        cfg.node.admission_processes,
+                        validator.limits,
+                        validator.codec,
+                        cpus=placement.workers if placement else None,
+                    ),
+                )
             except Exception as exc:
-                raise ConfigError(f"node.admission_processes: the precheck workers did not start: {exc}") from exc
+                raise ConfigError(
+                    f"node.admission_processes: the precheck workers did not start: {exc}"
+                ) from exc
         yield
 
 
@@ -228,9 +283,21 @@ class _ValidatorApp(FastAPI):
         await super().__call__(scope, receive, counted)
 
 
-_ROUTES = ("/healthz", "/metrics", "/openapi.json", "/docs", "/v1/info", "/v1/register", "/v1/assign",
-           "/v1/submit", "/v1/policy", "/v1/trainer/evals", "/v1/trainer/eval", "/v1/blobs",
-           "/v1/samples")
+_ROUTES = (
+    "/healthz",
+    "/metrics",
+    "/openapi.json",
+    "/docs",
+    "/v1/info",
+    "/v1/register",
+    "/v1/assign",
+    "/v1/submit",
+    "/v1/policy",
+    "/v1/trainer/evals",
+    "/v1/trainer/eval",
+    "/v1/blobs",
+    "/v1/samples",
+)
 
 
 def _route(path: str) -> str:

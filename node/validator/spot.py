@@ -62,42 +62,69 @@ class SpotCheckFailed(SpotCheckError):
     """A spot check failed; carries what the validator recomputed."""
 
     def __init__(self, cause: SpotCheckError, chunks: list[int], recomputed: np.ndarray) -> None:
-        super().__init__(str(cause).split("] ", 1)[-1], reason=cause.reason,
-                         expected=cause.expected, computed=cause.computed)
+        super().__init__(
+            str(cause).split("] ", 1)[-1],
+            reason=cause.reason,
+            expected=cause.expected,
+            computed=cause.computed,
+        )
         self.chunks = chunks
         self.recomputed = recomputed
 
 
 def _check(
-    rollout: VerifiedRollout, logits: np.ndarray, chunks: list[int], tolerance: Tolerance,
+    rollout: VerifiedRollout,
+    logits: np.ndarray,
+    chunks: list[int],
+    tolerance: Tolerance,
     processed: torch.Tensor | None = None,
 ) -> tuple[np.ndarray, float]:
     h = rollout.header
     s = h.sampling
     tokens = rollout.token_ids.astype(np.int64)
     if processed is None:
-        processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)  # (T, V)
+        processed = process_logits(
+            torch.from_numpy(logits), s.temperature, s.top_k, s.top_p
+        )  # (T, V)
     recomputed = _token_logprobs(processed, rollout.token_ids)
     worst = 0.0
     for c in range(n_chunks(h.token_count, h.chunk_size)):
         lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
-        stats = compare_chunk(rollout.logprobs[lo:hi], recomputed[lo:hi], tolerance, c, position_offset=lo)
+        stats = compare_chunk(
+            rollout.logprobs[lo:hi], recomputed[lo:hi], tolerance, c, position_offset=lo
+        )
         worst = max(worst, stats.max_abs_diff)
     vocab = logits.shape[-1]
     sampler = sampler_named(s.sampler)
     for c in chunks:
         lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
-        support_check(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, position_offset=lo)
+        support_check(
+            tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, position_offset=lo
+        )
         randomness = sampler.randomness(
-            [(h.contributor_key, h.nonce, s.seed, h.group_index, range(lo, hi))], vocab)
-        sampler.replay(tokens[lo:hi], logits[lo:hi], s.temperature, s.top_k, s.top_p, randomness,
-                       slack=sampler.slack(tolerance), position_offset=lo, processed=processed[lo:hi])
+            [(h.contributor_key, h.nonce, s.seed, h.group_index, range(lo, hi))], vocab
+        )
+        sampler.replay(
+            tokens[lo:hi],
+            logits[lo:hi],
+            s.temperature,
+            s.top_k,
+            s.top_p,
+            randomness,
+            slack=sampler.slack(tolerance),
+            position_offset=lo,
+            processed=processed[lo:hi],
+        )
     return recomputed, worst
 
 
 def spot_check(
-    rollout: VerifiedRollout, prompt_ids: Sequence[int], oracle: DistributionOracle, secret: bytes,
-    chunks_per_audit: int, tolerance: Tolerance | Tolerances,
+    rollout: VerifiedRollout,
+    prompt_ids: Sequence[int],
+    oracle: DistributionOracle,
+    secret: bytes,
+    chunks_per_audit: int,
+    tolerance: Tolerance | Tolerances,
 ) -> SpotCheckResult:
     """Run checks 1-3 on one rollout; raise :class:`SpotCheckFailed` on the first failure."""
     result = spot_check_group([rollout], prompt_ids, oracle, secret, chunks_per_audit, tolerance)[0]
@@ -116,16 +143,23 @@ class SpotJob:
 
 
 def spot_check_group(
-    rollouts: Sequence[VerifiedRollout], prompt_ids: Sequence[int], oracle: DistributionOracle,
-    secret: bytes, chunks_per_audit: int, tolerance: Tolerance | Tolerances,
+    rollouts: Sequence[VerifiedRollout],
+    prompt_ids: Sequence[int],
+    oracle: DistributionOracle,
+    secret: bytes,
+    chunks_per_audit: int,
+    tolerance: Tolerance | Tolerances,
 ) -> list[SpotCheckResult | SpotCheckFailed]:
     """Checks 1-3 for rollouts of one assignment (one prompt, version and sampling parameters)."""
-    return spot_check_jobs([SpotJob(rollouts, prompt_ids, secret)], oracle, chunks_per_audit,
-                           tolerance)[0]
+    return spot_check_jobs(
+        [SpotJob(rollouts, prompt_ids, secret)], oracle, chunks_per_audit, tolerance
+    )[0]
 
 
 def spot_check_jobs(
-    jobs: Sequence[SpotJob], oracle: DistributionOracle, chunks_per_audit: int,
+    jobs: Sequence[SpotJob],
+    oracle: DistributionOracle,
+    chunks_per_audit: int,
     tolerance: Tolerance | Tolerances,
 ) -> list[list[SpotCheckResult | SpotCheckFailed]]:
     """Checks 1-3 for several assignments at once; one result list per job, in order.
@@ -144,28 +178,43 @@ def spot_check_jobs(
     flat = [(j, r, job) for j, job in enumerate(jobs) for r in job.rollouts]
     drawn = [_replayed_chunks(job.secret, r, chunks_per_audit) for _, r, job in flat]
     out: list[SpotCheckResult | SpotCheckFailed] = [
-        SpotCheckResult(d, np.zeros(0, np.float32), np.zeros(0), 0.0) for d in drawn]
+        SpotCheckResult(d, np.zeros(0, np.float32), np.zeros(0), 0.0) for d in drawn
+    ]
     live = [i for i, (_, r, _) in enumerate(flat) if r.header.token_count]
     logits: dict[int, np.ndarray] = {}
     for version in sorted({flat[i][1].header.policy_version for i in live}):
         idx = [i for i in live if flat[i][1].header.policy_version == version]
-        seqs = [(list(flat[i][2].prompt_ids) + flat[i][1].token_ids.tolist(), len(flat[i][2].prompt_ids))
-                for i in idx]
+        seqs = [
+            (
+                list(flat[i][2].prompt_ids) + flat[i][1].token_ids.tolist(),
+                len(flat[i][2].prompt_ids),
+            )
+            for i in idx
+        ]
         for i, lg in zip(idx, oracle.logits_batch(version, seqs), strict=True):
             logits[i] = np.asarray(lg, dtype=np.float32)
     parts: dict[tuple, list[int]] = {}
     for i in live:
         h = flat[i][1].header
         s = h.sampling
-        parts.setdefault((s.temperature, s.top_k, s.top_p, s.sampler, h.precision, flat[i][2].secret),
-                         []).append(i)
+        parts.setdefault(
+            (s.temperature, s.top_k, s.top_p, s.sampler, h.precision, flat[i][2].secret), []
+        ).append(i)
     for (*_, precision, secret), idx in parts.items():
         tolerance_ = tolerances.of(precision)
-        fast = _stacked([flat[i][1] for i in idx], [logits[i] for i in idx], [drawn[i] for i in idx],
-                        tolerance_, secret)
+        fast = _stacked(
+            [flat[i][1] for i in idx],
+            [logits[i] for i in idx],
+            [drawn[i] for i in idx],
+            tolerance_,
+            secret,
+        )
         for j, i in enumerate(idx):
-            out[i] = fast[j] if fast is not None else _one(flat[i][1], logits[i], drawn[i],
-                                                           tolerance_, secret)
+            out[i] = (
+                fast[j]
+                if fast is not None
+                else _one(flat[i][1], logits[i], drawn[i], tolerance_, secret)
+            )
     results: list[list[SpotCheckResult | SpotCheckFailed]] = [[] for _ in jobs]
     for (j, _, _), result in zip(flat, out, strict=True):
         results[j].append(result)
@@ -180,21 +229,30 @@ def _replayed_chunks(secret: bytes, r: VerifiedRollout, chunks_per_audit: int) -
     return chunks_to_open(secret, r.digest, total, chunks_per_audit)
 
 
-def _one(r: VerifiedRollout, logits: np.ndarray, chunks: list[int],
-         tolerance: Tolerance, secret: bytes) -> SpotCheckResult | SpotCheckFailed:
+def _one(
+    r: VerifiedRollout, logits: np.ndarray, chunks: list[int], tolerance: Tolerance, secret: bytes
+) -> SpotCheckResult | SpotCheckFailed:
     s = r.header.sampling
     processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)
     try:
         recomputed, worst = _check(r, logits, chunks, tolerance, processed)
     except SpotCheckError as exc:
         return SpotCheckFailed(exc, chunks, _token_logprobs(processed, r.token_ids))
-    pit = pit_values(r.token_ids.astype(np.int64), processed,
-                     pit_randomizer(secret, r.digest, r.header.token_count))
+    pit = pit_values(
+        r.token_ids.astype(np.int64),
+        processed,
+        pit_randomizer(secret, r.digest, r.header.token_count),
+    )
     return SpotCheckResult(chunks, recomputed, pit, worst)
 
 
-def _stacked(rollouts: list[VerifiedRollout], logits: list[np.ndarray], drawn: list[list[int]],
-             tolerance: Tolerance, secret: bytes) -> list[SpotCheckResult | SpotCheckFailed] | None:
+def _stacked(
+    rollouts: list[VerifiedRollout],
+    logits: list[np.ndarray],
+    drawn: list[list[int]],
+    tolerance: Tolerance,
+    secret: bytes,
+) -> list[SpotCheckResult | SpotCheckFailed] | None:
     """All checks over the stacked rows of every rollout; None if any check fails."""
     s = rollouts[0].header.sampling
     stacked = np.concatenate(logits)  # (sum T, V)
@@ -212,42 +270,72 @@ def _stacked(rollouts: list[VerifiedRollout], logits: list[np.ndarray], drawn: l
         for c in drawn[k]:
             lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
             rows.extend(range(base + lo, base + hi))
-            specs.append((h.contributor_key, h.nonce, h.sampling.seed, h.group_index, range(lo, hi)))
+            specs.append(
+                (h.contributor_key, h.nonce, h.sampling.seed, h.group_index, range(lo, hi))
+            )
     try:
         if rows:
             sel = np.asarray(rows)
             sampler = sampler_named(s.sampler)
             support_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p)
-            sampler.replay(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p,
-                           sampler.randomness(specs, stacked.shape[-1]), slack=sampler.slack(tolerance),
-                           processed=processed if len(rows) == len(tokens) else processed[sel])
+            sampler.replay(
+                tokens[sel],
+                stacked[sel],
+                s.temperature,
+                s.top_k,
+                s.top_p,
+                sampler.randomness(specs, stacked.shape[-1]),
+                slack=sampler.slack(tolerance),
+                processed=processed if len(rows) == len(tokens) else processed[sel],
+            )
     except SpotCheckError:
         return None
-    randomizer = np.concatenate([pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts])
+    randomizer = np.concatenate(
+        [pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts]
+    )
     pit = pit_values(tokens, processed, randomizer)
-    return [SpotCheckResult(drawn[k], recomputed[starts[k] : starts[k + 1]], pit[starts[k] : starts[k + 1]],
-                            worst[k]) for k in range(len(rollouts))]
+    return [
+        SpotCheckResult(
+            drawn[k],
+            recomputed[starts[k] : starts[k + 1]],
+            pit[starts[k] : starts[k + 1]],
+            worst[k],
+        )
+        for k in range(len(rollouts))
+    ]
 
 
-def _chunk_worst(rollouts: list[VerifiedRollout], recomputed: np.ndarray, starts: np.ndarray,
-                 tolerance: Tolerance) -> list[float] | None:
+def _chunk_worst(
+    rollouts: list[VerifiedRollout],
+    recomputed: np.ndarray,
+    starts: np.ndarray,
+    tolerance: Tolerance,
+) -> list[float] | None:
     """``compare_chunk`` over every chunk of every rollout at once: each rollout's largest
     |diff|, or None if any chunk fails (the caller re-checks one by one for the error)."""
     claimed = np.concatenate([r.logprobs for r in rollouts])
     if claimed.size == 0:
         return [0.0] * len(rollouts)
     diff = token_diffs(claimed, recomputed, tolerance)
-    bounds = [int(starts[k]) + lo for k, r in enumerate(rollouts)
-              for lo in range(0, r.header.token_count, r.header.chunk_size)]
+    bounds = [
+        int(starts[k]) + lo
+        for k, r in enumerate(rollouts)
+        for lo in range(0, r.header.token_count, r.header.chunk_size)
+    ]
     edges = np.asarray(bounds + [claimed.size])
     chunk_max = np.maximum.reduceat(diff, edges[:-1])
     sizes = np.diff(edges)
     chunk_mean = np.add.reduceat(diff, edges[:-1]) / sizes
     judged = sizes >= MIN_MEAN_TOKENS
-    if bool((chunk_max > tolerance.token_abs).any() | (judged & (chunk_mean > tolerance.chunk_mean_abs)).any()):
+    if bool(
+        (chunk_max > tolerance.token_abs).any()
+        | (judged & (chunk_mean > tolerance.chunk_mean_abs)).any()
+    ):
         return None
-    return [float(diff[starts[k]:starts[k + 1]].max()) if starts[k + 1] > starts[k] else 0.0
-            for k in range(len(rollouts))]
+    return [
+        float(diff[starts[k] : starts[k + 1]].max()) if starts[k + 1] > starts[k] else 0.0
+        for k in range(len(rollouts))
+    ]
 
 
 def _token_logprobs(processed: torch.Tensor, token_ids: np.ndarray) -> np.ndarray:
@@ -256,8 +344,14 @@ def _token_logprobs(processed: torch.Tensor, token_ids: np.ndarray) -> np.ndarra
 
 
 def build_evidence(
-    reason: Reason, envelope_bytes: bytes, assignment: SignedAssignment, prompt_ids: Sequence[int],
-    chunks: list[int], recomputed: np.ndarray | None, tolerance: Tolerance, detail: str,
+    reason: Reason,
+    envelope_bytes: bytes,
+    assignment: SignedAssignment,
+    prompt_ids: Sequence[int],
+    chunks: list[int],
+    recomputed: np.ndarray | None,
+    tolerance: Tolerance,
+    detail: str,
 ) -> bytes:
     ev = SlashEvidence(
         reason=reason.value,
@@ -275,7 +369,9 @@ def build_evidence(
 
 
 def recheck_evidence(
-    evidence: bytes, validator: PublicKey, oracle: DistributionOracle | None = None,
+    evidence: bytes,
+    validator: PublicKey,
+    oracle: DistributionOracle | None = None,
     limits: Limits = Limits(),
 ) -> Reason:
     """Re-verify slash evidence offline; return the offence it proves.
@@ -299,38 +395,55 @@ def recheck_evidence(
     if reason in (Reason.WRONG_PROMPT, Reason.ASSIGNMENT_MISMATCH, Reason.STOPPING_RULE):
         try:
             header_matches(rollout, assignment)
-            check_stopping_rule(rollout.token_ids, assignment.sampling.max_tokens,
-                                assignment.stop_token_ids)
+            check_stopping_rule(
+                rollout.token_ids, assignment.sampling.max_tokens, assignment.stop_token_ids
+            )
         except VerificationError as exc:
             if exc.reason is reason:
                 return reason
-        raise VerificationError("evidence does not show the claimed header offence",
-                                reason=Reason.INCONSISTENT, expected=reason.value)
+        raise VerificationError(
+            "evidence does not show the claimed header offence",
+            reason=Reason.INCONSISTENT,
+            expected=reason.value,
+        )
     if oracle is None:
-        raise VerificationError("re-checking a spot-check offence needs the policy's weights",
-                                reason=Reason.INCONSISTENT)
+        raise VerificationError(
+            "re-checking a spot-check offence needs the policy's weights",
+            reason=Reason.INCONSISTENT,
+        )
     prompt_ids = np.frombuffer(ev.prompt_ids, _U32).tolist()
     tolerance = Tolerance(ev.token_abs, ev.chunk_mean_abs, ev.replay_slack)
-    logits = oracle.completion_logits(rollout.header.policy_version,
-                                      [*prompt_ids, *rollout.token_ids.tolist()], len(prompt_ids))
+    logits = oracle.completion_logits(
+        rollout.header.policy_version, [*prompt_ids, *rollout.token_ids.tolist()], len(prompt_ids)
+    )
     try:
         _check(rollout, logits, list(ev.chunks), tolerance)
     except SpotCheckError as exc:
         if exc.reason is reason:
             return reason
-        raise VerificationError("recomputation fails, but for another reason",
-                                reason=Reason.INCONSISTENT, expected=reason.value,
-                                computed=exc.reason.value) from None
-    raise VerificationError("recomputation does not reproduce the offence", reason=Reason.INCONSISTENT,
-                            expected=reason.value)
+        raise VerificationError(
+            "recomputation fails, but for another reason",
+            reason=Reason.INCONSISTENT,
+            expected=reason.value,
+            computed=exc.reason.value,
+        ) from None
+    raise VerificationError(
+        "recomputation does not reproduce the offence",
+        reason=Reason.INCONSISTENT,
+        expected=reason.value,
+    )
 
 
 def header_matches(rollout: VerifiedRollout, a: WorkAssignment) -> None:
     """The signed header answers exactly the signed assignment."""
     h = rollout.header
     if h.prompt_id != a.prompt_id or h.prompt_digest != a.prompt_digest or h.task_id != a.task_id:
-        raise VerificationError("rollout answers another prompt", reason=Reason.WRONG_PROMPT,
-                                expected=a.prompt_id, computed=h.prompt_id)
+        raise VerificationError(
+            "rollout answers another prompt",
+            reason=Reason.WRONG_PROMPT,
+            expected=a.prompt_id,
+            computed=h.prompt_id,
+        )
     pairs = {
         "assignment_id": (a.assignment_id, h.assignment_id),
         "nonce": (a.nonce, h.nonce),
@@ -343,5 +456,9 @@ def header_matches(rollout: VerifiedRollout, a: WorkAssignment) -> None:
     }
     for name, (want, got) in pairs.items():
         if want != got:
-            raise VerificationError(f"header {name} differs from the assignment",
-                                    reason=Reason.ASSIGNMENT_MISMATCH, expected=want, computed=got)
+            raise VerificationError(
+                f"header {name} differs from the assignment",
+                reason=Reason.ASSIGNMENT_MISMATCH,
+                expected=want,
+                computed=got,
+            )

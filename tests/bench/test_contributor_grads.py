@@ -11,8 +11,20 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_tiny_run_compares_the_two_modes() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "contributor_grads.py"), "--contributors", "3",
-           "--rows", "2", "--prompt", "4", "--completion", "3", "--rounds", "1"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "contributor_grads.py"),
+        "--contributors",
+        "3",
+        "--rows",
+        "2",
+        "--prompt",
+        "4",
+        "--completion",
+        "3",
+        "--rounds",
+        "1",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "contributor_grads"

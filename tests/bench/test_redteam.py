@@ -13,9 +13,13 @@ from harness.adversaries.base import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]
 ALWAYS_DIFFERS = {  # attacks whose every group differs from honest output, and how each is caught
-    "stop-overlong": "stopping_rule", "stop-empty": "stopping_rule", "stop-first-token": "stopping_rule",
-    "planted-chunk1": "assignment_mismatch", "stale-version": "assignment_mismatch",
-    "wrong-prompt": "wrong_prompt", "cherry-pick": "missing_group_member",
+    "stop-overlong": "stopping_rule",
+    "stop-empty": "stopping_rule",
+    "stop-first-token": "stopping_rule",
+    "planted-chunk1": "assignment_mismatch",
+    "stale-version": "assignment_mismatch",
+    "wrong-prompt": "wrong_prompt",
+    "cherry-pick": "missing_group_member",
     "tampered-logprobs": "logprob_mismatch",
 }
 
@@ -55,7 +59,9 @@ def check(result: dict) -> None:
         for mode in ("per_audit", "default_rate"):
             assert r[mode]["honest_slashed_in_ledger"] == 0, (name, mode)
             pit = r[mode].get("pit")  # a failed PIT window: recorded, and answered again as stored
-            assert pit is None or pit["failures"] == pit["in_ledger"] == pit["resubmission_stored"], pit
+            assert (
+                pit is None or pit["failures"] == pit["in_ledger"] == pit["resubmission_stored"]
+            ), pit
     for name, reason in ALWAYS_DIFFERS.items():
         audit = attacks[name]["per_audit"]
         assert audit["differing"] == audit["rejected"] == audit["submitted"], (name, audit)

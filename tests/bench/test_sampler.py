@@ -11,8 +11,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_measures_both_samplers_against_the_forward_pass() -> None:
-    out = subprocess.run([sys.executable, str(ROOT / "bench" / "sampler.py"), "--quick"], check=True,
-                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sampler.py"), "--quick"],
+        check=True,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "sampler"
     assert set(result["samplers"]) == {"icdf-v1", "gumbel-v1"}

@@ -16,8 +16,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _args(**kw: object) -> argparse.Namespace:
-    base = dict(steps=4, groups=2, group_size=4, max_tokens=8, contributors=2, rounds=2, model_dir=None,
-                pass_per_contributor=False)
+    base = dict(
+        steps=4,
+        groups=2,
+        group_size=4,
+        max_tokens=8,
+        contributors=2,
+        rounds=2,
+        model_dir=None,
+        pass_per_contributor=False,
+    )
     base.update(kw)
     return argparse.Namespace(**base)
 
@@ -27,8 +35,10 @@ def _side(samples: int, wall_s: float, **extra: object) -> dict:
 
 
 def test_summary_takes_each_sides_best_round_and_their_ratio() -> None:
-    pts = [_side(32, 2.0, audit_rate_mean=0.5, audit_ok=True),
-           _side(32, 1.0, audit_rate_mean=0.25, audit_ok=True)]
+    pts = [
+        _side(32, 2.0, audit_rate_mean=0.5, audit_ok=True),
+        _side(32, 1.0, audit_rate_mean=0.25, audit_ok=True),
+    ]
     trls = [_side(32, 0.5), _side(32, 0.8)]
     out = bench.summarise(_args(), pts, trls, None)
     assert out["prooftrain_samples_per_s"] == 32.0
@@ -53,15 +63,30 @@ def test_summary_without_trl_is_null_and_says_why() -> None:
 
 
 def test_reward_fn_is_the_validators_reward() -> None:
-    got = bench.reward_fn(["47-85=", "1+2="], ["-38", "4"], problem_id=["a", "b"],
-                          answer=["-38", "3"])
+    got = bench.reward_fn(
+        ["47-85=", "1+2="], ["-38", "4"], problem_id=["a", "b"], answer=["-38", "3"]
+    )
     assert got == [1.0, 0.0]
 
 
 def test_tiny_run_prints_json_last() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py"), "--steps", "1",
-           "--rounds", "1", "--groups", "2", "--group-size", "2", "--max-tokens", "2",
-           "--contributors", "1", "--quiet"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "trust_overhead.py"),
+        "--steps",
+        "1",
+        "--rounds",
+        "1",
+        "--groups",
+        "2",
+        "--group-size",
+        "2",
+        "--max-tokens",
+        "2",
+        "--contributors",
+        "1",
+        "--quiet",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "trust_overhead"
@@ -98,18 +123,44 @@ def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) ->
 
 
 def test_tiny_scaling_run_prints_every_figure() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py"), "--scaling", "--sizes", "demo",
-           "--scaling-steps", "1,1,1", "--scaling-rounds", "1,1,1", "--groups", "2",
-           "--group-size", "2", "--max-tokens", "2", "--contributors", "1",
-           "--memory-params", "4096", "--quiet"]
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "trust_overhead.py"),
+        "--scaling",
+        "--sizes",
+        "demo",
+        "--scaling-steps",
+        "1,1,1",
+        "--scaling-rounds",
+        "1,1,1",
+        "--groups",
+        "2",
+        "--group-size",
+        "2",
+        "--max-tokens",
+        "2",
+        "--contributors",
+        "1",
+        "--memory-params",
+        "4096",
+        "--quiet",
+    ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["mode"] == "scaling" and set(result["sizes"]) == {"demo"}
     demo = result["sizes"]["demo"]
     assert demo["params"] > 0 and demo["prooftrain_samples_per_s"] > 0
     phases = demo["prooftrain_phases_s"]
-    assert {"generation", "signing", "admission_and_spot_checks", "rl_forward_backward",
-            "per_contributor_gradients", "aggregation", "publication", "other"} <= set(phases)
+    assert {
+        "generation",
+        "signing",
+        "admission_and_spot_checks",
+        "rl_forward_backward",
+        "per_contributor_gradients",
+        "aggregation",
+        "publication",
+        "other",
+    } <= set(phases)
     assert all(v >= 0 for v in phases.values()) and phases["generation"] > 0
     assert demo["prooftrain_peak_rss_mib"] > 0
     runs = result["aggregation_memory"]["runs"]

@@ -29,11 +29,16 @@ def _pair_sending(chunks: list[bytes]) -> socket.socket:
 
 
 def test_answers_are_split_however_they_arrive() -> None:
-    first = b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: 5\r\n\r\nhello"
-    second = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 12\r\nretry-after: 1\r\n\r\n{\"reason\":1}"
+    first = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/msgpack\r\ncontent-length: 5\r\n\r\nhello"
+    )
+    second = b'HTTP/1.1 429 Too Many Requests\r\nContent-Length: 12\r\nretry-after: 1\r\n\r\n{"reason":1}'
     stream = first + second
     # byte by byte, then in odd pieces: each answer is its own status and body
-    for pieces in ([stream[i:i + 1] for i in range(len(stream))], [stream[:7], stream[7:90], stream[90:]]):
+    for pieces in (
+        [stream[i : i + 1] for i in range(len(stream))],
+        [stream[:7], stream[7:90], stream[90:]],
+    ):
         replies = _Replies(_pair_sending(pieces))
         assert replies.next() == (200, b"hello")
         assert replies.next() == (429, b'{"reason":1}')
@@ -48,13 +53,17 @@ def test_an_answer_without_a_length_or_a_closed_connection_is_an_error() -> None
 
 
 def _client_printing(code: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
 
 
 def test_a_clients_report_is_read_while_it_waits_and_a_failure_says_why() -> None:
     # a client reports, then stays up until the bench lets it go
-    waiting = _client_printing('import sys; print(\'{"latencies": [0.5], "cpu_s": 0.25}\', flush=True); '
-                               'sys.stdin.read(); print("gone")')
+    waiting = _client_printing(
+        'import sys; print(\'{"latencies": [0.5], "cpu_s": 0.25}\', flush=True); '
+        'sys.stdin.read(); print("gone")'
+    )
     assert _report(waiting) == {"latencies": [0.5], "cpu_s": 0.25}
     assert waiting.poll() is None
     assert waiting.communicate()[0] == "gone\n"

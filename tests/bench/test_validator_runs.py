@@ -17,5 +17,7 @@ def test_runs_take_every_group_once_in_order_and_nearly_equal_shares() -> None:
 def test_means_over_runs_are_none_where_a_run_lacks_the_figure() -> None:
     assert _mean([0.5, 0.25, 0.3]) == 0.35
     assert _mean([0.5, None]) is None
-    split = _mean_split([{"node": 1.0, "workers": 2.0, "rest": None}, {"node": 2.0, "workers": 3.0, "rest": 0.1}])
+    split = _mean_split(
+        [{"node": 1.0, "workers": 2.0, "rest": None}, {"node": 2.0, "workers": 3.0, "rest": 0.1}]
+    )
     assert split == {"node": 1.5, "workers": 2.5, "rest": None}

@@ -38,13 +38,25 @@ def perturbed(model: torch.nn.Module, seed: int) -> torch.nn.Module:
 def test_reports_match_in_line_evals_in_order_even_when_the_model_changes_after(setting) -> None:  # type: ignore[no-untyped-def]
     model_dir, tokenizer, problems, max_new, base = setting
     versions = [base, perturbed(base, 1), perturbed(base, 2), perturbed(base, 3)]
-    expected = [evaluate((m, tokenizer), "arithmetic", "heldout", k=1, samples=1, seed=SEED,
-                         problems=problems, max_new_tokens=max_new).to_json() for m in versions]
+    expected = [
+        evaluate(
+            (m, tokenizer),
+            "arithmetic",
+            "heldout",
+            k=1,
+            samples=1,
+            seed=SEED,
+            problems=problems,
+            max_new_tokens=max_new,
+        ).to_json()
+        for m in versions
+    ]
     assert len({str(e["metrics"]) for e in expected}) > 1  # the versions are told apart
 
     done = []
-    with BackgroundEvals(model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED,
-                         max_pending=2) as evals:
+    with BackgroundEvals(
+        model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED, max_pending=2
+    ) as evals:
         for i, m in enumerate(versions):
             scratch = copy.deepcopy(m)
             evals.submit(i, scratch, tag=f"t{i}")
@@ -66,8 +78,9 @@ def test_reports_match_in_line_evals_in_order_even_when_the_model_changes_after(
 
 def test_reports_waited_for_while_submitting_are_kept_and_handed_out_once(setting) -> None:  # type: ignore[no-untyped-def]
     model_dir, _, problems, max_new, base = setting
-    with BackgroundEvals(model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED,
-                         max_pending=1) as evals:
+    with BackgroundEvals(
+        model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED, max_pending=1
+    ) as evals:
         for i in range(4):  # from the second on, each submit waits for the one before
             evals.submit(i, base, tag=i)
             assert evals.pending == 1
@@ -78,7 +91,9 @@ def test_reports_waited_for_while_submitting_are_kept_and_handed_out_once(settin
 def test_a_failed_eval_raises_with_the_workers_traceback(setting) -> None:  # type: ignore[no-untyped-def]
     model_dir, _, problems, max_new, base = setting
     wrong = torch.nn.Linear(3, 2)  # another architecture: its state dict does not load
-    with BackgroundEvals(model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED) as evals:
+    with BackgroundEvals(
+        model_dir, "arithmetic", problems, max_new_tokens=max_new, seed=SEED
+    ) as evals:
         evals.submit(7, wrong)
         with pytest.raises(EvalWorkerError, match=r"version 7 failed(.|\n)*state_dict"):
             evals.drain()

@@ -42,7 +42,9 @@ run_no_defence = false
 """
 
 
-def test_demo_ends_with_a_verified_release(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_ends_with_a_verified_release(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from ledger.release import verify_release
@@ -63,9 +65,11 @@ def test_demo_ends_with_a_verified_release(tmp_path: Path, capsys: pytest.Captur
     assert [r.version for r in records if isinstance(r, PolicyPublished)] == [1, 2, 3]
     assert [r.version for r in records if isinstance(r, EvalRecorded)] == [0, 1, 2, 3]
 
-    report = verify_release(out / "release",
-                            trainer_key=load_public_key(str(out / "keys" / "trainer.pub")),
-                            validator_key=load_public_key(str(out / "keys" / "validator.pub")))
+    report = verify_release(
+        out / "release",
+        trainer_key=load_public_key(str(out / "keys" / "trainer.pub")),
+        validator_key=load_public_key(str(out / "keys" / "validator.pub")),
+    )
     assert report is not None
     released = AutoModelForCausalLM.from_pretrained(out / "release")
     assert sum(p.numel() for p in released.parameters()) > 0

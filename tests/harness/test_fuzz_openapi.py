@@ -40,7 +40,10 @@ def test_short_campaign_covers_every_operation_without_server_errors(node) -> No
     assert summary["node_healthy"] and summary["ledger_audit_ok"] and passed(summary)
     statuses = summary["statuses"]
     # signed requests got past authentication: the contributor was assigned work, the trainer read samples
-    assert statuses["POST /v1/assign"].get("200", 0) > 0 and statuses["GET /v1/samples"].get("200", 0) > 0
+    assert (
+        statuses["POST /v1/assign"].get("200", 0) > 0
+        and statuses["GET /v1/samples"].get("200", 0) > 0
+    )
     assert statuses["POST /v1/assign"].get("401", 0) > 0  # and unsigned ones did not
     assert all(n >= 2 for n in summary["per_operation"].values())
 
@@ -59,7 +62,9 @@ def test_a_broken_endpoint_is_reported(node) -> None:
     tally, healthy = campaign(app, keys, 0.0, seeds=seeds, batch=10, only=only)
     summary = summarize(tally, healthy, True, 0.0)
     assert not passed(summary)
-    assert summary["statuses"]["GET /v1/broken/{n}"].get("500", 0) > 0 and summary["server_errors"] > 0
+    assert (
+        summary["statuses"]["GET /v1/broken/{n}"].get("500", 0) > 0 and summary["server_errors"] > 0
+    )
     failure = next(f for f in summary["first_failures"] if f["operation"] == "GET /v1/broken/{n}")
     assert failure["status"] == 500 and "/v1/broken/" in failure["reproducer"]
     assert summary["node_healthy"]
@@ -78,7 +83,9 @@ def test_signing_session_signs_the_bytes_on_the_wire(monkeypatch) -> None:
     target, body = "/v1/samples?cursor=3&limit=7", b"\x01\x02"
     prepared = requests.Request("POST", f"http://127.0.0.1:9{target}", data=body).prepare()
     sent: dict[str, str] = {}
-    monkeypatch.setattr(requests.Session, "send", lambda self, request, **kw: sent.update(request.headers))
+    monkeypatch.setattr(
+        requests.Session, "send", lambda self, request, **kw: sent.update(request.headers)
+    )
     SigningSession(key).send(prepared)
     headers = {k.lower(): v for k, v in sent.items()}
     now = time.time_ns() // 1_000_000
@@ -92,14 +99,33 @@ def test_spec_declares_bodies_bounds_and_signatures(node) -> None:
     spec = create_app(v, TRAINER.public).openapi()
     paths = spec["paths"]
     limit = v.cfg.limits.max_body_bytes
-    for path, media in [("/v1/submit", "application/msgpack"), ("/v1/policy", "application/msgpack"),
-                        ("/v1/trainer/eval", "application/msgpack"), ("/v1/blobs", "application/octet-stream")]:
+    for path, media in [
+        ("/v1/submit", "application/msgpack"),
+        ("/v1/policy", "application/msgpack"),
+        ("/v1/trainer/eval", "application/msgpack"),
+        ("/v1/blobs", "application/octet-stream"),
+    ]:
         schema = paths[path]["post"]["requestBody"]["content"][media]["schema"]
         assert schema == {"type": "string", "format": "binary", "maxLength": limit}
-    signed = {f"{m.upper()} {p}" for p, item in paths.items() for m, op in item.items() if op.get("security")}
-    assert signed == {"POST /v1/register", "POST /v1/assign", "POST /v1/policy", "POST /v1/trainer/eval",
-                      "POST /v1/blobs", "GET /v1/samples"}
-    assert set(spec["components"]["securitySchemes"]) == {"prooftrainKey", "prooftrainTime", "prooftrainSignature"}
+    signed = {
+        f"{m.upper()} {p}"
+        for p, item in paths.items()
+        for m, op in item.items()
+        if op.get("security")
+    }
+    assert signed == {
+        "POST /v1/register",
+        "POST /v1/assign",
+        "POST /v1/policy",
+        "POST /v1/trainer/eval",
+        "POST /v1/blobs",
+        "GET /v1/samples",
+    }
+    assert set(spec["components"]["securitySchemes"]) == {
+        "prooftrainKey",
+        "prooftrainTime",
+        "prooftrainSignature",
+    }
     version = paths["/v1/policy/{version}"]["get"]["parameters"][0]["schema"]
     assert version["minimum"] == 0 and version["maximum"] == 2**63 - 1
     assert all("422" not in op["responses"] for item in paths.values() for op in item.values())
@@ -120,6 +146,9 @@ def test_out_of_range_input_is_a_400_not_a_500(node) -> None:
         r = httpx.get(url + target, headers=sign_request(TRAINER, "GET", target, b"", now))
         assert r.status_code == 400 and r.json()["reason"] == "malformed"
         for body in (b'{"name": true}', b'{"name": "' + b"x" * 257 + b'"}', b"[]"):
-            r = httpx.post(f"{url}/v1/register", content=body,
-                           headers=sign_request(keys["contributor"], "POST", "/v1/register", body, now))
+            r = httpx.post(
+                f"{url}/v1/register",
+                content=body,
+                headers=sign_request(keys["contributor"], "POST", "/v1/register", body, now),
+            )
             assert r.status_code == 400 and r.json()["reason"] == "malformed", body

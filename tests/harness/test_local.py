@@ -21,19 +21,21 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_cheating_contributor_is_caught(tiny: Path) -> None:
-    net = AdversarialNetwork(tiny, small(contributors=1, adversaries=("tampered-logprobs",),
-                                   groups_per_fetch=4))
+    net = AdversarialNetwork(
+        tiny, small(contributors=1, adversaries=("tampered-logprobs",), groups_per_fetch=4)
+    )
     try:
         batch = net.fetch(0, 1000)
         cheater = net.contributors[1][0].public.raw
         assert batch.samples and all(s.contributor_key != cheater for s in batch.samples)
         assert net.stats.verdicts[Reason.LOGPROB_MISMATCH.value] > 0
-        assert set(net.stats.verdicts) <= {"accepted", Reason.LOGPROB_MISMATCH.value,
-                                           Reason.GROUP_REJECTED.value}
+        assert set(net.stats.verdicts) <= {
+            "accepted",
+            Reason.LOGPROB_MISMATCH.value,
+            Reason.GROUP_REJECTED.value,
+        }
     finally:
         net.close()
-
-
 
 
 def test_an_unknown_strategy_is_refused_by_name(tiny: Path) -> None:

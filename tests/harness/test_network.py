@@ -109,7 +109,9 @@ def test_dropped_messages_are_never_delivered() -> None:
 
 
 @given(st.lists(st.floats(0, 100, allow_nan=False), max_size=50), st.floats(0, 100))
-def test_delivery_queue_yields_each_message_once_in_time_order(times: list[float], now: float) -> None:
+def test_delivery_queue_yields_each_message_once_in_time_order(
+    times: list[float], now: float
+) -> None:
     q = DeliveryQueue()
     for i, t in enumerate(times):
         q.push((t, i), t)
@@ -121,8 +123,10 @@ def test_delivery_queue_yields_each_message_once_in_time_order(times: list[float
 
 
 def test_compute_speed_scales_generation_time() -> None:
-    net = SimulatedNetwork({"fast": NetworkProfile(compute_speed=2.0),
-                            "slow": NetworkProfile(compute_speed=0.5)}, seed=0)
+    net = SimulatedNetwork(
+        {"fast": NetworkProfile(compute_speed=2.0), "slow": NetworkProfile(compute_speed=0.5)},
+        seed=0,
+    )
     assert net.compute_time("fast", 4.0) == pytest.approx(2.0)
     assert net.compute_time("slow", 4.0) == pytest.approx(8.0)
 
@@ -141,15 +145,20 @@ def test_churn_schedule_alternates_and_matches_the_stationary_fraction() -> None
 def test_is_online_agrees_with_churn_events_and_ignores_query_order() -> None:
     def build() -> SimulatedNetwork:
         p = NetworkProfile()
-        return SimulatedNetwork({"a": p, "stable": p}, seed=9, churn=ChurnModel(20, 10),
-                                churning={"a"})
+        return SimulatedNetwork(
+            {"a": p, "stable": p}, seed=9, churn=ChurnModel(20, 10), churning={"a"}
+        )
 
     forward, backward = build(), build()
     ts = np.linspace(0, 1_000, 400)
-    assert [forward.is_online("a", t) for t in ts] == [backward.is_online("a", t) for t in ts[::-1]][::-1]
+    assert [forward.is_online("a", t) for t in ts] == [
+        backward.is_online("a", t) for t in ts[::-1]
+    ][::-1]
     events = forward.churn_events("a", 1_000)
     assert events and events[0][1] == "leave"
-    assert [k for _, k in events] == ["leave", "join"] * (len(events) // 2) + ["leave"] * (len(events) % 2)
+    assert [k for _, k in events] == ["leave", "join"] * (len(events) // 2) + ["leave"] * (
+        len(events) % 2
+    )
     for t, kind in events:
         assert forward.is_online("a", t + 1e-9) == (kind == "join")
         assert forward.is_online("a", t - 1e-9) == (kind == "leave")
@@ -192,8 +201,9 @@ def test_drops_do_not_shift_the_other_delays() -> None:
 
 
 def test_late_joiners_start_offline() -> None:
-    net = SimulatedNetwork({"a": NetworkProfile()}, seed=3,
-                           churn=ChurnModel(100, 10, start_online=False))
+    net = SimulatedNetwork(
+        {"a": NetworkProfile()}, seed=3, churn=ChurnModel(100, 10, start_online=False)
+    )
     assert not net.is_online("a", 0.0)
     first = net.churn_events("a", 1e6)[0]
     assert first[1] == "join" and net.is_online("a", first[0] + 1e-9)

@@ -18,7 +18,9 @@ KEY = SigningKey.from_seed(b"\x11" * 32)
 
 
 def _request(prompt: tuple[int, ...] = (3, 4, 5), temperature: float = 1.0) -> GenerationRequest:
-    return GenerationRequest(prompt, 2, temperature, 0, 1.0, 4, KEY.public.raw, b"\x01" * 32, 7, (1,))
+    return GenerationRequest(
+        prompt, 2, temperature, 0, 1.0, 4, KEY.public.raw, b"\x01" * 32, 7, (1,)
+    )
 
 
 def _completions(tag: int) -> list[GeneratedCompletion]:
@@ -69,10 +71,14 @@ def test_strategies_declare_plain_generation() -> None:
 
 
 def _member(i: int, strategy: str, version: int, prompt: tuple[int, ...]) -> Member:
-    spec = ContributorSpec(id=f"c{i}", strategy=strategy, params={}, network="default", churn=False,
-                           uploads=1, seed=i)
-    ctx = SimpleNamespace(prefetched={}, assignment=lambda sealed: SimpleNamespace(policy_version=version),
-                          request=lambda a: _request(prompt))
+    spec = ContributorSpec(
+        id=f"c{i}", strategy=strategy, params={}, network="default", churn=False, uploads=1, seed=i
+    )
+    ctx = SimpleNamespace(
+        prefetched={},
+        assignment=lambda sealed: SimpleNamespace(policy_version=version),
+        request=lambda a: _request(prompt),
+    )
     return Member(spec, KEY, make_strategy(strategy), ctx)  # type: ignore[arg-type]
 
 
@@ -80,15 +86,21 @@ def test_prefetch_batches_plain_requests_per_version_and_splits_the_time() -> No
     sim = Simulation.__new__(Simulation)
     backends = {0: _Backend(), 1: _Backend()}
     sim._backend = backends.__getitem__  # type: ignore[method-assign]
-    members = [_member(0, "honest", 0, (3,)), _member(1, "greedy", 0, (4,)),
-               _member(2, "honest", 0, (5, 6)), _member(3, "honest", 1, (7,)),
-               _member(4, "tampered-logprobs", 0, (8,))]
+    members = [
+        _member(0, "honest", 0, (3,)),
+        _member(1, "greedy", 0, (4,)),
+        _member(2, "honest", 0, (5, 6)),
+        _member(3, "honest", 1, (7,)),
+        _member(4, "tampered-logprobs", 0, (8,)),
+    ]
     sim._prefetch([(m, None, 0.0) for m in members])  # type: ignore[misc]
     # one batch of the three plain requests under version 0; version 1 has one: nothing to share
     assert backends[0].batches == [[_request((3,)), _request((5, 6)), _request((8,))]]
     assert backends[1].batches == [] and backends[0].alone == backends[1].alone == []
-    shares = {m.spec.id: m.ctx.prefetched[_request(p)][1]
-              for m, p in ((members[0], (3,)), (members[2], (5, 6)), (members[4], (8,)))}
+    shares = {
+        m.spec.id: m.ctx.prefetched[_request(p)][1]
+        for m, p in ((members[0], (3,)), (members[2], (5, 6)), (members[4], (8,)))
+    }
     assert shares["c0"] == shares["c2"] == shares["c4"] > 0  # equal rows, equal shares
     assert members[0].ctx.prefetched[_request((3,))][0][0].token_ids == (1,)
     assert members[4].ctx.prefetched[_request((8,))][0][0].token_ids == (3,)

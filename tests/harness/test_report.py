@@ -33,32 +33,69 @@ from harness.events import (  # noqa: E402
 from harness.report import detection_table, load_runs, outcome, summary_lines, write_report  # noqa: E402
 
 ROOT = Path(__file__).parents[2]
-PEOPLE = {"h0": "honest", "h1": "honest", "t0": "tampered-logprobs", "t1": "tampered-logprobs",
-          "g0": "greedy"}
+PEOPLE = {
+    "h0": "honest",
+    "h1": "honest",
+    "t0": "tampered-logprobs",
+    "t1": "tampered-logprobs",
+    "g0": "greedy",
+}
 
 
 def _evals(run: str, values: list[float]) -> list[Eval]:
-    return [Eval(t=10.0 * i, run=run, step=5 * i, version=5 * i, pass_at_1=v, ci_low=v - 0.05,
-                 ci_high=v + 0.05, mean_reward=v) for i, v in enumerate(values)]
+    return [
+        Eval(
+            t=10.0 * i,
+            run=run,
+            step=5 * i,
+            version=5 * i,
+            pass_at_1=v,
+            ci_low=v - 0.05,
+            ci_high=v + 0.05,
+            mean_reward=v,
+        )
+        for i, v in enumerate(values)
+    ]
 
 
 def _common(run: str, gains: list[float], audit_ok: bool = True) -> list:
     ev: list = [Start(run=run, scenario="synthetic", seed=1, contributors=PEOPLE)]
     ev += _evals(run, gains)
-    ev += [TrainStep(t=10.0 * i + 5, run=run, step=i + 1, version=i + 1, samples=8,
-                     staleness=[0, 0, 1, i % 3], loss=0.1, reward_mean=0.2 + 0.05 * i,
-                     ratio_mean=1.0, masked_fraction=0.01, grad_norms={"h0": 1.0})
-           for i in range(4)]
+    ev += [
+        TrainStep(
+            t=10.0 * i + 5,
+            run=run,
+            step=i + 1,
+            version=i + 1,
+            samples=8,
+            staleness=[0, 0, 1, i % 3],
+            loss=0.1,
+            reward_mean=0.2 + 0.05 * i,
+            ratio_mean=1.0,
+            masked_fraction=0.01,
+            grad_norms={"h0": 1.0},
+        )
+        for i in range(4)
+    ]
     ev += [Throughput(t=10.0 * i, run=run, samples_per_s=2.0 + i) for i in range(4)]
     ev.append(Audit(run=run, ok=audit_ok, size=42, findings=[] if audit_ok else ["entry 3: bad"]))
     ev.append(Summary(run=run, t=40.0, values={"steps": 4}))
     return ev
 
 
-def _verdict(t: float, c: str, accepted: bool, reason: str = "", audited: bool = False,
-             run: str = "scenario") -> Verdict:
-    return Verdict(t=t, run=run, contributor=c, strategy=PEOPLE[c], accepted=accepted,
-                   reason=reason, audited=audited, reward=0.5 if accepted else None)
+def _verdict(
+    t: float, c: str, accepted: bool, reason: str = "", audited: bool = False, run: str = "scenario"
+) -> Verdict:
+    return Verdict(
+        t=t,
+        run=run,
+        contributor=c,
+        strategy=PEOPLE[c],
+        accepted=accepted,
+        reason=reason,
+        audited=audited,
+        reward=0.5 if accepted else None,
+    )
 
 
 def _scenario_events() -> list:
@@ -67,20 +104,53 @@ def _scenario_events() -> list:
     ev += [_verdict(float(i), "h0", True, audited=i < 2) for i in range(5)]
     ev.append(_verdict(6.0, "h1", False, "stale"))
     # tampered-logprobs: t0 submits 4 (2 audited and caught), t1 submits 3 (1 audited, caught)
-    ev += [_verdict(1.0, "t0", True), _verdict(2.0, "t0", False, "logprob_mismatch", True),
-           _verdict(3.0, "t0", True), _verdict(4.0, "t0", False, "logprob_mismatch", True)]
-    ev += [_verdict(1.5, "t1", True), _verdict(2.5, "t1", True),
-           _verdict(12.0, "t1", False, "logprob_mismatch", True)]
-    ev += [Slash(t=4.0, run="scenario", contributor="t0", strategy="tampered-logprobs",
-                 reason="logprob_mismatch"),
-           Slash(t=12.0, run="scenario", contributor="t1", strategy="tampered-logprobs",
-                 reason="logprob_mismatch")]
-    ev += [Reputation(t=t, run="scenario", contributor=c, strategy=PEOPLE[c], score=s, banned=b,
-                      audit_rate=0.1)
-           for t, c, s, b in [(0.0, "h0", 0.5, False), (5.0, "h0", 0.7, False),
-                              (0.0, "t0", 0.5, False), (4.0, "t0", 0.0, True),
-                              (5.0, "t0", 0.0, True), (12.0, "t1", 0.0, True),
-                              (0.0, "g0", 0.5, False)]]
+    ev += [
+        _verdict(1.0, "t0", True),
+        _verdict(2.0, "t0", False, "logprob_mismatch", True),
+        _verdict(3.0, "t0", True),
+        _verdict(4.0, "t0", False, "logprob_mismatch", True),
+    ]
+    ev += [
+        _verdict(1.5, "t1", True),
+        _verdict(2.5, "t1", True),
+        _verdict(12.0, "t1", False, "logprob_mismatch", True),
+    ]
+    ev += [
+        Slash(
+            t=4.0,
+            run="scenario",
+            contributor="t0",
+            strategy="tampered-logprobs",
+            reason="logprob_mismatch",
+        ),
+        Slash(
+            t=12.0,
+            run="scenario",
+            contributor="t1",
+            strategy="tampered-logprobs",
+            reason="logprob_mismatch",
+        ),
+    ]
+    ev += [
+        Reputation(
+            t=t,
+            run="scenario",
+            contributor=c,
+            strategy=PEOPLE[c],
+            score=s,
+            banned=b,
+            audit_rate=0.1,
+        )
+        for t, c, s, b in [
+            (0.0, "h0", 0.5, False),
+            (5.0, "h0", 0.7, False),
+            (0.0, "t0", 0.5, False),
+            (4.0, "t0", 0.0, True),
+            (5.0, "t0", 0.0, True),
+            (12.0, "t1", 0.0, True),
+            (0.0, "g0", 0.5, False),
+        ]
+    ]
     # greedy: one unaudited, accepted group
     ev.append(_verdict(7.0, "g0", True))
     return ev
@@ -100,8 +170,22 @@ def test_detection_table_numbers(run_dir: Path) -> None:
     rows = {r.strategy: r for r in detection_table(load_runs(run_dir)["scenario"])}
     assert list(rows) == ["honest", "greedy", "tampered-logprobs"]
     h, g, t = rows["honest"], rows["greedy"], rows["tampered-logprobs"]
-    assert (h.contributors, h.submitted, h.audited, h.caught, h.slashed, h.banned) == (2, 6, 2, 0, 0, 0)
-    assert (t.contributors, t.submitted, t.audited, t.caught, t.slashed, t.banned) == (2, 7, 3, 3, 2, 2)
+    assert (h.contributors, h.submitted, h.audited, h.caught, h.slashed, h.banned) == (
+        2,
+        6,
+        2,
+        0,
+        0,
+        0,
+    )
+    assert (t.contributors, t.submitted, t.audited, t.caught, t.slashed, t.banned) == (
+        2,
+        7,
+        3,
+        3,
+        2,
+        2,
+    )
     assert t.time_to_ban_s == pytest.approx(8.0)  # median of 4.0 and 12.0
     assert (g.contributors, g.submitted, g.caught, g.banned, g.time_to_ban_s) == (1, 1, 0, 0, None)
 
@@ -157,11 +241,24 @@ def test_report_flags_slashed_honest_and_failed_audit(tmp_path: Path) -> None:
 
 def _every_step(run: str, values: list[float]) -> list[Eval]:
     """An eval after every step (``eval_every_version``), the run stopping after the last."""
-    return [Eval(t=float(i), run=run, step=i, version=i, pass_at_1=v, ci_low=v - 0.05,
-                 ci_high=v + 0.05, mean_reward=v) for i, v in enumerate(values)]
+    return [
+        Eval(
+            t=float(i),
+            run=run,
+            step=i,
+            version=i,
+            pass_at_1=v,
+            ci_low=v - 0.05,
+            ci_high=v + 0.05,
+            mean_reward=v,
+        )
+        for i, v in enumerate(values)
+    ]
 
 
-def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(tmp_path: Path) -> None:
+def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(
+    tmp_path: Path,
+) -> None:
     d = tmp_path / "budget"
     with EventLog(d / EVENTS_FILE) as log:  # the scenario hit its wall-clock budget after step 7
         log.write_all(_every_step("scenario", [0.20 + 0.02 * i for i in range(8)]))
@@ -259,13 +356,23 @@ def test_compare(run_dir: Path, tmp_path: Path) -> None:
 
 def _cli(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MPLBACKEND": "Agg"}
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
 
 
 def test_cli_help() -> None:
-    for args in (["harness", "--help"], ["harness", "run", "--help"],
-                 ["harness", "report", "--help"], ["harness", "compare", "--help"]):
+    for args in (
+        ["harness", "--help"],
+        ["harness", "run", "--help"],
+        ["harness", "report", "--help"],
+        ["harness", "compare", "--help"],
+    ):
         r = _cli(*args)
         assert r.returncode == 0, r.stderr
         assert "usage: prooftrain harness" in r.stdout
@@ -292,20 +399,28 @@ def test_cli_run_rejects_a_bad_scenario(tmp_path: Path) -> None:
     assert r.returncode == 1 and "colour" in r.stderr and not (tmp_path / "out").exists()
 
 
-def test_cli_run_without_runner(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_run_without_runner(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from node.cli import main
 
     monkeypatch.setitem(sys.modules, "harness.run", None)
-    code = main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out",
-                 str(tmp_path / "out")])
+    code = main(
+        [
+            "harness",
+            "run",
+            str(ROOT / "configs/scenarios/demo.toml"),
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
     assert code == 1
     assert "scenario runner" in capsys.readouterr().err
 
 
-def test_cli_run_calls_the_runner_then_writes_the_report(tmp_path: Path,
-                                                         monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_run_calls_the_runner_then_writes_the_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     import types
 
     from harness.scenario import Scenario
@@ -318,9 +433,13 @@ def test_cli_run_calls_the_runner_then_writes_the_report(tmp_path: Path,
         with EventLog(out_dir / EVENTS_FILE) as log:
             log.write_all(_scenario_events())
 
-    monkeypatch.setitem(sys.modules, "harness.run", types.SimpleNamespace(run_scenario=run_scenario))
+    monkeypatch.setitem(
+        sys.modules, "harness.run", types.SimpleNamespace(run_scenario=run_scenario)
+    )
     out = tmp_path / "out"
-    assert main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out", str(out)]) == 0
+    assert (
+        main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out", str(out)]) == 0
+    )
     assert calls == [("demo", out, True)]
     assert (out / "report.md").is_file() and (out / "pass_at_1.png").is_file()
     assert "caught: 1/2" in capsys.readouterr().out

@@ -45,8 +45,12 @@ def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     path.write_text(TINY)
     assert load_scenario(path).adversarial_fraction() > 0.3
     out = tmp_path / "out"
-    result = subprocess.run([sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "report:" in result.stdout and (out / "report.md").is_file()
     events = read_run_dir(out)
@@ -57,8 +61,13 @@ def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     honest = {cid for cid, strategy in starts[0].contributors.items() if strategy == "honest"}
     slashes = [e for e in events if isinstance(e, Slash)]
     assert slashes and {e.contributor for e in slashes} == {cheat}
-    assert not any(isinstance(e, Verdict) and e.contributor in honest and not e.accepted
-                   and e.reason not in ("stale", "expired_assignment") for e in events)
+    assert not any(
+        isinstance(e, Verdict)
+        and e.contributor in honest
+        and not e.accepted
+        and e.reason not in ("stale", "expired_assignment")
+        for e in events
+    )
     audit = next(e for e in events if isinstance(e, Audit))
     assert audit.ok and audit.size > 0
     steps = [e for e in events if isinstance(e, TrainStep)]
@@ -75,8 +84,12 @@ def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     assert (out / "pass_at_1.png").stat().st_size > 1000
 
     # A second run into the same directory replaces the first (its ledger starts again at 0).
-    again = subprocess.run([sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
-                           capture_output=True, text=True, timeout=600)
+    again = subprocess.run(
+        [sys.executable, "-m", "node.cli", "harness", "run", str(path), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert again.returncode == 0, again.stderr[-2000:]
     events = read_run_dir(out)
     assert len([e for e in events if isinstance(e, Start)]) == 1

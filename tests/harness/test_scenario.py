@@ -77,11 +77,14 @@ def test_minimal_scenario_expands(tmp_path: Path) -> None:
     assert net.profile("c00-honest").latency.name == "constant"
     assert net.profile("c02-tampered-logprobs").drop_rate == 0.1
     again = s.network_model()
-    assert [net.delay("c02-tampered-logprobs", "s") for _ in range(5)] == \
-        [again.delay("c02-tampered-logprobs", "s") for _ in range(5)]
+    assert [net.delay("c02-tampered-logprobs", "s") for _ in range(5)] == [
+        again.delay("c02-tampered-logprobs", "s") for _ in range(5)
+    ]
     cfg = s.validator_config()
     assert cfg.rules == s.rules and cfg.rules.audit_rate == -1.0
-    assert cfg.assignment.group_size == s.validator.group_size and cfg.task.pool == s.task.train_pool
+    assert (
+        cfg.assignment.group_size == s.validator.group_size and cfg.task.pool == s.task.train_pool
+    )
     assert s.seed_for("network") == load_scenario(_write(tmp_path, MINIMAL)).seed_for("network")
 
 
@@ -114,16 +117,20 @@ def test_baselines_can_be_switched_off(tmp_path: Path) -> None:
     assert load_scenario(_write(tmp_path, text)).runs() == ["scenario", "no-defence"]
 
 
-@pytest.mark.parametrize(("edit", "needle"), [
-    (("seed = 3", "seed = 3\ncolour = 'red'"), "colour"),
-    (("steps = 3", "steps = 3\nlearning_rat = 0.1"), "trainer.learning_rat"),
-    (("drop_rate = 0.1", "drop_rate = 0.1\nbandwith = 3"), "network.profiles.wan.bandwith"),
-    (("drop_rate = 0.1", "drop_rate = 1.5"), "network.profiles.wan.drop_rate"),
-    (("steps = 3", "steps = -1"), "trainer.steps"),
-    (("steps = 3", "steps = 3\n[validator]\ngroup_size = 0"), "validator.group_size"),
-])
-def test_bad_keys_and_values_name_the_file_and_key(tmp_path: Path, edit: tuple[str, str],
-                                                   needle: str) -> None:
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (("seed = 3", "seed = 3\ncolour = 'red'"), "colour"),
+        (("steps = 3", "steps = 3\nlearning_rat = 0.1"), "trainer.learning_rat"),
+        (("drop_rate = 0.1", "drop_rate = 0.1\nbandwith = 3"), "network.profiles.wan.bandwith"),
+        (("drop_rate = 0.1", "drop_rate = 1.5"), "network.profiles.wan.drop_rate"),
+        (("steps = 3", "steps = -1"), "trainer.steps"),
+        (("steps = 3", "steps = 3\n[validator]\ngroup_size = 0"), "validator.group_size"),
+    ],
+)
+def test_bad_keys_and_values_name_the_file_and_key(
+    tmp_path: Path, edit: tuple[str, str], needle: str
+) -> None:
     path = _write(tmp_path, MINIMAL.replace(*edit, 1))
     with pytest.raises(ConfigError) as err:
         load_scenario(path)
@@ -139,17 +146,20 @@ def test_unknown_strategy_names_the_known_ones(tmp_path: Path) -> None:
     assert all(name in msg for name in available_strategies())
 
 
-@pytest.mark.parametrize(("edit", "needle"), [
-    (("shift = 0.2", "shfit = 0.2"), "shfit"),
-    (('network = "wan"', 'network = "moon"'), "no profile 'moon' (known: lan, wan)"),
-    (('model = "pareto"', 'model = "weibull"'), "unknown latency model 'weibull'"),
-    (("alpha = 1.3", "alpha = 0.0"), "alpha"),
-    (('name = "median"', 'name = "average"'), "unknown aggregator 'average'"),
-    (("steps = 3", 'steps = 3\nloss = { name = "grpo" }'), "unknown policy loss 'grpo'"),
-    (("steps = 3", "steps = 3\neval_problems = 100000"), "eval_problems exceeds task.heldout"),
-    (('name = "t"', 'name = "t"\n[task]\nname = "chess"'), "chess"),
-    (("count = 1", "count = 1\nsize = 3"), "population.groups.1.size"),
-])
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (("shift = 0.2", "shfit = 0.2"), "shfit"),
+        (('network = "wan"', 'network = "moon"'), "no profile 'moon' (known: lan, wan)"),
+        (('model = "pareto"', 'model = "weibull"'), "unknown latency model 'weibull'"),
+        (("alpha = 1.3", "alpha = 0.0"), "alpha"),
+        (('name = "median"', 'name = "average"'), "unknown aggregator 'average'"),
+        (("steps = 3", 'steps = 3\nloss = { name = "grpo" }'), "unknown policy loss 'grpo'"),
+        (("steps = 3", "steps = 3\neval_problems = 100000"), "eval_problems exceeds task.heldout"),
+        (('name = "t"', 'name = "t"\n[task]\nname = "chess"'), "chess"),
+        (("count = 1", "count = 1\nsize = 3"), "population.groups.1.size"),
+    ],
+)
 def test_semantic_errors(tmp_path: Path, edit: tuple[str, str], needle: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_scenario(_write(tmp_path, MINIMAL.replace(*edit, 1)))

@@ -37,8 +37,12 @@ def _run(name: str, out: Path) -> dict:
         if expect not in ("bounded", "inner", "accepted") or row.strategy == "intermittent":
             assert row.caught > 0 or row.slashed > 0 or row.submitted == 0, row
     assert o.gain is not None and o.gain > 0, f"training did not improve: {o.gain}"
-    figures = {"gain": o.gain, "honest_gain": o.honest_gain,
-               "no_defence_gain": o.no_defence_gain, "ratio": o.ratio}
+    figures = {
+        "gain": o.gain,
+        "honest_gain": o.honest_gain,
+        "no_defence_gain": o.no_defence_gain,
+        "ratio": o.ratio,
+    }
     print(json.dumps({name: figures}))
     return figures
 

@@ -22,7 +22,9 @@ def _campaign(capsys: pytest.CaptureFixture, work: Path, kills: int, steps: int)
 
 def _assert_consistent(result: dict, kills: int, steps: int) -> None:
     assert result["problems"] == []
-    assert result["kills"] == kills and result["audits_after_kills_ok"] == result["audits_after_kills"]
+    assert (
+        result["kills"] == kills and result["audits_after_kills_ok"] == result["audits_after_kills"]
+    )
     assert result["final_audit_ok"] and result["versions_published"] == steps
     assert result["steps_journaled"] == steps and result["samples_trained"] > 0
     consumed = result["samples_trained"] + result["samples_dropped"] + result["samples_held_at_end"]

@@ -29,7 +29,8 @@ def test_arrived_groups_leave_the_wire() -> None:
 
 @given(st.lists(st.floats(0, 100), min_size=1, max_size=12), st.floats(0, 100), st.integers(1, 6))
 def test_never_more_than_uploads_on_the_wire_when_it_starts_again(
-        uploading: list[float], ready: float, uploads: int) -> None:
+    uploading: list[float], ready: float, uploads: int
+) -> None:
     pending, free = free_after(uploading, ready, uploads)
     assert free >= ready
     assert all(t > ready for t in pending)
@@ -55,8 +56,15 @@ def _pumping(uploads: int, cycle: float, t: float) -> tuple[Simulation, list[flo
     to generate and 0.05 s to upload; returns it and the list its starts go to."""
     sim = Simulation.__new__(Simulation)
     sim.t, sim._pumped_at, sim.queue, sim.sim = t, 0.0, DeliveryQueue(), _Always()
-    spec = ContributorSpec(id="c00-honest", strategy="honest", params={}, network="default",
-                           churn=False, uploads=uploads, seed=1)
+    spec = ContributorSpec(
+        id="c00-honest",
+        strategy="honest",
+        params={},
+        network="default",
+        churn=False,
+        uploads=uploads,
+        seed=1,
+    )
     member = Member(spec, None, None, None)  # type: ignore[arg-type]
     sim.members = [member]
     starts: list[float] = []

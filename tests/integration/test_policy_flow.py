@@ -52,25 +52,38 @@ class DirectoryOnlyBackend(TransformersBackend):
 
 
 def _validator(tmp: Path, model: Path) -> Validator:
-    cfg = load(ValidatorConfig, None, {"assignment.max_tokens": 10, "rules.audit_rate": 1.0,
-                                       "audit.pit_min_tokens": 100_000})
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {"assignment.max_tokens": 10, "rules.audit_rate": 1.0, "audit.pit_min_tokens": 100_000},
+    )
     ledger = Ledger.open(tmp / "ledger.sqlite", signing_key=VALIDATOR, origin="test")
     state = StateStore(tmp / "state.sqlite")
     oracle = TransformersOracle(policy_loader(model, TRAINER.public, state, ledger))
-    return Validator(cfg, VALIDATOR, ledger, state, HFTextCodec(model), oracle,
-                     generate("arithmetic", "train", 64), PolicyVersions(model_dir_digest(model), TRAINER.public),
-                     FLOAT32_TOLERANCE)
+    return Validator(
+        cfg,
+        VALIDATOR,
+        ledger,
+        state,
+        HFTextCodec(model),
+        oracle,
+        generate("arithmetic", "train", 64),
+        PolicyVersions(model_dir_digest(model), TRAINER.public),
+        FLOAT32_TOLERANCE,
+    )
 
 
 @pytest.mark.parametrize("backend", ["transformers", "test-directory-only"])
-def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tiny_model: Path,
-                                                             backend: str) -> None:
+def test_published_version_is_rebuilt_generated_and_verified(
+    tmp_path: Path, tiny_model: Path, backend: str
+) -> None:
     v = _validator(tmp_path, tiny_model)
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         alice = ValidatorClient(url, ALICE)
         alice.register("alice")
-        worker = Contributor(alice, ALICE, tiny_model, tmp_path / "alice", log=lambda _: None,
-                             backend=backend)
+        worker = Contributor(
+            alice, ALICE, tiny_model, tmp_path / "alice", log=lambda _: None, backend=backend
+        )
         assert all(x.accepted for x in worker.step())
 
         # The trainer takes a step and publishes version 1 as an int8 delta.
@@ -80,9 +93,15 @@ def test_published_version_is_rebuilt_generated_and_verified(tmp_path: Path, tin
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.01)
         trainer = ValidatorClient(url, TRAINER)
-        sealed = publish_version([publisher], [publishable_state(model)], trainer, parent=None,
-                                 base_digest=model_dir_digest(tiny_model), trainer_key=TRAINER,
-                                 now_ms=int(time.time() * 1000))
+        sealed = publish_version(
+            [publisher],
+            [publishable_state(model)],
+            trainer,
+            parent=None,
+            base_digest=model_dir_digest(tiny_model),
+            trainer_key=TRAINER,
+            now_ms=int(time.time() * 1000),
+        )
         assert v.versions.current == 1 and trainer.manifest(1) == sealed
 
         verdicts = worker.step()  # assigned version 1: rebuilt from the delta, then generated

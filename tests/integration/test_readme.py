@@ -137,17 +137,28 @@ def _prepare(work: Path, port: int, real_port: int) -> None:
 
     shutil.copytree(ROOT / "configs", work / "configs")
     for scenario in (work / "configs" / "scenarios").glob("*.toml"):
-        scenario.write_text(TINY_REAL_SCENARIO if scenario.stem == "smollm2_gsm8k"
-                            else TINY_SCENARIO.format(name=scenario.stem))
+        scenario.write_text(
+            TINY_REAL_SCENARIO
+            if scenario.stem == "smollm2_gsm8k"
+            else TINY_SCENARIO.format(name=scenario.stem)
+        )
     node = (work / "configs" / "validator.toml").read_text()
-    for section, key, value in (("node", "port", str(port)), ("node", "admission_processes", "0"),
-                                ("assignment", "max_tokens", "8"), ("audit", "queue", "32")):
+    for section, key, value in (
+        ("node", "port", str(port)),
+        ("node", "admission_processes", "0"),
+        ("assignment", "max_tokens", "8"),
+        ("audit", "queue", "32"),
+    ):
         node = _set(node, section, key, value)
     (work / "configs" / "validator.toml").write_text(node)
     real = (work / "configs" / "validator_smollm2.toml").read_text()
-    for section, key, value in (("node", "port", str(real_port)), ("node", "admission_processes", "0"),
-                                ("task", "pool", "32"), ("assignment", "max_tokens", "8"),
-                                ("audit", "queue", "32")):
+    for section, key, value in (
+        ("node", "port", str(real_port)),
+        ("node", "admission_processes", "0"),
+        ("task", "pool", "32"),
+        ("assignment", "max_tokens", "8"),
+        ("audit", "queue", "32"),
+    ):
         real = _set(real, section, key, value)
     (work / "configs" / "validator_smollm2.toml").write_text(real)
     trainer = (work / "configs" / "trainer.toml").read_text()
@@ -159,9 +170,11 @@ def _prepare(work: Path, port: int, real_port: int) -> None:
 
 SHORTER = {"--seconds 30": "--seconds 5", "--kills 5": "--kills 2", "--groups 5": "--groups 2"}
 SMALLER = {"--steps 10": "--steps 3", "batch_groups=4": "batch_groups=1"}  # the remote trainer
-REAL_MODEL = {"-n 100 -k 1": "-n 2 -k 1 --max-new-tokens 8",
-              "--prompts 16 --max-tokens 128": "--prompts 1 --max-tokens 8 --batch-sizes 1 "
-                                               "--generation-dtypes float32"}
+REAL_MODEL = {
+    "-n 100 -k 1": "-n 2 -k 1 --max-new-tokens 8",
+    "--prompts 16 --max-tokens 128": "--prompts 1 --max-tokens 8 --batch-sizes 1 "
+    "--generation-dtypes float32",
+}
 
 
 class Jobs:
@@ -174,8 +187,9 @@ class Jobs:
 
     def start(self, cmd: str, argv: list[str]) -> None:
         log = open(self.work / f"job{len(self.running)}.log", "w+")  # noqa: SIM115  (closed in wait)
-        proc = subprocess.Popen(argv, cwd=self.work, stdout=log, stderr=subprocess.STDOUT, text=True,
-                                env=_env())
+        proc = subprocess.Popen(
+            argv, cwd=self.work, stdout=log, stderr=subprocess.STDOUT, text=True, env=_env()
+        )
         self.running.append((cmd, proc, log))
 
     def kill(self, last: bool = False) -> None:
@@ -190,7 +204,9 @@ class Jobs:
         with 0 (or, if ``kill`` reached it before it set up its clean stop, by the SIGTERM
         itself) and without a traceback."""
         failures = []
-        waited, self.running = (self.running[-1:], self.running[:-1]) if last else (self.running, [])
+        waited, self.running = (
+            (self.running[-1:], self.running[:-1]) if last else (self.running, [])
+        )
         for cmd, proc, log in waited:
             rc = proc.wait(timeout=120)
             log.seek(0)
@@ -202,7 +218,9 @@ class Jobs:
         assert not failures, "\n".join(failures)
 
 
-def _run(cmd: str, work: Path, subs: dict[str, str], jobs: Jobs) -> subprocess.CompletedProcess | None:
+def _run(
+    cmd: str, work: Path, subs: dict[str, str], jobs: Jobs
+) -> subprocess.CompletedProcess | None:
     if "harness." in cmd:
         for old, new in SHORTER.items():
             cmd = cmd.replace(old, new)
@@ -243,8 +261,11 @@ def _pg_dsn(request: pytest.FixtureRequest) -> str | None:
     """A fresh database on the suite's PostgreSQL server; ``None`` where the PostgreSQL tests
     skip (no server binaries and ``CI`` unset; with ``CI`` set, ``pg_server`` fails instead)."""
     if _pg_bin() is None and not os.environ.get("CI"):
-        warnings.warn("PostgreSQL server binaries (initdb) are not installed: the README's "
-                      "PostgreSQL block is not run", stacklevel=2)
+        warnings.warn(
+            "PostgreSQL server binaries (initdb) are not installed: the README's "
+            "PostgreSQL block is not run",
+            stacklevel=2,
+        )
         return None
     return request.getfixturevalue("pg_server").create_db()
 
@@ -258,10 +279,13 @@ def test_every_readme_block_runs(tmp_path: Path, request: pytest.FixtureRequest)
     port, pg_port, real_port = free_port(), free_port(), free_port()
     _prepare(work, port, real_port)
     dsn = _pg_dsn(request)
-    subs = {"http://127.0.0.1:8470": f"http://127.0.0.1:{port}",
-            "http://127.0.0.1:8471": f"http://127.0.0.1:{pg_port}", "--port 8471": f"--port {pg_port}",
-            "http://127.0.0.1:8472": f"http://127.0.0.1:{real_port}",
-            "$PROOFTRAIN_PG_DSN": dsn or ""}
+    subs = {
+        "http://127.0.0.1:8470": f"http://127.0.0.1:{port}",
+        "http://127.0.0.1:8471": f"http://127.0.0.1:{pg_port}",
+        "--port 8471": f"--port {pg_port}",
+        "http://127.0.0.1:8472": f"http://127.0.0.1:{real_port}",
+        "$PROOFTRAIN_PG_DSN": dsn or "",
+    }
     jobs = Jobs(work)
     pg_verified = False
     try:
@@ -270,14 +294,21 @@ def test_every_readme_block_runs(tmp_path: Path, request: pytest.FixtureRequest)
                 continue
             for cmd in block:
                 if "CONTRIBUTOR_KEY_HEX" in cmd:
-                    subs["CONTRIBUTOR_KEY_HEX"] = load_public_key(work / "keys" / "alice.key.pub").hex()
+                    subs["CONTRIBUTOR_KEY_HEX"] = load_public_key(
+                        work / "keys" / "alice.key.pub"
+                    ).hex()
                 if "VALIDATOR_KEY_HEX" in cmd:
-                    subs["VALIDATOR_KEY_HEX"] = load_public_key(work / "keys" / "validator.key.pub").hex()
+                    subs["VALIDATOR_KEY_HEX"] = load_public_key(
+                        work / "keys" / "validator.key.pub"
+                    ).hex()
                 result = _run(cmd, work, subs, jobs)
                 groups = re.search(r"--groups (\d+)", cmd)
                 if cmd.startswith(".venv/bin/prooftrain contributor") and groups:
                     assert result is not None and f"submitted {groups[1]} groups" in result.stdout
-                if cmd.startswith(".venv/bin/prooftrain audit verify") and "$PROOFTRAIN_PG_DSN" in cmd:
+                if (
+                    cmd.startswith(".venv/bin/prooftrain audit verify")
+                    and "$PROOFTRAIN_PG_DSN" in cmd
+                ):
                     pg_verified = True
         assert not jobs.running, f"the README leaves {[c for c, _, _ in jobs.running]} running"
     finally:
@@ -319,8 +350,11 @@ def _assert_the_real_model_ran(work: Path) -> None:
 
     store = open_store(str(work / "runs" / "smollm2-validator" / "ledger.sqlite"), readonly=True)
     try:
-        verdicts = [r for r in (decode_record(d) for _, _, d in store.entries())
-                    if isinstance(r, VerdictRecorded)]
+        verdicts = [
+            r
+            for r in (decode_record(d) for _, _, d in store.entries())
+            if isinstance(r, VerdictRecorded)
+        ]
     finally:
         store.close()
     assert sum(v.accepted for v in verdicts) == 2 * 4 and all(v.accepted for v in verdicts)

@@ -33,16 +33,30 @@ from verify.errors import ConfigError
 
 
 def _config(model: Path, tmp: Path, **extra):  # type: ignore[no-untyped-def]
-    return load_trainer_config(None, {
-        "model_dir": str(model), "steps": 3, "batch_groups": 1, "eval_every": 2,
-        "eval_problems": 8, "skip_uniform_groups": False, "checkpoint_dir": str(tmp / "ckpt"),
-        "checkpoint_every": 1, "local.group_size": 8, "local.temperature": 1.0,
-        "buffer_capacity": 64, "starve_timeout_s": 120.0, **extra,
-    })
+    return load_trainer_config(
+        None,
+        {
+            "model_dir": str(model),
+            "steps": 3,
+            "batch_groups": 1,
+            "eval_every": 2,
+            "eval_problems": 8,
+            "skip_uniform_groups": False,
+            "checkpoint_dir": str(tmp / "ckpt"),
+            "checkpoint_every": 1,
+            "local.group_size": 8,
+            "local.temperature": 1.0,
+            "buffer_capacity": 64,
+            "starve_timeout_s": 120.0,
+            **extra,
+        },
+    )
 
 
 @contextlib.contextmanager
-def _contributing(url: str, model: Path, state_dir: Path) -> Iterator[tuple[Contributor, list[int]]]:
+def _contributing(
+    url: str, model: Path, state_dir: Path
+) -> Iterator[tuple[Contributor, list[int]]]:
     """A contributor generating in a background thread; yields it and the versions it served."""
     alice = ValidatorClient(url, ALICE)
     alice.register("alice")
@@ -64,14 +78,16 @@ def _contributing(url: str, model: Path, state_dir: Path) -> Iterator[tuple[Cont
         thread.join(60)
 
 
-def test_remote_trainer_publishes_versions_contributors_follow(tmp_path: Path,
-                                                               tiny_model: Path) -> None:
+def test_remote_trainer_publishes_versions_contributors_follow(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     torch.set_num_threads(1)
     v = _validator(tmp_path, tiny_model)
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         with _contributing(url, tiny_model, tmp_path / "alice") as (worker, seen):
-            history = run_remote(_config(tiny_model, tmp_path), url, TRAINER, progress=False,
-                                 poll_s=0.05)
+            history = run_remote(
+                _config(tiny_model, tmp_path), url, TRAINER, progress=False, poll_s=0.05
+            )
             deadline = time.monotonic() + 60
             while max(seen, default=0) < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -111,15 +127,37 @@ def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
     config.write_text("[trainer]\n")
     v = _validator(tmp_path, tiny_model)
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
-        sets = {"model_dir": str(tiny_model), "batch_groups": 1, "eval_every": 0,
-                "eval_problems": 4, "skip_uniform_groups": False, "local.temperature": 1.0,
-                "buffer_capacity": 64}
+        sets = {
+            "model_dir": str(tiny_model),
+            "batch_groups": 1,
+            "eval_every": 0,
+            "eval_problems": 4,
+            "skip_uniform_groups": False,
+            "local.temperature": 1.0,
+            "buffer_capacity": 64,
+        }
         with _contributing(url, tiny_model, tmp_path / "alice"):
             done = subprocess.run(
-                [sys.executable, "-m", "node.cli", "trainer", "--config", str(config),
-                 "--validator", url, "--trainer-key", str(key_file), "--steps", "1", "--quiet",
-                 *[a for k, val in sets.items() for a in ("--set", f"{k}={json.dumps(val)}")]],
-                capture_output=True, text=True, timeout=300)
+                [
+                    sys.executable,
+                    "-m",
+                    "node.cli",
+                    "trainer",
+                    "--config",
+                    str(config),
+                    "--validator",
+                    url,
+                    "--trainer-key",
+                    str(key_file),
+                    "--steps",
+                    "1",
+                    "--quiet",
+                    *[a for k, val in sets.items() for a in ("--set", f"{k}={json.dumps(val)}")],
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
         assert done.returncode == 0, done.stderr[-2000:]
         assert v.versions.current == 1
         assert "pass@1" in done.stdout
@@ -132,8 +170,13 @@ def test_failed_starts_record_the_base_eval_once(tmp_path: Path, tiny_model: Pat
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         assert ValidatorClient(url, TRAINER).recorded_evals() == []
         for attempt in range(2):
-            cfg = _config(tiny_model, tmp_path / str(attempt), eval_every=1, eval_problems=2,
-                          starve_timeout_s=0.2)
+            cfg = _config(
+                tiny_model,
+                tmp_path / str(attempt),
+                eval_every=1,
+                eval_problems=2,
+                starve_timeout_s=0.2,
+            )
             with pytest.raises(StarvedError):
                 run_remote(cfg, url, TRAINER, progress=False, poll_s=0.05)
         assert ValidatorClient(url, TRAINER).recorded_evals() == [0]

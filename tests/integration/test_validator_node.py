@@ -53,8 +53,9 @@ def _verdicts(v, signed) -> list[Verdict]:  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def node(make_validator):
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
-                        "assignment.max_outstanding": 64})  # the flood leaves its assignments open
+    v = make_validator(
+        {"limits.requests_per_s": 1000.0, "limits.burst": 1000, "assignment.max_outstanding": 64}
+    )  # the flood leaves its assignments open
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         yield v, url
 
@@ -65,8 +66,9 @@ def _run_honest(v, url, ctx, client) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("name,params,reason", CASES, ids=[c[0] for c in CASES])
-def test_each_adversary_is_rejected_with_its_reason(node, backend, codec, tiny_model, other_model,
-                                                    name, params, reason) -> None:
+def test_each_adversary_is_rejected_with_its_reason(
+    node, backend, codec, tiny_model, other_model, name, params, reason
+) -> None:
     v, url = node
     oracle = TransformersOracle({0: tiny_model})
     honest_key = SigningKey.from_seed(b"\x60" * 32)

@@ -60,16 +60,40 @@ class PgServer:
         subprocess.run(cmd, check=True, capture_output=True, timeout=120)
 
     def start(self) -> None:
-        self._run(str(self.bindir / "initdb"), "-D", str(self.data), "-U", "postgres",
-                  "--auth=trust", "--no-sync", "-E", "UTF8")
-        opts = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
-                "-c fsync=off -c full_page_writes=off -c max_connections=50")
-        self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-l", str(self.root / "log"),
-                  "-o", opts, "-w", "-t", "60", "start")
+        self._run(
+            str(self.bindir / "initdb"),
+            "-D",
+            str(self.data),
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+            "-E",
+            "UTF8",
+        )
+        opts = (
+            f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 "
+            "-c fsync=off -c full_page_writes=off -c max_connections=50"
+        )
+        self._run(
+            str(self.bindir / "pg_ctl"),
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.root / "log"),
+            "-o",
+            opts,
+            "-w",
+            "-t",
+            "60",
+            "start",
+        )
 
     def stop(self) -> None:
         try:
-            self._run(str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop")
+            self._run(
+                str(self.bindir / "pg_ctl"), "-D", str(self.data), "-m", "immediate", "-w", "stop"
+            )
         finally:
             shutil.rmtree(self.root, ignore_errors=True)
 
@@ -148,10 +172,25 @@ def sample_records(n: int, seed: int = 0, contributors: int = 3) -> list:
         env = (i + seed * 100_003).to_bytes(32, "big")
         if tag == 10:
             ev = f"evidence {i} {seed}".encode()
-            recs.append(Slashed(c, Reason.LOGPROB_MISMATCH.value, f"slash {i}", evidence_digest(ev), ev, i))
+            recs.append(
+                Slashed(c, Reason.LOGPROB_MISMATCH.value, f"slash {i}", evidence_digest(ev), ev, i)
+            )
         elif tag in (8, 9):
-            recs.append(VerdictRecorded(c, i.to_bytes(16, "big"), i % 4, env, False,
-                                        Reason.LOGPROB_MISMATCH.value, True, evidence_digest(env), i))
+            recs.append(
+                VerdictRecorded(
+                    c,
+                    i.to_bytes(16, "big"),
+                    i % 4,
+                    env,
+                    False,
+                    Reason.LOGPROB_MISMATCH.value,
+                    True,
+                    evidence_digest(env),
+                    i,
+                )
+            )
         else:
-            recs.append(VerdictRecorded(c, i.to_bytes(16, "big"), i % 4, env, True, "", tag < 5, b"", i))
+            recs.append(
+                VerdictRecorded(c, i.to_bytes(16, "big"), i % 4, env, True, "", tag < 5, b"", i)
+            )
     return recs

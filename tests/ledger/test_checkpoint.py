@@ -32,23 +32,27 @@ def test_checkpoint_text_round_trip() -> None:
     assert Checkpoint.from_text(cp.text()) == cp
 
 
-@pytest.mark.parametrize("text", [
-    f"example.com/log\n012\n{ROOT_B64}\n",       # leading zero
-    f"example.com/log\n-1\n{ROOT_B64}\n",
-    f"example.com/log\n12\n{ROOT_B64}",          # no final newline
-    "example.com/log\n12\nAAAA\n",               # root too short
-    f"\n12\n{ROOT_B64}\n",                       # empty origin
-    f"example.com/log\n12\n{ROOT_B64}\n\n",      # empty extension line
-    f"example.com/log\n12\n{ROOT_B64[:-2]}x=\n",  # not canonical base64
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"example.com/log\n012\n{ROOT_B64}\n",  # leading zero
+        f"example.com/log\n-1\n{ROOT_B64}\n",
+        f"example.com/log\n12\n{ROOT_B64}",  # no final newline
+        "example.com/log\n12\nAAAA\n",  # root too short
+        f"\n12\n{ROOT_B64}\n",  # empty origin
+        f"example.com/log\n12\n{ROOT_B64}\n\n",  # empty extension line
+        f"example.com/log\n12\n{ROOT_B64[:-2]}x=\n",  # not canonical base64
+    ],
+)
 def test_bad_checkpoint_text(text: str) -> None:
     with pytest.raises(DecodeError):
         Checkpoint.from_text(text)
 
 
 def _ledger(tmp_path, name="l.db", key=None) -> Ledger:
-    return Ledger.open(tmp_path / name, signing_key=key or SigningKey.from_seed(b"\x01" * 32),
-                       origin=ORIGIN)
+    return Ledger.open(
+        tmp_path / name, signing_key=key or SigningKey.from_seed(b"\x01" * 32), origin=ORIGIN
+    )
 
 
 def test_witness_cosigns_consistent_checkpoints(tmp_path) -> None:
@@ -77,8 +81,11 @@ def test_witness_cosigns_consistent_checkpoints(tmp_path) -> None:
     # A witness signature that fails breaks the note for anyone who trusts that witness.
     line = next(x for x in signed.to_text().splitlines() if x.startswith("— witness.example/w "))
     sig = base64.b64decode(line.split(" ")[2])
-    forged = line.split(" ")[0] + " witness.example/w " + base64.b64encode(
-        sig[:-1] + bytes([sig[-1] ^ 1])).decode()
+    forged = (
+        line.split(" ")[0]
+        + " witness.example/w "
+        + base64.b64encode(sig[:-1] + bytes([sig[-1] ^ 1])).decode()
+    )
     bad = signed.to_text().replace(line, forged)
     with pytest.raises(VerificationError):
         open_checkpoint(bad, ledger.verifier, [wv], quorum=1)

@@ -16,8 +16,12 @@ from .conftest import ORIGIN, contributor, sample_records
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node.cli", "audit", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", "audit", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_audit_cli(tmp_path) -> None:
@@ -48,7 +52,9 @@ def test_audit_cli(tmp_path) -> None:
     assert json.loads(checked.stdout)["index"] == 12
     by_hex = cli("check-proof", str(proof_file), "--key", key.public.hex())
     assert by_hex.returncode == 0, by_hex.stderr
-    wrong = cli("check-proof", str(proof_file), "--key", SigningKey.from_seed(b"\x05" * 32).public.hex())
+    wrong = cli(
+        "check-proof", str(proof_file), "--key", SigningKey.from_seed(b"\x05" * 32).public.hex()
+    )
     assert wrong.returncode == 1 and wrong.stderr.startswith("error:")
 
     conn = sqlite3.connect(path)

@@ -71,7 +71,11 @@ def test_sigkill_never_corrupts(ledger_url: str, log_key: SigningKey) -> None:
         finally:
             store.close()
     assert len(committed) >= TRIALS  # the writer did get appends through
-    result = subprocess.run([sys.executable, "-m", "node.cli", "audit", "verify", ledger_url],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "node.cli", "audit", "verify", ledger_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("ok:")

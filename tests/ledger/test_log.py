@@ -54,8 +54,9 @@ def test_append_checkpoint_prove(open_ledger) -> None:
     assert ledger.find(leaf_hash(canonical_bytes(recs[5]))) == 6
 
 
-def test_before_commit_runs_inside_the_transaction_and_its_failure_rolls_it_back(open_ledger,
-                                                                                   ledger_url) -> None:
+def test_before_commit_runs_inside_the_transaction_and_its_failure_rolls_it_back(
+    open_ledger, ledger_url
+) -> None:
     ledger = open_ledger()
     recs = sample_records(3)  # and 3 registrations before them
     seen_by_readers: list[int] = []
@@ -85,11 +86,15 @@ def test_no_leaf_index_is_kept_and_one_from_before_is_dropped(open_ledger, ledge
     ledger = open_ledger()
     recs = sample_records(12)
     ledger.append_many(recs, checkpoint=True)
-    ledger.store._conn.execute("CREATE INDEX entries_leaf ON entries (leaf)")  # as ledgers were made before
+    ledger.store._conn.execute(
+        "CREATE INDEX entries_leaf ON entries (leaf)"
+    )  # as ledgers were made before
     ledger.close()
     again = open_ledger()
     if "://" in ledger_url:
-        rows = again.store._conn.execute("SELECT indexname FROM pg_indexes WHERE tablename = 'entries'")
+        rows = again.store._conn.execute(
+            "SELECT indexname FROM pg_indexes WHERE tablename = 'entries'"
+        )
     else:
         rows = again.store._conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")
     assert "entries_leaf" not in {row[0] for row in rows.fetchall()}
@@ -113,7 +118,7 @@ def test_reputation_matches_replay_and_reopen(open_ledger, ledger_url) -> None:
     ledger = open_ledger()
     recs = sample_records(120, seed=3)
     for start in range(0, len(recs), 17):
-        ledger.append_many(recs[start:start + 17])
+        ledger.append_many(recs[start : start + 17])
     replay = Replay()
     for i, rec in ledger.entries():
         replay.feed(i, rec)
@@ -193,8 +198,19 @@ def test_audit_rate_prefers_new_and_bad(open_ledger) -> None:
     for i in range(10):
         env = (1000 + i).to_bytes(32, "big")
         ok = i % 3 != 0
-        recs.append(VerdictRecorded(bad, i.to_bytes(16, "big"), 0, env, ok,
-                                    "" if ok else Reason.LOGPROB_MISMATCH.value, True, b"", i))
+        recs.append(
+            VerdictRecorded(
+                bad,
+                i.to_bytes(16, "big"),
+                0,
+                env,
+                ok,
+                "" if ok else Reason.LOGPROB_MISMATCH.value,
+                True,
+                b"",
+                i,
+            )
+        )
     ledger.append_many(recs)
     assert ledger.audit_rate(new) == 1.0
     assert ledger.audit_rate(good) < ledger.audit_rate(bad) <= 1.0
@@ -205,12 +221,15 @@ def test_audit_rate_prefers_new_and_bad(open_ledger) -> None:
 def test_epochs_policy_notes_and_audit(open_ledger) -> None:
     ledger = open_ledger()
     secret = b"\x11" * 32
-    ledger.append_many([
-        EpochCommitted(1, epoch_commitment(1, secret), 10),
-        PolicyPublished(1, b"", b"\x22" * 32, b"\x33" * 32, 11),
-        Note("operator restarted the validator", 12),
-        EpochRevealed(1, secret, 13),
-    ], checkpoint=True)
+    ledger.append_many(
+        [
+            EpochCommitted(1, epoch_commitment(1, secret), 10),
+            PolicyPublished(1, b"", b"\x22" * 32, b"\x33" * 32, 11),
+            Note("operator restarted the validator", 12),
+            EpochRevealed(1, secret, 13),
+        ],
+        checkpoint=True,
+    )
     report = verify_ledger(ledger.store, log_key=ledger.verifier)
     assert report.ok, report.findings
     ledger.append(EpochRevealed(1, b"\x12" * 32, 14))
@@ -227,7 +246,10 @@ def test_audit_wrong_key_is_reported(open_ledger) -> None:
     assert not report.ok
     # One finding naming the key and how many checkpoints it leaves unverifiable, not one a checkpoint.
     assert [f.where for f in report.findings] == ["entry 0"]
-    assert report.findings[0].reason == Reason.WRONG_SIGNER and "checkpoints" in report.findings[0].what
+    assert (
+        report.findings[0].reason == Reason.WRONG_SIGNER
+        and "checkpoints" in report.findings[0].what
+    )
 
 
 def test_offline_prove_matches(open_ledger) -> None:
@@ -245,14 +267,19 @@ def test_two_writers_interleave(open_ledger) -> None:
     b = open_ledger()
     recs = sample_records(60, seed=5)
     for i in range(0, len(recs), 6):
-        (a if i % 12 else b).append_many(recs[i:i + 6])
+        (a if i % 12 else b).append_many(recs[i : i + 6])
     a.checkpoint()
     b.append_many(sample_records(4, seed=6), checkpoint=True)
     report = verify_ledger(a.store, log_key=a.verifier)
     assert report.ok, report.findings
     assert report.size == a.size() == 1 + 63 + 7
-    verify_inclusion(5, report.size, leaf_hash(a.store.entry(5)[1]), a.inclusion_proof(5, report.size),
-                     a.root(report.size))
+    verify_inclusion(
+        5,
+        report.size,
+        leaf_hash(a.store.entry(5)[1]),
+        a.inclusion_proof(5, report.size),
+        a.root(report.size),
+    )
 
 
 def _concurrent_writer(url: str, seed: int, batches: int) -> None:  # forked child

@@ -61,7 +61,9 @@ def perfect_nodes(d: list[bytes]) -> dict:
     while hashes:
         for i, h in enumerate(hashes):
             out[(level, i)] = h
-        hashes = [merkle.node_hash(hashes[2 * i], hashes[2 * i + 1]) for i in range(len(hashes) // 2)]
+        hashes = [
+            merkle.node_hash(hashes[2 * i], hashes[2 * i + 1]) for i in range(len(hashes) // 2)
+        ]
         level += 1
     return out
 
@@ -74,8 +76,19 @@ ROOTS = [ref_mth(D[:n]) for n in range(MAX + 1)]
 
 # -- published RFC 6962 vectors (transparency-dev/merkle testonly)
 
-CT_LEAVES = [bytes.fromhex(h) for h in ["", "00", "10", "2021", "3031", "40414243",
-                                        "5051525354555657", "606162636465666768696a6b6c6d6e6f"]]
+CT_LEAVES = [
+    bytes.fromhex(h)
+    for h in [
+        "",
+        "00",
+        "10",
+        "2021",
+        "3031",
+        "40414243",
+        "5051525354555657",
+        "606162636465666768696a6b6c6d6e6f",
+    ]
+]
 CT_ROOTS = [
     "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855",
     "6e340b9cffb37a989ca544e6bb780a2c78901d3fb33738768511a30617afa01d",
@@ -104,20 +117,32 @@ def test_published_roots() -> None:
 
 def test_published_proofs() -> None:
     nodes = perfect_nodes(CT_LEAVES)
-    incl = {(0, 8): ["96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
-                     "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-                     "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4"],
-            (5, 8): ["bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
-                     "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
-                     "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7"]}
+    incl = {
+        (0, 8): [
+            "96a296d224f285c67bee93c30f8a309157f0daa35dc5b87e410b78630a09cfc7",
+            "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+        ],
+        (5, 8): [
+            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+            "ca854ea128ed050b41b35ffc1b87b8eb2bde461e9e3b5596ece6b9d5975a0ae0",
+            "d37ee418976dd95753c1c73862b9398fa2a2cf9b4ff0fdfe8b30cd95209614b7",
+        ],
+    }
     for (i, n), want in incl.items():
         proof = merkle.assemble(merkle.inclusion_plan(i, n), nodes)
         assert [p.hex() for p in proof] == want
         merkle.verify_inclusion(i, n, merkle.leaf_hash(CT_LEAVES[i]), proof, h(CT_ROOTS[n]))
-    cons = {(2, 8): ["5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-                     "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4"],
-            (2, 5): ["5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
-                     "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b"]}
+    cons = {
+        (2, 8): [
+            "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+            "6b47aaf29ee3c2af9af889bc1fb9254dabd31177f16232dd6aab035ca39bf6e4",
+        ],
+        (2, 5): [
+            "5f083f0a1a33ca076a95279832580db3e0ef4584bdff1f54c8a360f50de3031e",
+            "bc1a0643b12e4d2d7c77918f44e0f4f79a838b6cf9ec5b5c283e1f4d88599e6b",
+        ],
+    }
     for (m, n), want in cons.items():
         proof = merkle.assemble(merkle.consistency_plan(m, n), nodes)
         assert [p.hex() for p in proof] == want
@@ -153,16 +178,36 @@ def _rejects(reasons: set[Reason], fn, *args) -> None:
 
 def _inclusion_attacks(i: int, n: int, leaf: bytes, proof: list[bytes]) -> None:
     root = ROOTS[n]
-    any_reason = {Reason.PROOF_WRONG_LENGTH, Reason.ROOT_MISMATCH, Reason.PROOF_WRONG_INDEX,
-                  Reason.PROOF_WRONG_SIZE}
-    _rejects(any_reason, merkle.verify_inclusion, i, n, leaf, [b"\x00" * 32] + proof, root)  # garbage
+    any_reason = {
+        Reason.PROOF_WRONG_LENGTH,
+        Reason.ROOT_MISMATCH,
+        Reason.PROOF_WRONG_INDEX,
+        Reason.PROOF_WRONG_SIZE,
+    }
+    _rejects(
+        any_reason, merkle.verify_inclusion, i, n, leaf, [b"\x00" * 32] + proof, root
+    )  # garbage
     _rejects(any_reason, merkle.verify_inclusion, i, n, leaf, proof + [root], root)
     if proof:
         _rejects({Reason.PROOF_WRONG_LENGTH}, merkle.verify_inclusion, i, n, leaf, proof[:-1], root)
-        _rejects({Reason.ROOT_MISMATCH}, merkle.verify_inclusion, i, n, leaf,
-                 [proof[0][:-1] + bytes([proof[0][-1] ^ 1])] + proof[1:], root)
-        _rejects({Reason.PROOF_WRONG_LENGTH}, merkle.verify_inclusion, i, n, leaf,
-                 [proof[0][:31]] + proof[1:], root)
+        _rejects(
+            {Reason.ROOT_MISMATCH},
+            merkle.verify_inclusion,
+            i,
+            n,
+            leaf,
+            [proof[0][:-1] + bytes([proof[0][-1] ^ 1])] + proof[1:],
+            root,
+        )
+        _rejects(
+            {Reason.PROOF_WRONG_LENGTH},
+            merkle.verify_inclusion,
+            i,
+            n,
+            leaf,
+            [proof[0][:31]] + proof[1:],
+            root,
+        )
     _rejects({Reason.PROOF_WRONG_INDEX}, merkle.verify_inclusion, n, n, leaf, proof, root)
     for j in {i - 1, i + 1} & set(range(n)):
         _rejects(any_reason, merkle.verify_inclusion, j, n, leaf, proof, root)
@@ -190,8 +235,15 @@ def _consistency_attacks(m: int, n: int, proof: list[bytes]) -> None:
     _rejects(any_reason, merkle.verify_consistency, m, n, [b"\x01" * 32] + proof, r1, r2)
     _rejects(any_reason, merkle.verify_consistency, m, n, proof[:-1], r1, r2)
     _rejects(any_reason, merkle.verify_consistency, m, n, proof + [r2], r1, r2)
-    _rejects({Reason.ROOT_MISMATCH}, merkle.verify_consistency, m, n, proof, ROOTS[m - 1] if m > 1
-             else b"\x00" * 32, r2)
+    _rejects(
+        {Reason.ROOT_MISMATCH},
+        merkle.verify_consistency,
+        m,
+        n,
+        proof,
+        ROOTS[m - 1] if m > 1 else b"\x00" * 32,
+        r2,
+    )
     _rejects({Reason.ROOT_MISMATCH}, merkle.verify_consistency, m, n, proof, r1, ROOTS[n - 1])
     if n + 1 <= MAX:
         _rejects(any_reason, merkle.verify_consistency, m, n + 1, proof, r1, ROOTS[n + 1])
@@ -203,7 +255,9 @@ def _consistency_attacks(m: int, n: int, proof: list[bytes]) -> None:
 def test_trivial_consistency() -> None:
     merkle.verify_consistency(0, 5, [], merkle.EMPTY_ROOT, ROOTS[5])
     merkle.verify_consistency(5, 5, [], ROOTS[5], ROOTS[5])
-    _rejects({Reason.PROOF_WRONG_LENGTH}, merkle.verify_consistency, 5, 5, [ROOTS[5]], ROOTS[5], ROOTS[5])
+    _rejects(
+        {Reason.PROOF_WRONG_LENGTH}, merkle.verify_consistency, 5, 5, [ROOTS[5]], ROOTS[5], ROOTS[5]
+    )
     _rejects({Reason.ROOT_MISMATCH}, merkle.verify_consistency, 5, 5, [], ROOTS[5], ROOTS[4])
 
 

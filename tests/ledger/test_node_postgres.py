@@ -22,14 +22,25 @@ TRAINER = SigningKey.from_seed(b"\x0c" * 32)
 
 
 def test_a_postgres_node_stores_blobs_and_state_where_configured(
-        pg_server: PgServer, tiny_model: Path, tmp_path: Path,  # noqa: F811
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    pg_server: PgServer,
+    tiny_model: Path,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.chdir(tmp_path)
-    cfg = load(ValidatorConfig, None, {
-        "node.ledger": pg_server.create_db(), "node.trainer_key": TRAINER.public.hex(),
-        "node.state_file": str(tmp_path / "state" / "node.state"),
-        "node.blob_dir": str(tmp_path / "blobs"), "policy.model_dir": str(tiny_model),
-        "task.pool": 16, "node.admission_processes": 0})
+    cfg = load(
+        ValidatorConfig,
+        None,
+        {
+            "node.ledger": pg_server.create_db(),
+            "node.trainer_key": TRAINER.public.hex(),
+            "node.state_file": str(tmp_path / "state" / "node.state"),
+            "node.blob_dir": str(tmp_path / "blobs"),
+            "policy.model_dir": str(tiny_model),
+            "task.pool": 16,
+            "node.admission_processes": 0,
+        },
+    )
     v = build_validator(cfg, KEY)
     try:
         with BackgroundServer(create_app(v, TRAINER.public)) as url:

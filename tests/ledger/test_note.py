@@ -21,10 +21,14 @@ from verify.keys import SigningKey
 # golang.org/x/mod/sumdb/note: the PeterNeumann example key and signed note.
 GO_VKEY = "PeterNeumann+c74f20a3+ARpc2QcUPDhMQegwxbzhKqiBfsVkmqq/LDE4izWy10TW"
 GO_SKEY = "PRIVATE+KEY+PeterNeumann+c74f20a3+AYEKFALVFGyNhPJEMzD1QIDr+Y7hfZx09iUvxdXHKDFz"
-GO_TEXT = ("If you think cryptography is the answer to your problem,\n"
-           "then you don't know what your problem is.\n")
-GO_NOTE = (GO_TEXT + "\n— PeterNeumann "
-           "x08go/ZJkuBS9UG/SffcvIAQxVBtiFupLLr8pAcElZInNIuGUgYN1FFYC2pZSNXgKvqfqdngotpRZb6KE6RyyBwJnAM=\n")
+GO_TEXT = (
+    "If you think cryptography is the answer to your problem,\n"
+    "then you don't know what your problem is.\n"
+)
+GO_NOTE = (
+    GO_TEXT + "\n— PeterNeumann "
+    "x08go/ZJkuBS9UG/SffcvIAQxVBtiFupLLr8pAcElZInNIuGUgYN1FFYC2pZSNXgKvqfqdngotpRZb6KE6RyyBwJnAM=\n"
+)
 
 
 def go_signer() -> Signer:
@@ -71,26 +75,32 @@ def test_known_key_with_bad_signature_rejects_the_note() -> None:
         verify_note(parse_note(bad), [Verifier.from_vkey(GO_VKEY)])
 
 
-@pytest.mark.parametrize("bad", [
-    GO_NOTE.rstrip("\n"),                      # no final newline
-    GO_TEXT,                                   # no signature block
-    GO_NOTE.replace("— ", "- "),               # not an em dash
-    GO_NOTE.replace("\n\n", "\n\x01\n\n"),     # control character
-    GO_NOTE.replace("PeterNeumann ", "Peter+Neumann "),
-    GO_NOTE.replace("x08go/", "x08go*"),       # not base64
-    GO_NOTE.encode()[:-3] + b"\xff\n",
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        GO_NOTE.rstrip("\n"),  # no final newline
+        GO_TEXT,  # no signature block
+        GO_NOTE.replace("— ", "- "),  # not an em dash
+        GO_NOTE.replace("\n\n", "\n\x01\n\n"),  # control character
+        GO_NOTE.replace("PeterNeumann ", "Peter+Neumann "),
+        GO_NOTE.replace("x08go/", "x08go*"),  # not base64
+        GO_NOTE.encode()[:-3] + b"\xff\n",
+    ],
+)
 def test_malformed_notes(bad) -> None:
     with pytest.raises(DecodeError):
         parse_note(bad)
 
 
-@pytest.mark.parametrize("vkey", [
-    GO_VKEY.replace("c74f20a3", "c74f20a4"),
-    GO_VKEY.replace("+ARpc", "+AhRpc"),
-    "PeterNeumann+c74f20a3",
-    GO_VKEY[:-4],
-])
+@pytest.mark.parametrize(
+    "vkey",
+    [
+        GO_VKEY.replace("c74f20a3", "c74f20a4"),
+        GO_VKEY.replace("+ARpc", "+AhRpc"),
+        "PeterNeumann+c74f20a3",
+        GO_VKEY[:-4],
+    ],
+)
 def test_bad_vkeys(vkey: str) -> None:
     with pytest.raises(VerificationError):
         Verifier.from_vkey(vkey)

@@ -37,9 +37,17 @@ reasons = st.sampled_from([r.value for r in Reason])
 @st.composite
 def verdicts(draw):
     accepted = draw(st.booleans())
-    return VerdictRecorded(draw(b32), draw(b16), draw(st.integers(0, 255)), draw(b32), accepted,
-                           "" if accepted else draw(reasons), draw(st.booleans()),
-                           draw(st.one_of(st.just(b""), b32)), draw(u63))
+    return VerdictRecorded(
+        draw(b32),
+        draw(b16),
+        draw(st.integers(0, 255)),
+        draw(b32),
+        accepted,
+        "" if accepted else draw(reasons),
+        draw(st.booleans()),
+        draw(st.one_of(st.just(b""), b32)),
+        draw(u63),
+    )
 
 
 @st.composite
@@ -49,17 +57,32 @@ def slashes(draw):
 
 
 records = st.one_of(
-    verdicts(), slashes(),
+    verdicts(),
+    slashes(),
     st.builds(ContributorRegistered, b32, text, u63),
-    st.builds(AssignmentIssued, b16, b32, text, text, b32, u63, st.integers(0, 2**32 - 1), b32, u63),
+    st.builds(
+        AssignmentIssued, b16, b32, text, text, b32, u63, st.integers(0, 2**32 - 1), b32, u63
+    ),
     st.builds(PolicyPublished, u63, st.one_of(st.just(b""), b32), b32, b32, u63),
     st.builds(EvalRecorded, u63, b32, b32, u63),
     st.builds(EpochCommitted, u63, b32, u63),
     st.builds(EpochRevealed, u63, b32, u63),
     st.builds(Note, text, u63),
-    st.builds(LogCreated, text, b32, st.floats(0, 10), st.floats(0, 10), st.floats(0, 10),
-              st.floats(0, 100), st.floats(0, 1), st.floats(0, 1), st.floats(0, 1), st.floats(0, 10),
-              st.floats(0, 10), u63),
+    st.builds(
+        LogCreated,
+        text,
+        b32,
+        st.floats(0, 10),
+        st.floats(0, 10),
+        st.floats(0, 10),
+        st.floats(0, 100),
+        st.floats(0, 1),
+        st.floats(0, 1),
+        st.floats(0, 1),
+        st.floats(0, 10),
+        st.floats(0, 10),
+        u63,
+    ),
 )
 
 

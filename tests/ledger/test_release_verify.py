@@ -32,9 +32,13 @@ world, release = release_fixtures(eval_problems=4)
 
 
 def _verify(path: Path, **kw: object):  # noqa: ANN202
-    return verify_release(path, trainer_key=kw.get("trainer", TRAINER.public),  # type: ignore[arg-type]
-                          validator_key=kw.get("validator", VALIDATOR.public),  # type: ignore[arg-type]
-                          blobs=kw.get("blobs"), base_model=kw.get("base_model"))  # type: ignore[arg-type]
+    return verify_release(
+        path,
+        trainer_key=kw.get("trainer", TRAINER.public),  # type: ignore[arg-type]
+        validator_key=kw.get("validator", VALIDATOR.public),  # type: ignore[arg-type]
+        blobs=kw.get("blobs"),
+        base_model=kw.get("base_model"),
+    )  # type: ignore[arg-type]
 
 
 def _fails(path: Path, **kw: object) -> ReleaseError:
@@ -50,8 +54,9 @@ def copy(release: Path, tmp_path: Path) -> Path:
 
 def _manifest(path: Path) -> ReleaseManifest:
     data = (path / L.MANIFEST_FILE).read_bytes()
-    return open_sealed(ReleaseManifest, decode(SignedRelease, data, max_bytes=len(data)),
-                       TRAINER.public)
+    return open_sealed(
+        ReleaseManifest, decode(SignedRelease, data, max_bytes=len(data)), TRAINER.public
+    )
 
 
 def resign(path: Path, key: SigningKey = TRAINER, **fields: object) -> None:
@@ -59,8 +64,9 @@ def resign(path: Path, key: SigningKey = TRAINER, **fields: object) -> None:
     files = []
     for f in sorted(p for p in path.rglob("*") if p.is_file() and p.name != L.MANIFEST_FILE):
         data = f.read_bytes()
-        files.append(ReleaseFile(f.relative_to(path).as_posix(), blake3_digest(BLOB, data),
-                                 len(data)))
+        files.append(
+            ReleaseFile(f.relative_to(path).as_posix(), blake3_digest(BLOB, data), len(data))
+        )
     rel = msgspec.structs.replace(_manifest(path), files=files, **fields)
     (path / L.MANIFEST_FILE).write_bytes(canonical_bytes(seal(key, rel)))
 
@@ -77,8 +83,17 @@ def _files(release: Path) -> list[str]:
 
 def test_every_file_type_is_covered(release: Path) -> None:
     kinds = {f.split("/")[0] if "/" in f else f for f in _files(release)}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md", "evals.json",
-            "release.manifest", "ledger", "chain", "evals"} <= kinds
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "README.md",
+        "evals.json",
+        "release.manifest",
+        "ledger",
+        "chain",
+        "evals",
+    } <= kinds
 
 
 def test_a_flipped_byte_in_any_file_names_that_file(copy: Path) -> None:
@@ -102,6 +117,7 @@ def _edit_text(rel: str, old: str, new: str) -> Callable[[Path], None]:
         text = (path / rel).read_text()
         assert old in text
         (path / rel).write_text(text.replace(old, new, 1))
+
     return edit
 
 
@@ -111,6 +127,7 @@ def _flip(rel_or_glob: str, at: int = -40) -> Callable[[Path], None]:
         data = bytearray(target.read_bytes())
         data[at] ^= 0x01
         target.write_bytes(bytes(data))
+
     return edit
 
 
@@ -155,11 +172,17 @@ SEMANTIC = {
     "proof_missing": (_drop_proof, None),
     "evals_json": (_evals_json, L.EVALS_FILE),
     "card": (_card, L.CARD_FILE),
-    "table_statement": (_flip("evals/table/*.release.bin", -70), "evals/table/arithmetic.release.bin"),
+    "table_statement": (
+        _flip("evals/table/*.release.bin", -70),
+        "evals/table/arithmetic.release.bin",
+    ),
     "curve_statement": (_flip("evals/ledger/*.bin", -70), None),
     "policy_manifest": (_flip("chain/manifests/*.bin", -70), L.manifest_path(1)),
     "update_blob": (_flip("chain/blobs/*", -5), None),
-    "base_weights": (_flip("chain/base/model.safetensors", -5), f"{L.CHAIN_BASE}/{L.MODEL_WEIGHTS}"),
+    "base_weights": (
+        _flip("chain/base/model.safetensors", -5),
+        f"{L.CHAIN_BASE}/{L.MODEL_WEIGHTS}",
+    ),
     "config": (_edit_text("config.json", "}", ', "x": 1}'), None),
 }
 
@@ -170,9 +193,13 @@ def test_a_resigned_edit_is_caught_and_named(copy: Path, case: str) -> None:
     before = set(_files(copy))
     snapshot = {f: (copy / f).read_bytes() for f in before}
     edit(copy)
-    changed = [f for f in before if not (copy / f).exists() or (copy / f).read_bytes() != snapshot[f]]
+    changed = [
+        f for f in before if not (copy / f).exists() or (copy / f).read_bytes() != snapshot[f]
+    ]
     resign(copy)
-    if case == "config":  # only the trainer's signature covers it: re-signed, it is the trainer's word
+    if (
+        case == "config"
+    ):  # only the trainer's signature covers it: re-signed, it is the trainer's word
         _verify(copy)
         return
     err = _fails(copy)
@@ -220,11 +247,20 @@ def test_extra_and_missing_files_are_named(copy: Path) -> None:
     assert _fails(copy).file == "tokenizer.json"
 
 
-def test_release_without_the_chain_verifies_against_external_blobs(world: World,
-                                                                   tmp_path: Path) -> None:
-    out = build_release(ledger=world.ledger, out=tmp_path / "thin", base_model=world.model,
-                        trainer_key=TRAINER, eval_problems=2, k=1, progress=False,
-                        ship_chain=False, version=2)
+def test_release_without_the_chain_verifies_against_external_blobs(
+    world: World, tmp_path: Path
+) -> None:
+    out = build_release(
+        ledger=world.ledger,
+        out=tmp_path / "thin",
+        base_model=world.model,
+        trainer_key=TRAINER,
+        eval_problems=2,
+        k=1,
+        progress=False,
+        ship_chain=False,
+        version=2,
+    )
     assert not (out / L.CHAIN_BASE).exists() and not (out / L.CHAIN_BLOBS).exists()
     blobs = Path(str(world.ledger) + ".blobs")
     report = _verify(out, blobs=blobs, base_model=world.model)
@@ -240,18 +276,31 @@ def test_replay_matches_the_contributor_rebuild(world: World, release: Path) -> 
     from rollout.sync import PolicySync
 
     blobs = Path(str(world.ledger) + ".blobs")
-    sync = PolicySync(world.model, TRAINER.public, lambda v: world.manifests[v - 1],
-                      FileBlobStore(blobs).get, 2)
+    sync = PolicySync(
+        world.model, TRAINER.public, lambda v: world.manifests[v - 1], FileBlobStore(blobs).get, 2
+    )
     released = load_file(str(release / L.MODEL_WEIGHTS))
     for name, t in sync.state_at(3).items():
         assert torch.equal(t, released[name])
 
 
 def test_release_of_the_base_model(world: World, tmp_path: Path) -> None:
-    out = build_release(ledger=world.ledger, out=tmp_path / "v0", base_model=world.model,
-                        trainer_key=TRAINER, eval_problems=2, k=1, progress=False, version=0)
+    out = build_release(
+        ledger=world.ledger,
+        out=tmp_path / "v0",
+        base_model=world.model,
+        trainer_key=TRAINER,
+        eval_problems=2,
+        k=1,
+        progress=False,
+        version=0,
+    )
     report = _verify(out)
-    assert report.version == 0 and report.verdicts == 0 and report.weights_digest == _manifest(out).weights_digest.hex()
+    assert (
+        report.version == 0
+        and report.verdicts == 0
+        and report.weights_digest == _manifest(out).weights_digest.hex()
+    )
     assert (out / L.MODEL_WEIGHTS).read_bytes() != b""
     assert not (out / L.CHAIN_MANIFESTS).exists()
 

@@ -58,8 +58,20 @@ def genesis():  # type: ignore[no-untyped-def]
     from ledger.records import LogCreated
 
     p = GENESIS_PARAMS
-    return LogCreated("t", K, p.prior_pass, p.prior_fail, p.fail_weight, p.slash_weight, p.decay,
-                      p.ban_threshold, p.min_audit_rate, p.novelty, p.risk_gain, 0)
+    return LogCreated(
+        "t",
+        K,
+        p.prior_pass,
+        p.prior_fail,
+        p.fail_weight,
+        p.slash_weight,
+        p.decay,
+        p.ban_threshold,
+        p.min_audit_rate,
+        p.novelty,
+        p.risk_gain,
+        0,
+    )
 
 
 def record(contributor: bytes, kind: int):  # type: ignore[no-untyped-def]
@@ -68,8 +80,17 @@ def record(contributor: bytes, kind: int):  # type: ignore[no-untyped-def]
 
     if kind == 2:
         return Slashed(contributor, "bad_logprobs", "", b"\x00" * 32, b"", 0)
-    return VerdictRecorded(contributor, b"\x00" * 16, 0, b"\x00" * 32, kind != 1,
-                           "bad_logprobs" if kind == 1 else "", kind != 3, b"", 0)
+    return VerdictRecorded(
+        contributor,
+        b"\x00" * 16,
+        0,
+        b"\x00" * 32,
+        kind != 1,
+        "bad_logprobs" if kind == 1 else "",
+        kind != 3,
+        b"",
+        0,
+    )
 
 
 @given(st.lists(st.tuples(st.booleans(), st.integers(0, 3)), max_size=120))

@@ -44,7 +44,9 @@ class Raw:
 
     def set(self, table: str, col: str, key_col: str, key, value) -> None:
         mark = "%s" if self.pg else "?"
-        self.conn.execute(f"UPDATE {table} SET {col} = {mark} WHERE {key_col} = {mark}", (value, key))
+        self.conn.execute(
+            f"UPDATE {table} SET {col} = {mark} WHERE {key_col} = {mark}", (value, key)
+        )
 
     def close(self) -> None:
         self.conn.close()
@@ -87,7 +89,9 @@ def flip(value, rng: random.Random):
                 text = bytes(trial).decode()
             except UnicodeDecodeError:
                 continue
-            if "\x00" not in text:  # PostgreSQL text columns cannot hold NUL, so no one can store it
+            if (
+                "\x00" not in text
+            ):  # PostgreSQL text columns cannot hold NUL, so no one can store it
                 return text
 
 
@@ -121,8 +125,10 @@ def _dump(path: Path) -> list:
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
     conn.text_factory = bytes
     try:
-        return [conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall()
-                for t in ("entries", "nodes", "checkpoints", "reputation", "meta")]
+        return [
+            conn.execute(f"SELECT * FROM {t} ORDER BY 1").fetchall()
+            for t in ("entries", "nodes", "checkpoints", "reputation", "meta")
+        ]
     finally:
         conn.close()
 

@@ -47,11 +47,23 @@ ValidatorFactory = Callable[..., Validator]
 def make_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec) -> ValidatorFactory:
     made: list[Validator] = []
 
-    def make(overrides: dict | None = None, key: SigningKey | None = None, pool: int = 64,
-             name: str = "v", *, problems=None, clock=None, tolerance=FLOAT32_TOLERANCE,
-             oracle=None) -> Validator:
-        base = {"assignment.max_tokens": 12, "assignment.group_size": 4,
-                "rules.audit_rate": 1.0, "audit.pit_min_tokens": 100_000}
+    def make(
+        overrides: dict | None = None,
+        key: SigningKey | None = None,
+        pool: int = 64,
+        name: str = "v",
+        *,
+        problems=None,
+        clock=None,
+        tolerance=FLOAT32_TOLERANCE,
+        oracle=None,
+    ) -> Validator:
+        base = {
+            "assignment.max_tokens": 12,
+            "assignment.group_size": 4,
+            "rules.audit_rate": 1.0,
+            "audit.pit_min_tokens": 100_000,
+        }
         cfg = load(ValidatorConfig, None, {**base, **(overrides or {})})
         key = key or SigningKey.from_seed(b"\x05" * 32)
         ledger = Ledger.open(tmp_path / f"{name}.sqlite", signing_key=key, origin="test/validator")
@@ -59,8 +71,18 @@ def make_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec) -> Vali
         oracle = oracle or TransformersOracle({0: tiny_model})
         versions = PolicyVersions(model_dir_digest(tiny_model))
         extra = {} if clock is None else {"clock": clock}
-        v = Validator(cfg, key, ledger, state, codec, oracle,
-                      problems or generate("arithmetic", "train", pool), versions, tolerance, **extra)
+        v = Validator(
+            cfg,
+            key,
+            ledger,
+            state,
+            codec,
+            oracle,
+            problems or generate("arithmetic", "train", pool),
+            versions,
+            tolerance,
+            **extra,
+        )
         made.append(v)
         return v
 

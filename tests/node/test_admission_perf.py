@@ -31,11 +31,20 @@ KEYS = [SigningKey.from_seed(bytes([0x60 + i]) * 32) for i in range(4)]
 FAST = {"rules.audit_rate": 0.0, "assignment.max_tokens": 48, "assignment.max_outstanding": 1_024}
 
 
-def synthetic_group(v: Validator, key: SigningKey, rng: np.random.Generator, tokens: int = 48) -> bytes:
+def synthetic_group(
+    v: Validator, key: SigningKey, rng: np.random.Generator, tokens: int = 48
+) -> bytes:
     """A validly signed group of random in-vocabulary tokens (no audit draws them)."""
     a = open_assignment(v.assign(key.public.raw), v.key.public, key.public)
-    envs = [build_envelope(key, header_fields(a, g, 0), rng.integers(4, v.codec.vocab_size, tokens),
-                           -rng.exponential(1.0, tokens)) for g in range(a.group_size)]
+    envs = [
+        build_envelope(
+            key,
+            header_fields(a, g, 0),
+            rng.integers(4, v.codec.vocab_size, tokens),
+            -rng.exponential(1.0, tokens),
+        )
+        for g in range(a.group_size)
+    ]
     return canonical_bytes(GroupSubmission(a.assignment_id, envs))
 
 
@@ -140,8 +149,11 @@ def test_racing_copies_of_one_submission_yield_one_set_of_verdicts(make_validato
         t.join()
     fresh = [o for o in outcomes if not isinstance(o, Reason) and o.fresh]  # type: ignore[attr-defined]
     assert len(fresh) == 1
-    assert all(o is Reason.BACKPRESSURE or o.answer == fresh[0].answer  # type: ignore[attr-defined]
-               for o in outcomes if o is not fresh[0])
+    assert all(
+        o is Reason.BACKPRESSURE or o.answer == fresh[0].answer  # type: ignore[attr-defined]
+        for o in outcomes
+        if o is not fresh[0]
+    )
     recorded = [r for _, r in v.ledger.entries() if isinstance(r, VerdictRecorded)]
     assert len(recorded) == 4
 
@@ -151,8 +163,11 @@ def test_epochs_turn_over_in_order_under_concurrent_load(make_validator) -> None
     bodies = groups(v, 20)
     with ThreadPoolExecutor(5) as pool:
         list(pool.map(v.admit, bodies))
-    events = [(type(r).__name__, r.epoch) for _, r in v.ledger.entries()
-              if isinstance(r, (EpochCommitted, EpochRevealed))]
+    events = [
+        (type(r).__name__, r.epoch)
+        for _, r in v.ledger.entries()
+        if isinstance(r, (EpochCommitted, EpochRevealed))
+    ]
     n = len([e for e in events if e[0] == "EpochRevealed"])
     assert n >= 20 // (3 + 4)  # an epoch ends once due and its in-flight groups are recorded
     want = [("EpochCommitted", 1)]

@@ -54,7 +54,10 @@ def test_drive_many_serves_one_kind_at_a_time_in_job_order() -> None:
     assert out[0] == "a done" and out[2] == "c done"
     assert isinstance(out[1], AdmissionError) and out[1].reason is Reason.BACKPRESSURE
     # every spot request in one call, then the writes of the jobs still running, in order
-    assert served == [[("spot", "a"), ("spot", "b"), ("spot", "c")], [("write", "a"), ("write", "c")]]
+    assert served == [
+        [("spot", "a"), ("spot", "b"), ("spot", "c")],
+        [("write", "a"), ("write", "c")],
+    ]
     assert log.index("a spot=spot:a") < log.index("b spot=spot:b") < log.index("c spot=spot:c")
     assert log.index("a write=write:a") < log.index("c write=write:c")
     assert sorted(x for x in log if x.endswith("closed")) == ["a closed", "b closed", "c closed"]
@@ -107,8 +110,9 @@ def _group(v: Validator, backend, codec, key: SigningKey, shift: float = 0.0) ->
     """An honest group of ``key``'s, or one whose member 1 commits its first logprob ``shift`` off."""
     v.register(key.public.raw, key.public.raw.hex()[:8])
     a = open_assignment(v.assign(key.public.raw), v.key.public, key.public)
-    comps = backend.generate(generation_request(a, codec.encode(a.prompt), key.public,
-                                                [codec.eos_token_id]))
+    comps = backend.generate(
+        generation_request(a, codec.encode(a.prompt), key.public, [codec.eos_token_id])
+    )
     envs = []
     for c in comps:
         lps = np.array(c.logprobs, dtype=np.float32)
@@ -124,13 +128,18 @@ def _groups(v: Validator, backend, codec, n: int) -> list[GroupSubmission]:
 
 def test_admit_many_shares_passes_and_records_in_order(make_validator, backend, codec) -> None:
     v = make_validator()
-    groups = [_group(v, backend, codec, k, shift=0.5 if i == 2 else 0.0) for i, k in enumerate(KEYS)]
+    groups = [
+        _group(v, backend, codec, k, shift=0.5 if i == 2 else 0.0) for i, k in enumerate(KEYS)
+    ]
     raws = [canonical_bytes(g) for g in groups]
     out = v.admit_many([*raws, raws[0], b"\x93not a group"])
     assert all(isinstance(r, SubmitResult) and r.fresh for r in out[:4])
     assert [r.reasons for r in out[:4]] == [  # type: ignore[union-attr]
-        ("",) * 4, ("",) * 4,
-        ("group_rejected", "logprob_mismatch", "group_rejected", "group_rejected"), ("",) * 4]
+        ("",) * 4,
+        ("",) * 4,
+        ("group_rejected", "logprob_mismatch", "group_rejected", "group_rejected"),
+        ("",) * 4,
+    ]
     # a copy of a group still being judged waits for it: refused, and alone it gets the answer
     assert isinstance(out[4], AdmissionError) and out[4].reason is Reason.BACKPRESSURE
     again = v.admit(raws[0])
@@ -151,8 +160,7 @@ def test_admit_many_gives_the_verdicts_of_one_at_a_time(make_validator, backend,
         raws = [canonical_bytes(g) for g in _groups(v, backend, codec, 3)]
         got = v.admit_many(raws) if batched else [v.admit(r) for r in raws]
         assert all(isinstance(r, SubmitResult) for r in got)
-        results.append([(x.accepted, x.reason, x.reward) for r in got
-                        for x in _open(v, r.answer)])  # type: ignore[union-attr]
+        results.append([(x.accepted, x.reason, x.reward) for r in got for x in _open(v, r.answer)])  # type: ignore[union-attr]
     assert results[0] == results[1] and all(acc for acc, _, _ in results[0])
     assert together.metrics["audit/batches"] == 1 and alone.metrics["audit/batches"] == 3
 
@@ -180,8 +188,10 @@ def test_assign_many_issues_distinct_prompts_and_refuses_each_unknown_key(make_v
     before = v.ledger.size()
     out = v.assign_many([KEYS[0].public.raw, stranger, KEYS[1].public.raw, KEYS[2].public.raw])
     assert isinstance(out[1], AdmissionError) and out[1].reason is Reason.UNKNOWN_KEY
-    opened = [open_assignment(s, v.key.public, k.public)  # type: ignore[arg-type]
-              for s, k in zip([out[0], out[2], out[3]], KEYS[:3], strict=True)]
+    opened = [
+        open_assignment(s, v.key.public, k.public)  # type: ignore[arg-type]
+        for s, k in zip([out[0], out[2], out[3]], KEYS[:3], strict=True)
+    ]
     assert len({a.prompt_id for a in opened}) == 3 and len({a.nonce for a in opened}) == 3
     assert v.ledger.size() == before + 3  # one AssignmentIssued each, nothing for the refusal
     # each is open for submission like a single assign's
@@ -199,7 +209,9 @@ def test_admit_in_turn_retries_a_refused_copy_alone(make_validator, backend, cod
     assert v.metrics["audit/batches"] == 1
 
 
-def test_a_batch_never_waits_for_an_epoch_change_it_holds_up(make_validator, backend, codec) -> None:
+def test_a_batch_never_waits_for_an_epoch_change_it_holds_up(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     raws = [canonical_bytes(g) for g in _groups(v, backend, codec, 3)]
     # another admission holds the secret and the epoch is due to change: it waits for that holder

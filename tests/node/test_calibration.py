@@ -29,27 +29,54 @@ def mixed(tiny_model, codec, prompts):
 
 def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> None:
     seen = {(s.generation_dtype, s.batch_size, s.layout) for s in mixed.settings}
-    assert seen == {(d, b, layout) for d in ("float32", "bfloat16") for b in (1, 4, 16)
-                    for layout in ("packed", "unpacked")}
+    assert seen == {
+        (d, b, layout)
+        for d in ("float32", "bfloat16")
+        for b in (1, 4, 16)
+        for layout in ("packed", "unpacked")
+    }
     assert all(s.tokens > 0 for s in mixed.settings)
     # every layout computes the same logprobs up to float32 rounding: the same-precision settings agree
-    fp32 = {(s.batch_size, s.layout): s.token_max_abs for s in mixed.settings if s.generation_dtype == "float32"}
+    fp32 = {
+        (s.batch_size, s.layout): s.token_max_abs
+        for s in mixed.settings
+        if s.generation_dtype == "float32"
+    }
     assert max(fp32.values()) < 1e-4
 
 
-def test_calibrating_no_layout_the_model_runs_is_refused(tiny_model, codec, prompts, monkeypatch) -> None:
+def test_calibrating_no_layout_the_model_runs_is_refused(
+    tiny_model, codec, prompts, monkeypatch
+) -> None:
     from node.validator import calibration
 
     only = calibration.layout_oracles
-    monkeypatch.setattr(calibration, "layout_oracles",
-                        lambda *a: {k: v for k, v in only(*a).items() if k == "unpacked"})  # a model that never packs
+    monkeypatch.setattr(
+        calibration,
+        "layout_oracles",
+        lambda *a: {k: v for k, v in only(*a).items() if k == "unpacked"},
+    )  # a model that never packs
     with pytest.raises(ConfigError, match="runs none of the layouts"):
-        calibrate(tiny_model, prompts[:2], stop_token_ids=[codec.eos_token_id], max_tokens=4, layouts=("packed",))
+        calibrate(
+            tiny_model,
+            prompts[:2],
+            stop_token_ids=[codec.eos_token_id],
+            max_tokens=4,
+            layouts=("packed",),
+        )
 
 
-def test_two_thousand_honest_audits_give_no_false_positive(tiny_model, codec, prompts, mixed) -> None:
-    result = honest_audit(tiny_model, prompts[10:260], mixed.tolerance,
-                          stop_token_ids=[codec.eos_token_id], max_tokens=12, shifts=(0.05,))
+def test_two_thousand_honest_audits_give_no_false_positive(
+    tiny_model, codec, prompts, mixed
+) -> None:
+    result = honest_audit(
+        tiny_model,
+        prompts[10:260],
+        mixed.tolerance,
+        stop_token_ids=[codec.eos_token_id],
+        max_tokens=12,
+        shifts=(0.05,),
+    )
     print(f"\nmixed-precision tolerance {mixed.token_abs:.4g}/{mixed.chunk_mean_abs:.4g}: {result}")
     assert result["audited"] >= 2_000
     assert result["rejected"] == 0
@@ -57,23 +84,43 @@ def test_two_thousand_honest_audits_give_no_false_positive(tiny_model, codec, pr
 
 
 def test_same_precision_catches_a_005_nat_shift(tiny_model, codec, prompts) -> None:
-    same = calibrate(tiny_model, prompts[:8], stop_token_ids=[codec.eos_token_id], max_tokens=12,
-                     generation_dtypes=("float32",))
+    same = calibrate(
+        tiny_model,
+        prompts[:8],
+        stop_token_ids=[codec.eos_token_id],
+        max_tokens=12,
+        generation_dtypes=("float32",),
+    )
     assert same.token_abs < 0.01
-    result = honest_audit(tiny_model, prompts[8:40], same.tolerance, stop_token_ids=[codec.eos_token_id],
-                          max_tokens=12, generation_dtypes=("float32",), shifts=(0.002, 0.05))
+    result = honest_audit(
+        tiny_model,
+        prompts[8:40],
+        same.tolerance,
+        stop_token_ids=[codec.eos_token_id],
+        max_tokens=12,
+        generation_dtypes=("float32",),
+        shifts=(0.002, 0.05),
+    )
     print(f"\nsame-precision tolerance {same.token_abs:.4g}: {result}")
     assert result["rejected"] == 0
     assert result["caught"][0.05] == 1.0 and result["caught"][0.002] == 1.0
 
 
-def test_mixed_precision_catches_any_shift_beyond_its_tolerance(tiny_model, codec, prompts, mixed) -> None:
+def test_mixed_precision_catches_any_shift_beyond_its_tolerance(
+    tiny_model, codec, prompts, mixed
+) -> None:
     # Honest noise is at most token_abs / margin (margin 2) and may pull a shift back towards
     # the claim, so a shift is caught for sure from 1.5 x token_abs; a chunk mean is judged
     # only over chunks of MIN_MEAN_TOKENS or more, and these completions have up to 12.
     shift = mixed.token_abs * 1.5 + 1e-4
-    result = honest_audit(tiny_model, prompts[40:60], mixed.tolerance, stop_token_ids=[codec.eos_token_id],
-                          max_tokens=12, shifts=(shift,))
+    result = honest_audit(
+        tiny_model,
+        prompts[40:60],
+        mixed.tolerance,
+        stop_token_ids=[codec.eos_token_id],
+        max_tokens=12,
+        shifts=(shift,),
+    )
     assert result["rejected"] == 0 and result["caught"][shift] == 1.0
 
 
@@ -81,7 +128,9 @@ def test_tolerance_file_round_trip_and_refusal(tmp_path: Path, mixed) -> None:
     path = write_tolerance_file(mixed, tmp_path / "tol.json")
     tol = load_tolerance_file(path)
     assert max(t.token_abs for t in tol.by_precision.values()) == pytest.approx(mixed.token_abs)
-    assert tol.of("float32").token_abs < tol.of("bfloat16").token_abs  # each precision its own bound
+    assert (
+        tol.of("float32").token_abs < tol.of("bfloat16").token_abs
+    )  # each precision its own bound
     data = json.loads(path.read_text())
     bf16 = data["by_precision"]["bfloat16"]
     bf16["token_abs"] = bf16["observed_token_max"] / 2

@@ -17,7 +17,9 @@ from node.validator.policy import HFTextCodec
 
 def test_piece_table_decodes_as_the_tokenizer_does(codec: HFTextCodec) -> None:
     backend = codec._tok.backend_tokenizer
-    assert codec._decoder is not None and codec._decoder._pieces is not None  # a character tokenizer
+    assert (
+        codec._decoder is not None and codec._decoder._pieces is not None
+    )  # a character tokenizer
     rng = np.random.default_rng(0)
     seqs = [rng.integers(0, codec.vocab_size, n).astype(np.uint32) for n in (0, 1, 7, 300, 1024)]
     seqs.append(np.arange(codec.vocab_size, dtype=np.uint32))  # every special token too
@@ -56,7 +58,10 @@ def test_pieces_of_any_utf8_width_join_as_their_texts() -> None:
 
 def test_one_byte_pieces_join_as_their_texts_too() -> None:
     rng = np.random.default_rng(3)
-    for pieces in (["", "a", "b", "\n", ""], ["", "a", "\x00", "b"]):  # a NUL piece: the general path
+    for pieces in (
+        ["", "a", "b", "\n", ""],
+        ["", "a", "\x00", "b"],
+    ):  # a NUL piece: the general path
         table = PieceTable(pieces)
         assert (table._single is not None) == ("\x00" not in pieces)
         for dtype in (np.uint32, np.int64):
@@ -64,7 +69,9 @@ def test_one_byte_pieces_join_as_their_texts_too() -> None:
             assert table.decode(ids) == "".join(pieces[i] for i in ids)
 
 
-def test_the_decoder_for_workers_decodes_as_the_codec_and_needs_no_transformers(codec: HFTextCodec) -> None:
+def test_the_decoder_for_workers_decodes_as_the_codec_and_needs_no_transformers(
+    codec: HFTextCodec,
+) -> None:
     decoder = codec.decoder()
     assert isinstance(decoder, TokenizerDecoder)
     rng = np.random.default_rng(2)
@@ -75,8 +82,19 @@ def test_the_decoder_for_workers_decodes_as_the_codec_and_needs_no_transformers(
     assert again.decode_batch(seqs) == expected
     assert [again.decode(s.tolist()) for s in seqs] == [codec.decode(s.tolist()) for s in seqs]
     # a fresh interpreter decodes it with the tokenizers library alone
-    probe = ("import pickle, sys; d = pickle.loads(sys.stdin.buffer.read()); "
-             "print(repr(d.decode([5, 6, 7])), 'transformers' in sys.modules, 'torch' in sys.modules, sep='|')")
-    out = subprocess.run([sys.executable, "-c", probe], input=pickle.dumps(decoder), capture_output=True,
-                         check=True).stdout.decode().strip().split("|")
+    probe = (
+        "import pickle, sys; d = pickle.loads(sys.stdin.buffer.read()); "
+        "print(repr(d.decode([5, 6, 7])), 'transformers' in sys.modules, 'torch' in sys.modules, sep='|')"
+    )
+    out = (
+        subprocess.run(
+            [sys.executable, "-c", probe],
+            input=pickle.dumps(decoder),
+            capture_output=True,
+            check=True,
+        )
+        .stdout.decode()
+        .strip()
+        .split("|")
+    )
     assert out == [repr(codec.decode([5, 6, 7])), "False", "False"]

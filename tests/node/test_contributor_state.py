@@ -28,14 +28,34 @@ def test_default_state_dir_differs_per_key() -> None:
 def test_a_second_process_on_a_state_dir_is_refused_by_the_cli(tmp_path: Path) -> None:
 
     key = tmp_path / "alice.key"
-    subprocess.run([sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)],
-                   check=True, capture_output=True, cwd=ROOT)
+    subprocess.run(
+        [sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)],
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+    )
     state = tmp_path / "state"
     lock_state_dir(state)  # this test process plays the contributor already running
     result = subprocess.run(
-        [sys.executable, "-m", "node.cli", "contributor", "--validator", "http://127.0.0.1:9",
-         "--key", str(key), "--model", str(tmp_path), "--state-dir", str(state)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "contributor",
+            "--validator",
+            "http://127.0.0.1:9",
+            "--key",
+            str(key),
+            "--model",
+            str(tmp_path),
+            "--state-dir",
+            str(state),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     assert f"{state.resolve()} is in use by another process (pid {os.getpid()})" in result.stderr
@@ -61,7 +81,9 @@ def test_a_state_file_of_another_key_is_refused(tmp_path: Path) -> None:
         PendingFile(tmp_path, ALICE.public).read()
 
 
-def test_a_crash_mid_write_leaves_the_previous_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_crash_mid_write_leaves_the_previous_list(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     f = PendingFile(tmp_path, ALICE.public)
     f.write([{"assignment": "00", "group": "01"}])
 

@@ -64,12 +64,25 @@ class Probe(ValidatorClient):
     overlap however fast or slow the machine generates.
     """
 
-    def __init__(self, url: str, state_file: Path, *, delay_s: float = 0.0,
-                 send=lambda n: True, on_submit=None,  # type: ignore[no-untyped-def]
-                 max_assigns: int = 100, overlap: int = 0) -> None:
+    def __init__(
+        self,
+        url: str,
+        state_file: Path,
+        *,
+        delay_s: float = 0.0,
+        send=lambda n: True,
+        on_submit=None,  # type: ignore[no-untyped-def]
+        max_assigns: int = 100,
+        overlap: int = 0,
+    ) -> None:
         super().__init__(url, ALICE)
         self.max_assigns, self.overlap = max_assigns, overlap
-        self.state_file, self.delay_s, self.send, self.on_submit = state_file, delay_s, send, on_submit
+        self.state_file, self.delay_s, self.send, self.on_submit = (
+            state_file,
+            delay_s,
+            send,
+            on_submit,
+        )
         self.lock = threading.Lock()
         self.uploading = 0
         self.assigns_while_uploading = 0
@@ -83,7 +96,9 @@ class Probe(ValidatorClient):
         if not self.state_file.exists():
             return 0
         state = json.loads(self.state_file.read_text())
-        return len(state["pending"]) if "pending" in state else int("group" in state)  # or the old format
+        return (
+            len(state["pending"]) if "pending" in state else int("group" in state)
+        )  # or the old format
 
     def assign(self) -> SignedAssignment:
         with self.lock:
@@ -127,8 +142,9 @@ def _state(tmp: Path) -> Path:
     return tmp / "alice" / "contributor-state.json"
 
 
-def _contributor(client: ValidatorClient, tmp: Path, tiny_model: Path, uploads: int,
-                 log: list[str] | None = None) -> Contributor:
+def _contributor(
+    client: ValidatorClient, tmp: Path, tiny_model: Path, uploads: int, log: list[str] | None = None
+) -> Contributor:
     sink = log if log is not None else []
     return Contributor(client, ALICE, tiny_model, tmp / "alice", uploads=uploads, log=sink.append)
 
@@ -137,7 +153,9 @@ def _upload_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("prooftrain-upload")]
 
 
-def test_uploads_overlap_generation_and_all_groups_land(node, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_uploads_overlap_generation_and_all_groups_land(
+    node, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     v, url = node
     client = Probe(url, _state(tmp_path), delay_s=0.4, overlap=4)
     client.register("alice")
@@ -170,7 +188,8 @@ def test_one_upload_waits_for_each_verdict(node, tmp_path: Path, tiny_model: Pat
 
 @pytest.mark.parametrize("uploads", [1, 2])
 def test_a_stop_takes_no_new_assignment_and_answers_the_uploads_in_flight(
-        node, tmp_path: Path, tiny_model: Path, uploads: int) -> None:  # type: ignore[no-untyped-def]
+    node, tmp_path: Path, tiny_model: Path, uploads: int
+) -> None:  # type: ignore[no-untyped-def]
     _, url = node
     worker: list[Contributor] = []
 
@@ -187,15 +206,35 @@ def test_a_stop_takes_no_new_assignment_and_answers_the_uploads_in_flight(
     assert not _upload_threads()
 
 
-def test_sigterm_stops_the_contributor_process_cleanly(node, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_sigterm_stops_the_contributor_process_cleanly(
+    node, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     v, url = node
     key = tmp_path / "alice.key"
-    subprocess.run([sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)], check=True,
-                   capture_output=True)
-    proc = subprocess.Popen([sys.executable, "-m", "node.cli", "contributor", "--validator", url,
-                             "--key", str(key), "--model", str(tiny_model),
-                             "--state-dir", str(tmp_path / "state")],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    subprocess.run(
+        [sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)],
+        check=True,
+        capture_output=True,
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "contributor",
+            "--validator",
+            url,
+            "--key",
+            str(key),
+            "--model",
+            str(tiny_model),
+            "--state-dir",
+            str(tmp_path / "state"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 120
         while not any(isinstance(rec, VerdictRecorded) for _, rec in v.ledger.entries()):
@@ -213,8 +252,9 @@ def test_sigterm_stops_the_contributor_process_cleanly(node, tmp_path: Path, tin
     assert pending == []  # every generated group was answered before it stopped
 
 
-def test_crash_leaves_groups_pending_and_restart_resubmits_them(node, tmp_path: Path,
-                                                                tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
+def test_crash_leaves_groups_pending_and_restart_resubmits_them(
+    node, tmp_path: Path, tiny_model: Path
+) -> None:  # type: ignore[no-untyped-def]
     v, url = node
     both_sent = threading.Barrier(2, timeout=60)
 
@@ -228,7 +268,9 @@ def test_crash_leaves_groups_pending_and_restart_resubmits_them(node, tmp_path: 
         _contributor(crashing, tmp_path, tiny_model, uploads=3).run(groups=2)
     assert not _upload_threads()
     pending = json.loads(_state(tmp_path).read_text())["pending"]
-    assert len(pending) == 2 and {bytes.fromhex(p["group"]) for p in pending} == set(crashing.answers)
+    assert len(pending) == 2 and {bytes.fromhex(p["group"]) for p in pending} == set(
+        crashing.answers
+    )
     size = v.ledger.size()
 
     fresh = Probe(url, _state(tmp_path))
@@ -242,14 +284,18 @@ def test_crash_leaves_groups_pending_and_restart_resubmits_them(node, tmp_path: 
 
 
 @pytest.mark.parametrize("uploads", [1, 2])
-def test_old_single_group_state_is_resubmitted(node, tmp_path: Path, tiny_model: Path, uploads: int) -> None:  # type: ignore[no-untyped-def]
+def test_old_single_group_state_is_resubmitted(
+    node, tmp_path: Path, tiny_model: Path, uploads: int
+) -> None:  # type: ignore[no-untyped-def]
     v, url = node
     offline = Probe(url, _state(tmp_path), send=lambda n: False)  # generated, never sent
     offline.register("alice")
     with pytest.raises(LinkDown):
         _contributor(offline, tmp_path, tiny_model, uploads=1).step()
     [entry] = json.loads(_state(tmp_path).read_text())["pending"]
-    _state(tmp_path).write_text(json.dumps({"assignment": entry["assignment"], "group": entry["group"]}))
+    _state(tmp_path).write_text(
+        json.dumps({"assignment": entry["assignment"], "group": entry["group"]})
+    )
     size = v.ledger.size()
 
     client = Probe(url, _state(tmp_path))
@@ -263,7 +309,9 @@ def test_old_single_group_state_is_resubmitted(node, tmp_path: Path, tiny_model:
 
 
 @pytest.mark.parametrize("reason", [Reason.BANNED_KEY, Reason.UNKNOWN_KEY])
-def test_refused_key_on_a_submitter_stops_run(node, tmp_path: Path, tiny_model: Path, reason: Reason) -> None:  # type: ignore[no-untyped-def]
+def test_refused_key_on_a_submitter_stops_run(
+    node, tmp_path: Path, tiny_model: Path, reason: Reason
+) -> None:  # type: ignore[no-untyped-def]
     _, url = node
 
     def refuse_second(n: int, raw: bytes, answer: object) -> None:
@@ -287,20 +335,43 @@ def test_uploads_below_one_are_refused(node, tmp_path: Path, tiny_model: Path) -
     _, url = node
     with pytest.raises(ConfigError, match="at least 1"):
         _contributor(ValidatorClient(url, ALICE), tmp_path, tiny_model, uploads=0)
-    result = subprocess.run([sys.executable, "-m", "node.cli", "contributor", "--validator", url,
-                             "--key", str(tmp_path / "none.key"), "--model", str(tiny_model),
-                             "--uploads", "0"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "contributor",
+            "--validator",
+            url,
+            "--key",
+            str(tmp_path / "none.key"),
+            "--model",
+            str(tiny_model),
+            "--uploads",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2
     assert "--uploads: must be at least 1" in result.stderr
-    help_text = subprocess.run([sys.executable, "-m", "node.cli", "contributor", "--help"],
-                               capture_output=True, text=True, timeout=60).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "node.cli", "contributor", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    ).stdout
     assert "--uploads N" in help_text and "1 = one at a time" in " ".join(help_text.split())
 
 
 def test_concurrent_state_updates_lose_nothing(node, tmp_path: Path, tiny_model: Path) -> None:  # type: ignore[no-untyped-def]
     _, url = node
     worker = _contributor(ValidatorClient(url, ALICE), tmp_path, tiny_model, uploads=4)
-    entries = [[{"assignment": f"{t:02x}", "group": f"{t:02x}{i:02x}"} for i in range(15)] for t in range(4)]
+    entries = [
+        [{"assignment": f"{t:02x}", "group": f"{t:02x}{i:02x}"} for i in range(15)]
+        for t in range(4)
+    ]
 
     def churn(mine: list[dict[str, str]]) -> None:
         for e in mine:
@@ -314,13 +385,23 @@ def test_concurrent_state_updates_lose_nothing(node, tmp_path: Path, tiny_model:
     for t in threads:
         t.join()
     left = worker.pending()
-    assert sorted(e["group"] for e in left) == sorted(e["group"] for mine in entries for e in mine[1::2])
-    assert all(left.index(a) < left.index(b) for mine in entries for a, b in zip(mine[1::2], mine[3::2], strict=False))
+    assert sorted(e["group"] for e in left) == sorted(
+        e["group"] for mine in entries for e in mine[1::2]
+    )
+    assert all(
+        left.index(a) < left.index(b)
+        for mine in entries
+        for a, b in zip(mine[1::2], mine[3::2], strict=False)
+    )
 
 
 @pytest.mark.parametrize("uploads", [1, 2])
-def test_a_busy_validator_gets_the_group_again_not_a_drop(node, tmp_path: Path, tiny_model: Path,  # type: ignore[no-untyped-def]
-                                                          uploads: int) -> None:
+def test_a_busy_validator_gets_the_group_again_not_a_drop(
+    node,
+    tmp_path: Path,
+    tiny_model: Path,  # type: ignore[no-untyped-def]
+    uploads: int,
+) -> None:
     v, url = node
 
     def busy_first(n: int, raw: bytes, answer: object) -> None:
@@ -331,10 +412,14 @@ def test_a_busy_validator_gets_the_group_again_not_a_drop(node, tmp_path: Path, 
     client.register("alice")
     log: list[str] = []
     size = v.ledger.size()
-    stats = _contributor(client, tmp_path, tiny_model, uploads=uploads, log=log).run(groups=1, idle_s=0.01)
+    stats = _contributor(client, tmp_path, tiny_model, uploads=uploads, log=log).run(
+        groups=1, idle_s=0.01
+    )
 
     assert client.assigns == 1 and client.submits == 2  # the same group, sent twice
-    assert stats.submitted == 1 and stats.accepted == 4 and stats.rejected == 0 and not stats.reasons
+    assert (
+        stats.submitted == 1 and stats.accepted == 4 and stats.rejected == 0 and not stats.reasons
+    )
     assert any(line.startswith("validator busy:") for line in log)
     assert v.ledger.size() > size and json.loads(_state(tmp_path).read_text())["pending"] == []
     recorded = [r for _, r in v.ledger.entries(size) if type(r).__name__ == "VerdictRecorded"]

@@ -23,8 +23,13 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def small(max_staleness: int = NetworkRules().max_staleness, **kw) -> LocalSettings:
-    base = dict(contributors=2, group_size=4, max_tokens=6, groups_per_fetch=2,
-                rules=NetworkRules(max_staleness=max_staleness, audit_rate=1.0))
+    base = dict(
+        contributors=2,
+        group_size=4,
+        max_tokens=6,
+        groups_per_fetch=2,
+        rules=NetworkRules(max_staleness=max_staleness, audit_rate=1.0),
+    )
     return LocalSettings(**{**base, **kw})
 
 
@@ -136,8 +141,14 @@ def test_published_chain_rebuilds_bit_exactly_from_the_ledger(tiny: Path, codec:
             assert torch.equal(value, published[name].detach()), name
         # the published copy is the codec's, not the trainer's weights
         trained = dict(stages[-1].named_parameters())
-        assert any(not torch.equal(trained[n].detach(), published[n].detach()) for n in trained
-                   if n in published) or codec == "fp32"
+        assert (
+            any(
+                not torch.equal(trained[n].detach(), published[n].detach())
+                for n in trained
+                if n in published
+            )
+            or codec == "fp32"
+        )
     finally:
         net.close()
 
@@ -147,8 +158,9 @@ def test_evals_are_recorded_once_their_version_is_announced(tiny: Path) -> None:
     from trainer.evals import EvalReport, Metric
 
     def report(v: float) -> EvalReport:
-        return EvalReport("m", "arithmetic", "heldout", 10,
-                          (Metric("pass@1 (greedy)", v, 0.0, 1.0, 10),))
+        return EvalReport(
+            "m", "arithmetic", "heldout", 10, (Metric("pass@1 (greedy)", v, 0.0, 1.0, 10),)
+        )
 
     net = LocalNetwork(tiny, small(publish_delay=1, max_staleness=2))
     try:

@@ -44,8 +44,10 @@ def _forged(group: GroupSubmission, member: int = 2) -> GroupSubmission:
 
 def _outcome(v: Validator, result: object) -> object:
     if isinstance(result, SubmitResult):
-        return [(x.accepted, x.reason, x.reward) for x in
-                open_group_verdict(result.answer, v.key.public)]
+        return [
+            (x.accepted, x.reason, x.reward)
+            for x in open_group_verdict(result.answer, v.key.public)
+        ]
     assert isinstance(result, Exception)
     return type(result).__name__, getattr(result, "reason", None)
 
@@ -61,7 +63,9 @@ def _prechecked(v: Validator, raw: bytes) -> Prechecked | None:
 
 def _batch(v: Validator, backend, codec) -> list[bytes]:
     """Honest groups, one with a shifted logprob, one with a broken signature, and garbage."""
-    groups = [_group(v, backend, codec, k, shift=0.5 if i == 1 else 0.0) for i, k in enumerate(KEYS)]
+    groups = [
+        _group(v, backend, codec, k, shift=0.5 if i == 1 else 0.0) for i, k in enumerate(KEYS)
+    ]
     groups[3] = _forged(groups[3])
     return [canonical_bytes(g) for g in groups] + [b"\x93garbage"]
 
@@ -72,7 +76,9 @@ def _not_canonical(raw: bytes) -> bytes:
     return b"\xdc\x00\x02" + raw[1:]
 
 
-def test_prechecked_admission_gives_the_outcomes_of_plain_admission(make_validator, backend, codec) -> None:
+def test_prechecked_admission_gives_the_outcomes_of_plain_admission(
+    make_validator, backend, codec
+) -> None:
     plain, pre = make_validator(name="plain"), make_validator(name="pre")
     outcomes = []
     for v, use in ((plain, False), (pre, True)):
@@ -89,12 +95,19 @@ def test_prechecked_admission_gives_the_outcomes_of_plain_admission(make_validat
     honest, shifted, forged, garbage, wide = outcomes[1]
     assert wide == ("DecodeError", Reason.MALFORMED)  # refused as plain admission refuses it
     assert all(acc for acc, _, _ in honest)  # type: ignore[union-attr]
-    assert [r for _, r, _ in shifted] == ["group_rejected", "logprob_mismatch", "group_rejected", "group_rejected"]  # type: ignore[union-attr]
+    assert [r for _, r, _ in shifted] == [
+        "group_rejected",
+        "logprob_mismatch",
+        "group_rejected",
+        "group_rejected",
+    ]  # type: ignore[union-attr]
     assert forged == ("SignatureError", Reason.BAD_SIGNATURE)
     assert garbage[0] == "DecodeError"  # type: ignore[index]
 
 
-def test_a_precheck_is_used_where_admission_would_compute_it(make_validator, backend, codec) -> None:
+def test_a_precheck_is_used_where_admission_would_compute_it(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
     pre = _prechecked(v, raw)
@@ -132,17 +145,35 @@ def test_worker_processes_precheck_as_this_process_does(make_validator, backend,
     local = [precheck(raw, key, problem, v.limits, v.codec) for raw, key, problem in jobs]
     raw_of = {group_digest(raw): raw for raw in raws}
     for r, here in zip(remote, local, strict=True):
-        assert (r.digest, r.key, r.rewards, r.completions) == (here.digest, here.key, here.rewards,
-                                                                here.completions)
+        assert (r.digest, r.key, r.rewards, r.completions) == (
+            here.digest,
+            here.key,
+            here.rewards,
+            here.completions,
+        )
         assert r.rollouts is None  # admission rebuilds them from its own parse of the bytes
         assert (type(r.error), str(r.error)) == (type(here.error), str(here.error))
         if here.error is None:  # what it rebuilds: the rollouts verification gave here
-            rebuilt = _members(decode_group(raw_of[r.digest], v.limits).envelopes, r.key, v.limits, r)
-            assert [(m.rollout.digest, m.rollout.signature, m.rollout.token_ids.tobytes(),
-                     m.rollout.logprobs.tobytes(), m.prescored) for m in rebuilt] \
-                == [(x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes(), score)
-                    for x, score in zip(here.rollouts or [], here.rewards or [], strict=True)]
-    assert isinstance(remote[3].error, SignatureError) and remote[3].error.reason is Reason.BAD_SIGNATURE
+            rebuilt = _members(
+                decode_group(raw_of[r.digest], v.limits).envelopes, r.key, v.limits, r
+            )
+            assert [
+                (
+                    m.rollout.digest,
+                    m.rollout.signature,
+                    m.rollout.token_ids.tobytes(),
+                    m.rollout.logprobs.tobytes(),
+                    m.prescored,
+                )
+                for m in rebuilt
+            ] == [
+                (x.digest, x.signature, x.token_ids.tobytes(), x.logprobs.tobytes(), score)
+                for x, score in zip(here.rollouts or [], here.rewards or [], strict=True)
+            ]
+    assert (
+        isinstance(remote[3].error, SignatureError)
+        and remote[3].error.reason is Reason.BAD_SIGNATURE
+    )
 
 
 def test_an_answer_to_another_check_is_refused(make_validator, backend, codec) -> None:
@@ -184,7 +215,9 @@ async def _gather(pool: PrecheckPool, jobs: list) -> list[Prechecked]:
     return list(await asyncio.gather(*(pool.check(*job) for job in jobs)))
 
 
-def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_validator, backend, codec) -> None:
+def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     raw = canonical_bytes(_group(v, backend, codec, KEYS[0]))
     job = (raw, *v.precheck_job(raw))  # type: ignore[misc]
@@ -207,8 +240,9 @@ def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_valida
         # a worker killed holding two checks fails both; the other one answers the next
         # (the three are handed out in one turn of the event loop, before it can see the loss)
         first.proc.kill()
-        held = await asyncio.gather(pool.check(*job), pool.check(*job), pool.check(*job),
-                                    return_exceptions=True)
+        held = await asyncio.gather(
+            pool.check(*job), pool.check(*job), pool.check(*job), return_exceptions=True
+        )
         assert [isinstance(r, (EOFError, OSError)) for r in held] == [True, False, True]
         assert pool.live == 1 and not first.alive
         assert (await pool.check(*job)).rewards is not None
@@ -221,7 +255,9 @@ def test_a_lost_worker_fails_the_checks_it_held_and_the_pool_goes_on(make_valida
     _run_then_close(pool, scenario)
 
 
-def test_one_worker_holds_several_checks_and_answers_each_its_own(make_validator, backend, codec) -> None:
+def test_one_worker_holds_several_checks_and_answers_each_its_own(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     raws = _batch(v, backend, codec)[:4]
     jobs = [(raw, *v.precheck_job(raw)) for raw in raws]  # type: ignore[misc]
@@ -254,7 +290,9 @@ def test_closing_the_pool_fails_the_checks_it_still_holds(make_validator, backen
     async def scenario() -> list:
         await worker.attach()
         checks = [asyncio.ensure_future(pool.check(*job)) for _ in range(4)]
-        await asyncio.sleep(0)  # one turn: all four are sent, and no answer can be read before the next
+        await asyncio.sleep(
+            0
+        )  # one turn: all four are sent, and no answer can be read before the next
         assert len(worker.pending) == 4 and not any(c.done() for c in checks)
         pool.close()
         return await asyncio.wait_for(asyncio.gather(*checks, return_exceptions=True), 10)
@@ -264,8 +302,12 @@ def test_closing_the_pool_fails_the_checks_it_still_holds(make_validator, backen
 
 
 def test_verification_errors_pickle_as_they_were() -> None:
-    err = SignatureError("envelope is signed by another contributor", reason=Reason.WRONG_SIGNER,
-                         expected=b"\x01" * 32, computed=b"\x02" * 32)
+    err = SignatureError(
+        "envelope is signed by another contributor",
+        reason=Reason.WRONG_SIGNER,
+        expected=b"\x01" * 32,
+        computed=b"\x02" * 32,
+    )
     back = pickle.loads(pickle.dumps(err))
     assert type(back) is SignatureError and back.reason is Reason.WRONG_SIGNER
     assert str(back) == str(err) and back.expected == err.expected and back.computed == err.computed
@@ -312,7 +354,9 @@ def test_admission_queue_reports_each_batch_and_a_broken_report_fails_nothing() 
             pass
         return [i * 10 for i in items]
 
-    q: AdmissionQueue[int] = AdmissionQueue(admit, threads=1, max_batch=8, observe=lambda *r: reports.append(r))
+    q: AdmissionQueue[int] = AdmissionQueue(
+        admit, threads=1, max_batch=8, observe=lambda *r: reports.append(r)
+    )
     assert q.submit(1).result(10) == 10
     assert [f.result(10) for f in [q.submit(2), q.submit(3)]] == [20, 30]
     q.close()
@@ -329,8 +373,9 @@ def test_admission_queue_reports_each_batch_and_a_broken_report_fails_nothing() 
 
 
 def test_a_node_with_precheck_processes_over_http(make_validator, backend, codec) -> None:
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
-                        "node.admission_processes": 1})
+    v = make_validator(
+        {"limits.requests_per_s": 1000.0, "limits.burst": 1000, "node.admission_processes": 1}
+    )
     with BackgroundServer(create_app(v)) as url:
         alice = ValidatorClient(url, ALICE)
         alice.register("alice")
@@ -362,5 +407,10 @@ def test_a_worker_loads_the_reward_functions_and_freezes_its_heap_before_it_is_r
         after = [m for m in ("rewards.code", "rewards.countdown", "rewards.numeric") if m in sys.modules]
         print(before, after, Broken.calls, gc.get_freeze_count() > 0)
     """)
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.split("\n")[0] == "[] ['rewards.code', 'rewards.countdown', 'rewards.numeric'] 1 True"
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert (
+        out.stdout.split("\n")[0]
+        == "[] ['rewards.code', 'rewards.countdown', 'rewards.numeric'] 1 True"
+    )

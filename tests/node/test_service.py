@@ -31,8 +31,13 @@ def live(make_validator):
 
 @contextlib.contextmanager
 def _serving(make_validator, processes: int = 0):  # type: ignore[no-untyped-def]
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000,
-                        "node.admission_processes": processes})
+    v = make_validator(
+        {
+            "limits.requests_per_s": 1000.0,
+            "limits.burst": 1000,
+            "node.admission_processes": processes,
+        }
+    )
     with BackgroundServer(create_app(v, TRAINER.public)) as url:
         yield v, url
 
@@ -72,7 +77,9 @@ def test_contributor_round_trip_and_trainer_stream(live, backend, codec) -> None
     assert health["ok"] and health["ledger_size"] == v.ledger.size()
     metrics = httpx.get(f"{url}/metrics").text
     assert 'prooftrain_verify_verdicts_total{accepted="true",reason="accepted"} 8.0' in metrics
-    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
+    values = dict(
+        line.rsplit(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#")
+    )
     assert float(values["prooftrain_verify_admission_batch_groups_sum"]) == 4  # resubmissions too
     assert 1 <= float(values["prooftrain_verify_admission_batch_groups_count"]) <= 4
     busy = float(values["prooftrain_verify_admission_busy_seconds_total"])
@@ -81,8 +88,12 @@ def test_contributor_round_trip_and_trainer_stream(live, backend, codec) -> None
     assert {"/v1/submit", "/v1/assign", "/v1/samples", "/healthz"} <= set(spec["paths"])
 
 
-def test_the_direct_submit_route_answers_as_the_framework_route(make_validator, backend, codec) -> None:
-    v = make_validator({"limits.requests_per_s": 1000.0, "limits.burst": 1000, "limits.max_body_bytes": 65_536})
+def test_the_direct_submit_route_answers_as_the_framework_route(
+    make_validator, backend, codec
+) -> None:
+    v = make_validator(
+        {"limits.requests_per_s": 1000.0, "limits.burst": 1000, "limits.max_body_bytes": 65_536}
+    )
     app = create_app(v, TRAINER.public)
     direct = dict(app.direct)
     assert set(direct) == {("POST", "/v1/submit")}
@@ -92,15 +103,26 @@ def test_the_direct_submit_route_answers_as_the_framework_route(make_validator, 
         for routes in (direct, {}):  # served directly, then through FastAPI's routing
             app.direct = routes
             r = httpx.request(method, f"{url}/v1/submit", content=content)
-            answers.append((r.status_code, r.headers.get("content-type"), r.headers.get("retry-after"),
-                            r.content))
+            answers.append(
+                (
+                    r.status_code,
+                    r.headers.get("content-type"),
+                    r.headers.get("retry-after"),
+                    r.content,
+                )
+            )
         return answers
 
     with BackgroundServer(app) as url:
         alice = ValidatorClient(url, ALICE)
         alice.register("alice")
         group = canonical_bytes(answer(ALICE, alice.assign(), v.key.public, backend, codec))
-        for content in (b"", b"\x93garbage", b"x" * 65_537, group):  # the group: admitted, then its stored answer
+        for content in (
+            b"",
+            b"\x93garbage",
+            b"x" * 65_537,
+            group,
+        ):  # the group: admitted, then its stored answer
             first, second = both(content)
             assert first == second, content[:20]
         assert first[0] == 200 and len(v.samples(0).samples) == 4
@@ -116,7 +138,10 @@ def test_a_client_that_leaves_mid_body_leaves_the_node_serving(live) -> None:
     where = urlsplit(url)
     for _ in range(3):
         with socket.create_connection((where.hostname, where.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n" + b"\x93" * 100)
+            sock.sendall(
+                b"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: 5000\r\n\r\n"
+                + b"\x93" * 100
+            )
     r = httpx.post(f"{url}/v1/submit", content=b"\x93garbage")
     assert r.status_code == 400 and r.json()["reason"] in {"malformed", "truncated"}
     assert verify_ledger(v.ledger.store, log_key=v.ledger.verifier).ok
@@ -155,8 +180,10 @@ def test_bogus_content_length_headers_are_refused(live) -> None:
     port = int(url.rsplit(":", 1)[1])
     for value in ("-1", "abc", "99999999999", "10"):
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(f"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: {value}\r\n"
-                         "Connection: close\r\n\r\nabc".encode())
+            sock.sendall(
+                f"POST /v1/submit HTTP/1.1\r\nHost: x\r\nContent-Length: {value}\r\n"
+                "Connection: close\r\n\r\nabc".encode()
+            )
             sock.shutdown(socket.SHUT_WR)
             reply = sock.recv(200).decode(errors="replace")
         status = int(reply.split()[1]) if reply.startswith("HTTP/1.1") else 400
@@ -164,14 +191,24 @@ def test_bogus_content_length_headers_are_refused(live) -> None:
     assert httpx.get(f"{url}/healthz").status_code == 200
 
 
-ENDPOINTS = [("POST", "/v1/submit"), ("POST", "/v1/register"), ("POST", "/v1/assign"),
-             ("POST", "/v1/policy"), ("POST", "/v1/blobs"), ("GET", "/v1/samples"),
-             ("GET", "/v1/policy/1"), ("GET", "/v1/blobs/00")]
+ENDPOINTS = [
+    ("POST", "/v1/submit"),
+    ("POST", "/v1/register"),
+    ("POST", "/v1/assign"),
+    ("POST", "/v1/policy"),
+    ("POST", "/v1/blobs"),
+    ("GET", "/v1/samples"),
+    ("GET", "/v1/policy/1"),
+    ("GET", "/v1/blobs/00"),
+]
 
 
-@pytest.mark.parametrize("method,path,processes",
-                         [(m, p, 0) for m, p in ENDPOINTS] + [("POST", "/v1/submit", 1)])
-def test_fuzzed_bodies_never_cause_a_500(make_validator, backend, codec, method, path, processes) -> None:
+@pytest.mark.parametrize(
+    "method,path,processes", [(m, p, 0) for m, p in ENDPOINTS] + [("POST", "/v1/submit", 1)]
+)
+def test_fuzzed_bodies_never_cause_a_500(
+    make_validator, backend, codec, method, path, processes
+) -> None:
     with _serving(make_validator, processes) as (v, url):
         _fuzz(v, url, backend, codec, method, path)
         if processes:  # the hostile bodies went through the worker process, which survived them
@@ -204,6 +241,7 @@ def _fuzz(v, url: str, backend, codec, method: str, path: str) -> None:  # type:
             import time
 
             from node.validator.auth import sign_request
+
             headers = sign_request(ALICE, method, path, body, time.time_ns() // 1_000_000)
         r = client.request(method, path, content=body, headers=headers)
         assert r.status_code < 500, (r.status_code, r.text)

@@ -80,18 +80,32 @@ def _jobs(make_validator, backend, codec, n: int, tamper: int | None = None) -> 
             lps = np.array(c.logprobs, dtype=np.float32)
             if i == tamper and c.group_index == 1:
                 lps[0] -= 0.05
-            rollouts.append(verify_envelope(build_envelope(key, header_fields(a, c.group_index, 1),
-                                                           c.token_ids, lps, 32)))
+            rollouts.append(
+                verify_envelope(
+                    build_envelope(key, header_fields(a, c.group_index, 1), c.token_ids, lps, 32)
+                )
+            )
         jobs.append(SpotJob(rollouts, prompt, SECRET))
     return jobs
 
 
-def test_batched_spot_checks_give_each_group_its_own_verdicts(make_validator, backend, codec, tiny_model) -> None:
+def test_batched_spot_checks_give_each_group_its_own_verdicts(
+    make_validator, backend, codec, tiny_model
+) -> None:
     jobs = _jobs(make_validator, backend, codec, 5, tamper=2)
     oracle = TransformersOracle({0: tiny_model}, min_prefix_savings=0)
     batched = spot_check_jobs(jobs, oracle, 2, FLOAT32_TOLERANCE)
-    alone = [spot_check_group(j.rollouts, j.prompt_ids, TransformersOracle({0: tiny_model}), SECRET, 2,
-                              FLOAT32_TOLERANCE) for j in jobs]
+    alone = [
+        spot_check_group(
+            j.rollouts,
+            j.prompt_ids,
+            TransformersOracle({0: tiny_model}),
+            SECRET,
+            2,
+            FLOAT32_TOLERANCE,
+        )
+        for j in jobs
+    ]
     assert len(batched) == len(jobs)
     for j, (got, want) in enumerate(zip(batched, alone, strict=True)):
         assert len(got) == len(want) == len(jobs[j].rollouts)
@@ -105,7 +119,12 @@ def test_batched_spot_checks_give_each_group_its_own_verdicts(make_validator, ba
                 np.testing.assert_allclose(g.recomputed, w.recomputed, atol=1e-5)
                 np.testing.assert_allclose(g.pit, w.pit, atol=1e-5)
     # Only the tampered member of the tampered group fails; its neighbours in the batch pass.
-    failed = [(j, k) for j, rs in enumerate(batched) for k, r in enumerate(rs) if isinstance(r, SpotCheckFailed)]
+    failed = [
+        (j, k)
+        for j, rs in enumerate(batched)
+        for k, r in enumerate(rs)
+        if isinstance(r, SpotCheckFailed)
+    ]
     assert failed == [(2, 1)]
 
 
@@ -125,7 +144,9 @@ class GatedOracle:
         return self.inner.logits_batch(version, seqs)
 
 
-def test_concurrent_submissions_share_spot_check_passes(make_validator, backend, codec, tiny_model) -> None:
+def test_concurrent_submissions_share_spot_check_passes(
+    make_validator, backend, codec, tiny_model
+) -> None:
     v = make_validator()
     oracle = v.oracle = GatedOracle(TransformersOracle({0: tiny_model}))
     groups: list[GroupSubmission] = []
@@ -133,8 +154,12 @@ def test_concurrent_submissions_share_spot_check_passes(make_validator, backend,
         v.register(key.public.raw, "c")
         groups.append(answer(key, v.assign(key.public.raw), v.key.public, backend, codec))
     results: dict[int, list] = {}
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, v.submit(canonical_bytes(groups[i]))))
-               for i in range(len(groups))]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.__setitem__(i, v.submit(canonical_bytes(groups[i])))
+        )
+        for i in range(len(groups))
+    ]
     threads[0].start()
     oracle.running.wait()
     for t in threads[1:]:

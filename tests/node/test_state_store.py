@@ -60,7 +60,8 @@ def test_bodies_and_epoch_secrets_are_fsynced_answers_are_not(tmp_path: Path) ->
 
 
 def test_bodies_are_fsynced_while_they_are_indexed_and_a_failed_fsync_fails_the_write(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = StateStore(tmp_path / "state.sqlite")
     events: list[str] = []
     store._db.set_trace_callback(lambda sql: events.append(sql) if sql == "COMMIT" else None)
@@ -108,7 +109,9 @@ def test_a_failed_durable_write_stores_nothing_and_restores_the_level(tmp_path: 
     assert store.sample(b"d" * 32, A) is None
     assert (tmp_path / "state.sqlite.bodies").stat().st_size == 0
     with pytest.raises(sqlite3.Error):  # the index fails: no body is indexed, the level is restored
-        store.put_samples([(A, [(b"d" * 32, b"body"), (b"e" * 32, b"other")])], [(object(), A, [b"c" * 32])])  # type: ignore[list-item]
+        store.put_samples(
+            [(A, [(b"d" * 32, b"body"), (b"e" * 32, b"other")])], [(object(), A, [b"c" * 32])]
+        )  # type: ignore[list-item]
     assert store.sample(b"d" * 32, A) is None and store.sample(b"e" * 32, A) is None
     assert _level(store) == 1
     store.put_samples([(A, [(b"d" * 32, b"body")])], [])
@@ -124,14 +127,18 @@ def test_bodies_live_in_their_own_file_and_survive_a_torn_tail(tmp_path: Path) -
     assert bodies.stat().st_mode & 0o777 == 0o600
     assert bodies.stat().st_size == sum(len(b) for _, b in first)
     assert store._db.execute("SELECT COUNT(*) FROM samples").fetchone()[0] == 0  # no body in SQLite
-    assert store._db.execute("SELECT COUNT(*) FROM group_bodies").fetchone()[0] == 2  # a row per group
+    assert (
+        store._db.execute("SELECT COUNT(*) FROM group_bodies").fetchone()[0] == 2
+    )  # a row per group
     assert store.sample(first[3][0], A) is None  # a member of another group
     store.close()
     with bodies.open("ab") as f:  # a crash in the middle of an append: bytes nothing indexes
         f.write(b"torn")
     store = StateStore(path)
     store.put_samples([(b"n" * 16, [(b"n" * 32, b"after the tear")])], [])
-    assert [store.sample(d, A if i < 3 else B) for i, (d, _) in enumerate(first)] == [b for _, b in first]
+    assert [store.sample(d, A if i < 3 else B) for i, (d, _) in enumerate(first)] == [
+        b for _, b in first
+    ]
     assert store.sample(b"n" * 32, b"n" * 16) == b"after the tear"
     assert store.sample(b"x" * 32, A) is None and store.sample(b"n" * 32, A) is None
     store.close()
@@ -149,7 +156,9 @@ def test_bodies_stored_as_rows_or_indexed_one_by_one_are_still_served(tmp_path: 
     assert store.sample(b"r" * 32, A) == b"a row"
     store.put_samples([(A, [(b"d" * 32, b"first")])], [])
     os.write(store._bodies, b"indexed alone")  # as a node indexed each body before
-    store._db.execute("INSERT INTO bodies VALUES (?, ?, ?)", (b"o" * 32, len(b"first"), len(b"indexed alone")))
+    store._db.execute(
+        "INSERT INTO bodies VALUES (?, ?, ?)", (b"o" * 32, len(b"first"), len(b"indexed alone"))
+    )
     assert store.sample(b"o" * 32, B) == b"indexed alone"
     assert store.sample(b"d" * 32, A) == b"first"
 
@@ -174,11 +183,16 @@ def test_a_new_store_keeps_a_groups_completions_in_one_row_under_its_prompt(tmp_
         store.put_samples([], [(P, B, [b"short"])])
     store.close()
     db = sqlite3.connect(tmp_path / "state.sqlite")
-    sql = db.execute("SELECT sql FROM sqlite_master WHERE name = 'prompt_completions'").fetchone()[0]
-    indexes = db.execute("SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'prompt_completions'")
+    sql = db.execute("SELECT sql FROM sqlite_master WHERE name = 'prompt_completions'").fetchone()[
+        0
+    ]
+    indexes = db.execute(
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name = 'prompt_completions'"
+    )
     assert "WITHOUT ROWID" in sql and indexes.fetchall() == []
-    assert db.execute("SELECT prompt_digest, assignment_id, digests FROM prompt_completions").fetchall() == [
-        (P, A, b"".join(group))]
+    assert db.execute(
+        "SELECT prompt_digest, assignment_id, digests FROM prompt_completions"
+    ).fetchall() == [(P, A, b"".join(group))]
     assert db.execute("SELECT COUNT(*) FROM completions").fetchone()[0] == 0
     db.close()
 
@@ -195,6 +209,8 @@ def test_a_completion_is_seen_only_under_another_assignment(tmp_path: Path) -> N
     wanted = [b"c" * 32, b"o" * 32, b"z" * 32]
     assert store.seen_completions(P, wanted, b"a" * 16) == {b"o" * 32}  # its own is no copy
     assert store.seen_completions(P, wanted, b"b" * 16) == {b"c" * 32, b"o" * 32}
-    store._db.execute("INSERT INTO completions VALUES (?, ?)", (b"m" * 32, b"a" * 16))  # a row from before
+    store._db.execute(
+        "INSERT INTO completions VALUES (?, ?)", (b"m" * 32, b"a" * 16)
+    )  # a row from before
     assert store.seen_completions(P, [b"m" * 32], b"a" * 16) == set()
     assert store.seen_completions(P, [b"m" * 32], b"b" * 16) == {b"m" * 32}

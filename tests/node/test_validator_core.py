@@ -37,8 +37,10 @@ def honest_group(v: Validator, backend, codec, key=HONEST) -> GroupSubmission:
 def resign(key: SigningKey, v: Validator, sealed, completions) -> GroupSubmission:
     """Sign arbitrary (tokens, logprobs) pairs as answers to an assignment."""
     a = open_assignment(sealed, v.key.public, key.public)
-    envs = [build_envelope(key, header_fields(a, g, 1), toks, lps, 32)
-            for g, (toks, lps) in enumerate(completions)]
+    envs = [
+        build_envelope(key, header_fields(a, g, 1), toks, lps, 32)
+        for g, (toks, lps) in enumerate(completions)
+    ]
     return GroupSubmission(a.assignment_id, envs)
 
 
@@ -73,26 +75,37 @@ def test_honest_groups_are_accepted_scored_and_streamed(make_validator, backend,
     assert len(batch.samples) == 12
     indices = [s.ledger_index for s in batch.samples]
     assert indices == sorted(indices)
-    assert all(isinstance(rec, VerdictRecorded) and rec.accepted
-               for i, rec in v.ledger.entries() if i in set(indices))
+    assert all(
+        isinstance(rec, VerdictRecorded) and rec.accepted
+        for i, rec in v.ledger.entries()
+        if i in set(indices)
+    )
     assert v.samples(batch.next_cursor).samples == []
     assert not v.ledger.is_banned(HONEST.public.raw)
 
 
-def test_a_damaged_bodies_file_is_reported_not_served(make_validator, backend, codec, tmp_path) -> None:
+def test_a_damaged_bodies_file_is_reported_not_served(
+    make_validator, backend, codec, tmp_path
+) -> None:
     v = make_validator()
     v.submit(canonical_bytes(honest_group(v, backend, codec)))
     first, second = v.samples(0).samples[:2]
     db = v.state._db
-    (digests,) = db.execute("SELECT digests FROM group_bodies WHERE assignment_id = ?",
-                            (first.assignment_id,)).fetchone()
+    (digests,) = db.execute(
+        "SELECT digests FROM group_bodies WHERE assignment_id = ?", (first.assignment_id,)
+    ).fetchone()
     swapped_digests = digests[32:64] + digests[:32] + digests[64:]
-    db.execute("UPDATE group_bodies SET digests = ? WHERE assignment_id = ?",
-               (swapped_digests, first.assignment_id))  # the first's index now finds the second's body
+    db.execute(
+        "UPDATE group_bodies SET digests = ? WHERE assignment_id = ?",
+        (swapped_digests, first.assignment_id),
+    )  # the first's index now finds the second's body
     with pytest.raises(VerificationError, match="belongs to another envelope") as swapped:
         v.samples(0)
     assert swapped.value.reason is Reason.LEDGER_CORRUPT
-    db.execute("UPDATE group_bodies SET digests = ? WHERE assignment_id = ?", (digests, first.assignment_id))
+    db.execute(
+        "UPDATE group_bodies SET digests = ? WHERE assignment_id = ?",
+        (digests, first.assignment_id),
+    )
     bodies = tmp_path / "v.state.sqlite.bodies"
     bodies.write_bytes(bodies.read_bytes()[:-5])  # cut short: the last body ends past the file
     with pytest.raises(VerificationError, match="unreadable") as cut:
@@ -100,7 +113,9 @@ def test_a_damaged_bodies_file_is_reported_not_served(make_validator, backend, c
     assert cut.value.reason is Reason.LEDGER_CORRUPT
 
 
-def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator, backend, codec) -> None:
+def test_resubmission_is_idempotent_and_other_content_is_a_replay(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     group = honest_group(v, backend, codec)
     first = v.submit(canonical_bytes(group))
@@ -113,7 +128,9 @@ def test_resubmission_is_idempotent_and_other_content_is_a_replay(make_validator
     assert exc.value.reason is Reason.REPLAY
 
 
-def test_one_signature_covers_the_group_and_names_its_submission(make_validator, backend, codec) -> None:
+def test_one_signature_covers_the_group_and_names_its_submission(
+    make_validator, backend, codec
+) -> None:
     v = make_validator()
     raw = canonical_bytes(honest_group(v, backend, codec))
     answer_ = v.submit(raw)
@@ -129,8 +146,9 @@ def assignment_of(raw: bytes) -> bytes:
     return decode(GroupSubmission, raw, max_bytes=len(raw)).assignment_id
 
 
-def test_an_answer_stored_verdict_by_verdict_is_served_as_one_group_verdict(make_validator, backend,
-                                                                              codec) -> None:
+def test_an_answer_stored_verdict_by_verdict_is_served_as_one_group_verdict(
+    make_validator, backend, codec
+) -> None:
     """A state store holding an answer as a list of singly signed verdicts (as this node
     stored them before it signed them per group) answers a resubmission with the same
     verdicts, signed once; an unreadable stored answer is reported, never served."""
@@ -149,8 +167,9 @@ def test_an_answer_stored_verdict_by_verdict_is_served_as_one_group_verdict(make
     assert corrupt.value.reason is Reason.LEDGER_CORRUPT
 
 
-def test_a_group_whose_write_failed_is_admitted_when_sent_again(make_validator, backend, codec,
-                                                                 monkeypatch) -> None:
+def test_a_group_whose_write_failed_is_admitted_when_sent_again(
+    make_validator, backend, codec, monkeypatch
+) -> None:
     """Its bodies and completions are stored before the ledger write that fails (a node that
     stops there): the same group again is no copy of itself, and is neither refused nor slashed."""
     v = make_validator()
@@ -172,7 +191,8 @@ def test_a_group_whose_write_failed_is_admitted_when_sent_again(make_validator, 
 
 
 def test_a_group_whose_bodies_failed_to_reach_the_disk_has_no_verdict_and_is_admitted_again(
-        make_validator, backend, codec, monkeypatch) -> None:
+    make_validator, backend, codec, monkeypatch
+) -> None:
     """The ledger transaction commits only once the bodies are fsync'd: a failed fsync rolls
     back the verdicts written beside it."""
     v = make_validator()
@@ -192,7 +212,9 @@ def test_a_group_whose_bodies_failed_to_reach_the_disk_has_no_verdict_and_is_adm
     assert [x.accepted for x in got] == [True] * 4 and len(v.samples(0).samples) == 4
 
 
-def test_tampered_logprobs_are_caught_and_slashed(make_validator, backend, codec, tiny_model) -> None:
+def test_tampered_logprobs_are_caught_and_slashed(
+    make_validator, backend, codec, tiny_model
+) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
     forged = []
@@ -203,13 +225,18 @@ def test_tampered_logprobs_are_caught_and_slashed(make_validator, backend, codec
     assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.LOGPROB_MISMATCH}
     assert v.ledger.is_banned(CHEAT.public.raw)
     oracle = TransformersOracle({0: tiny_model})
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle) is Reason.LOGPROB_MISMATCH
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle)
+        is Reason.LOGPROB_MISMATCH
+    )
     with pytest.raises(AdmissionError) as exc:
         v.assign(CHEAT.public.raw)
     assert exc.value.reason is Reason.BANNED_KEY
 
 
-def test_fabricated_tokens_with_honest_logprobs_fail_replay(make_validator, backend, codec, tiny_model) -> None:
+def test_fabricated_tokens_with_honest_logprobs_fail_replay(
+    make_validator, backend, codec, tiny_model
+) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
     oracle = TransformersOracle({0: tiny_model})
@@ -217,17 +244,22 @@ def test_fabricated_tokens_with_honest_logprobs_fail_replay(make_validator, back
     target = codec.encode("123")[1:]  # the answer the cheat wants to plant
     forged = []
     for c in comps:
-        rest = list(c.token_ids[len(target):]) or [codec.eos_token_id]  # within the stopping rule
+        rest = list(c.token_ids[len(target) :]) or [codec.eos_token_id]  # within the stopping rule
         toks = (list(target) + rest)[: a.sampling.max_tokens]
         s = a.sampling
         lps = oracle.logprobs(0, prompt + toks, len(prompt), s.temperature, s.top_k, s.top_p)
         forged.append((toks, lps))
     reasons = rejected_reason(v, resign(CHEAT, v, sealed, forged))
     assert reasons == {Reason.SAMPLER_REPLAY_MISMATCH}
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle) is Reason.SAMPLER_REPLAY_MISMATCH
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle)
+        is Reason.SAMPLER_REPLAY_MISMATCH
+    )
 
 
-def test_a_different_model_claiming_the_current_version_is_caught(make_validator, codec, other_model) -> None:
+def test_a_different_model_claiming_the_current_version_is_caught(
+    make_validator, codec, other_model
+) -> None:
     v = make_validator()
     wrong = TransformersBackend(other_model)
     sealed, a, comps = cheat_assignment(v, wrong, codec)
@@ -235,15 +267,19 @@ def test_a_different_model_claiming_the_current_version_is_caught(make_validator
     assert rejected_reason(v, group) == {Reason.LOGPROB_MISMATCH}
 
 
-def test_greedy_decoding_claiming_temperature_one_is_caught(make_validator, backend, codec, tiny_model) -> None:
+def test_greedy_decoding_claiming_temperature_one_is_caught(
+    make_validator, backend, codec, tiny_model
+) -> None:
     v = make_validator()
     sealed, a, _ = cheat_assignment(v, backend, codec)
     req = generation_request(a, codec.encode(a.prompt), CHEAT.public, [codec.eos_token_id])
     greedy = backend.generate(dataclasses.replace(req, temperature=0.0))
     oracle = TransformersOracle({0: tiny_model})
     prompt = codec.encode(a.prompt)
-    forged = [(c.token_ids, oracle.logprobs(0, prompt + list(c.token_ids), len(prompt), 1.0, 0, 1.0))
-              for c in greedy]
+    forged = [
+        (c.token_ids, oracle.logprobs(0, prompt + list(c.token_ids), len(prompt), 1.0, 0, 1.0))
+        for c in greedy
+    ]
     assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.SAMPLER_REPLAY_MISMATCH}
 
 
@@ -255,7 +291,9 @@ def test_replayed_group_under_a_new_assignment_is_slashed(make_validator, backen
     replay = GroupSubmission(fresh.assignment_id, old.envelopes)
     # the new assignment names another prompt than the one the old envelopes commit to
     assert rejected_reason(v, replay) == {Reason.WRONG_PROMPT}
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.WRONG_PROMPT
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.WRONG_PROMPT
+    )
 
 
 def test_someone_elses_envelopes_are_refused_unattributed(make_validator, backend, codec) -> None:
@@ -271,8 +309,9 @@ def test_someone_elses_envelopes_are_refused_unattributed(make_validator, backen
 
 
 @pytest.mark.parametrize("member", [0, -1])
-def test_a_broken_signature_is_refused_with_its_reason(make_validator, backend, codec,
-                                                      member: int) -> None:
+def test_a_broken_signature_is_refused_with_its_reason(
+    make_validator, backend, codec, member: int
+) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
     group = resign(CHEAT, v, sealed, [(c.token_ids, c.logprobs) for c in comps])
@@ -293,8 +332,10 @@ def test_cross_key_copy_is_caught(make_validator, backend, codec) -> None:
     donor = honest_group(v, backend, codec)
     v.submit(canonical_bytes(donor))
     sealed, a, _ = cheat_assignment(v, backend, codec)
-    copied = [(np.frombuffer(e.body.token_ids, "<u4"), np.frombuffer(e.body.logprobs, "<f4"))
-              for e in donor.envelopes]
+    copied = [
+        (np.frombuffer(e.body.token_ids, "<u4"), np.frombuffer(e.body.logprobs, "<f4"))
+        for e in donor.envelopes
+    ]
     # re-signed under the cheat's own assignment: the donor's logprobs are not this prompt's
     assert rejected_reason(v, resign(CHEAT, v, sealed, copied)) == {Reason.LOGPROB_MISMATCH}
 
@@ -302,10 +343,20 @@ def test_cross_key_copy_is_caught(make_validator, backend, codec) -> None:
 def test_wrong_prompt_is_slashed_with_offline_evidence(make_validator, backend, codec) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
-    envs = [build_envelope(CHEAT, {**header_fields(a, c.group_index, 1), "prompt_id": "train/other"},
-                           c.token_ids, c.logprobs, 32) for c in comps]
+    envs = [
+        build_envelope(
+            CHEAT,
+            {**header_fields(a, c.group_index, 1), "prompt_id": "train/other"},
+            c.token_ids,
+            c.logprobs,
+            32,
+        )
+        for c in comps
+    ]
     assert rejected_reason(v, GroupSubmission(a.assignment_id, envs)) == {Reason.WRONG_PROMPT}
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.WRONG_PROMPT
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.WRONG_PROMPT
+    )
 
 
 def test_missing_group_member_is_rejected_without_slash(make_validator, backend, codec) -> None:
@@ -339,7 +390,10 @@ def test_state_survives_a_restart(make_validator, backend, codec) -> None:
     again = make_validator(name="r")
     got = verdicts(again, again.submit(canonical_bytes(group)))
     assert all(x.accepted for x in got)
-    epochs = [(type(r).__name__, r.epoch) for _, r in again.ledger.entries()
-              if type(r).__name__ in ("EpochCommitted", "EpochRevealed")]
+    epochs = [
+        (type(r).__name__, r.epoch)
+        for _, r in again.ledger.entries()
+        if type(r).__name__ in ("EpochCommitted", "EpochRevealed")
+    ]
     # the interrupted epoch is revealed on restart and numbering continues
     assert epochs == [("EpochCommitted", 1), ("EpochRevealed", 1), ("EpochCommitted", 2)]

@@ -26,8 +26,14 @@ ALICE = SigningKey.from_seed(b"\x0a" * 32)
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=_env())
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(),
+    )
 
 
 def _env() -> dict[str, str]:
@@ -46,15 +52,19 @@ def _node_dir(tmp_path: Path, tiny_model: Path) -> Path:
     (work / "validator.toml").write_text(
         f'[node]\nledger = "ledger.sqlite"\ntrainer_key = "trainer.pub"\nadmission_processes = 0\n'
         f'[policy]\nmodel_dir = "{tiny_model}"\n[task]\npool = 64\n'
-        f'[assignment]\nmax_tokens = 8\n[audit]\ntolerance_file = "tolerance.json"\n')
+        f'[assignment]\nmax_tokens = 8\n[audit]\ntolerance_file = "tolerance.json"\n'
+    )
     return work
 
 
 def _files(root: Path) -> dict[str, tuple[int, int]]:
     """Every file's size and modification time; SQLite's -wal and -shm files, which a reader of a
     WAL database opens (empty) and which hold no data of their own, left out."""
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in root.rglob("*") if p.is_file() and not p.name.endswith(("-wal", "-shm"))}
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in root.rglob("*")
+        if p.is_file() and not p.name.endswith(("-wal", "-shm"))
+    }
 
 
 def test_the_shipped_config_lists_every_setting() -> None:
@@ -64,11 +74,14 @@ def test_the_shipped_config_lists_every_setting() -> None:
         block = re.search(rf"^\[{name}\]\n(.*?)(?=^\[|\Z)", text, flags=re.M | re.S)
         assert block, f"[{name}] is missing"
         for field in section.annotation.model_fields:  # type: ignore[union-attr]
-            assert re.search(rf"^#? ?{field} = ", block.group(1), flags=re.M), f"{name}.{field} is missing"
+            assert re.search(rf"^#? ?{field} = ", block.group(1), flags=re.M), (
+                f"{name}.{field} is missing"
+            )
 
 
-def test_check_prints_what_it_read_and_changes_nothing(tmp_path: Path, tiny_model: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_check_prints_what_it_read_and_changes_nothing(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     work = _node_dir(tmp_path, tiny_model)
     monkeypatch.chdir(work)
     # A node that ran once: the ledger exists, with entries and a checkpoint.
@@ -103,17 +116,36 @@ def _key(work: Path) -> SigningKey:
     return load_signing_key(work / "keys" / "validator.key", None)
 
 
-def test_sigterm_signs_a_final_checkpoint_and_the_node_logs_and_counts(tmp_path: Path,
-                                                                       tiny_model: Path) -> None:
+def test_sigterm_signs_a_final_checkpoint_and_the_node_logs_and_counts(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     from ledger.storage import open_store
     from node.client import ServiceError, ValidatorClient
     from node.validator.server import free_port, wait_healthy
 
     work = _node_dir(tmp_path, tiny_model)
     port = free_port()
-    node = subprocess.Popen([sys.executable, "-m", "node.cli", "validator", "--config", "validator.toml",
-                             "--port", str(port), "--log-format", "json", "--summary-s", "1"],
-                            cwd=work, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    node = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "validator",
+            "--config",
+            "validator.toml",
+            "--port",
+            str(port),
+            "--log-format",
+            "json",
+            "--summary-s",
+            "1",
+        ],
+        cwd=work,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     try:
         wait_healthy(port, node)
         client = ValidatorClient(f"http://127.0.0.1:{port}", ALICE)

@@ -47,16 +47,18 @@ def slashes(v) -> list[Slashed]:  # type: ignore[no-untyped-def]
 
 def honest_logprobs(oracle, a, prompt: list[int], tokens) -> np.ndarray:  # type: ignore[no-untyped-def]
     s = a.sampling
-    return oracle.logprobs(a.policy_version, prompt + list(tokens), len(prompt), s.temperature, s.top_k,
-                           s.top_p)
+    return oracle.logprobs(
+        a.policy_version, prompt + list(tokens), len(prompt), s.temperature, s.top_k, s.top_p
+    )
 
 
 # -- 1. the stopping rule -------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("shape", ["overlong", "empty", "cut-to-one-token"])
-def test_completions_that_break_the_stopping_rule_are_slashed(make_validator, backend, codec, tiny_model,
-                                                              shape) -> None:
+def test_completions_that_break_the_stopping_rule_are_slashed(
+    make_validator, backend, codec, tiny_model, shape
+) -> None:
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
     assert list(a.stop_token_ids) == [codec.eos_token_id] and a.sampling.max_tokens == 12
@@ -73,10 +75,15 @@ def test_completions_that_break_the_stopping_rule_are_slashed(make_validator, ba
         assert any(t[0] != codec.eos_token_id for t, _ in forged)
     assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.STOPPING_RULE}
     assert v.ledger.is_banned(CHEAT.public.raw)
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle) is Reason.STOPPING_RULE
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public, oracle)
+        is Reason.STOPPING_RULE
+    )
 
 
-def test_honest_completions_of_every_length_obey_the_stopping_rule(make_validator, backend, codec) -> None:
+def test_honest_completions_of_every_length_obey_the_stopping_rule(
+    make_validator, backend, codec
+) -> None:
     v = make_validator({"assignment.max_tokens": 6})
     lengths = set()
     for i in range(6):
@@ -94,18 +101,29 @@ def test_a_chunk_size_other_than_the_assignments_is_slashed(make_validator, back
     v = make_validator()
     sealed, a, comps = cheat_assignment(v, backend, codec)
     assert a.chunk_size == 32
-    envs = [build_envelope(CHEAT, {**header_fields(a, c.group_index, 1), "chunk_size": 1}, c.token_ids,
-                           c.logprobs) for c in comps]
-    assert rejected_reason(v, GroupSubmission(a.assignment_id, envs)) == {Reason.ASSIGNMENT_MISMATCH}
-    assert recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public) is Reason.ASSIGNMENT_MISMATCH
+    envs = [
+        build_envelope(
+            CHEAT, {**header_fields(a, c.group_index, 1), "chunk_size": 1}, c.token_ids, c.logprobs
+        )
+        for c in comps
+    ]
+    assert rejected_reason(v, GroupSubmission(a.assignment_id, envs)) == {
+        Reason.ASSIGNMENT_MISMATCH
+    }
+    assert (
+        recheck_evidence(slash_evidence(v, CHEAT.public.raw), v.key.public)
+        is Reason.ASSIGNMENT_MISMATCH
+    )
 
 
 def test_an_answer_planted_in_the_last_chunk_of_a_long_completion_fails_replay(
-        make_validator, backend, codec, tiny_model) -> None:
+    make_validator, backend, codec, tiny_model
+) -> None:
     """Honest tokens for five chunks, then a planted answer with its honest logprobs: the replay
     covers every token, so the last chunk is checked whatever the audit draw."""
-    v = make_validator({"assignment.max_tokens": 48, "assignment.chunk_size": 8,
-                        "limits.max_tokens": 64})
+    v = make_validator(
+        {"assignment.max_tokens": 48, "assignment.chunk_size": 8, "limits.max_tokens": 64}
+    )
     sealed, a, _ = cheat_assignment(v, backend, codec)
     oracle = TransformersOracle({0: tiny_model})
     prompt = codec.encode(a.prompt)
@@ -113,8 +131,14 @@ def test_an_answer_planted_in_the_last_chunk_of_a_long_completion_fails_replay(
     req = generation_request(a, prompt, CHEAT.public, [])  # run to max_tokens, no early stop
     forged = []
     for c in backend.generate(req):
-        toks = [t for t in c.token_ids if t != codec.eos_token_id][: a.sampling.max_tokens - len(plant)]
-        toks = toks + plant if len(toks) + len(plant) == a.sampling.max_tokens else toks[:-1] + [codec.eos_token_id]
+        toks = [t for t in c.token_ids if t != codec.eos_token_id][
+            : a.sampling.max_tokens - len(plant)
+        ]
+        toks = (
+            toks + plant
+            if len(toks) + len(plant) == a.sampling.max_tokens
+            else toks[:-1] + [codec.eos_token_id]
+        )
         forged.append((toks, honest_logprobs(oracle, a, prompt, toks)))
     assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.SAMPLER_REPLAY_MISMATCH}
 
@@ -123,7 +147,8 @@ def test_an_answer_planted_in_the_last_chunk_of_a_long_completion_fails_replay(
 
 
 def test_a_failed_sampling_test_is_recorded_and_its_resubmission_gets_the_same_verdict(
-        make_validator, backend, codec, monkeypatch) -> None:
+    make_validator, backend, codec, monkeypatch
+) -> None:
     def reject(u):  # type: ignore[no-untyped-def]
         return KsResult(len(u), 0.9, 1e-12)
 
@@ -135,7 +160,9 @@ def test_a_failed_sampling_test_is_recorded_and_its_resubmission_gets_the_same_v
     first = v.admit(group)
     reasons = {Reason(x.reason) for x in first.verdicts} - {Reason.GROUP_REJECTED}
     assert reasons == {Reason.SAMPLING_DISTRIBUTION} and not any(x.accepted for x in first.verdicts)
-    recorded = [rec for i, rec in v.ledger.entries() if i >= size and isinstance(rec, VerdictRecorded)]
+    recorded = [
+        rec for i, rec in v.ledger.entries() if i >= size and isinstance(rec, VerdictRecorded)
+    ]
     assert len(recorded) == 4 and all(rec.audited and not rec.accepted for rec in recorded)
     failed = next(rec for rec in recorded if rec.reason == Reason.SAMPLING_DISTRIBUTION.value)
     assert v.ledger.blobs.get(failed.evidence_digest)  # the window's statistics, for auditors
@@ -157,10 +184,14 @@ def twin_problems(n: int) -> list[Problem]:
 
 
 def test_honest_repeats_under_twin_prompt_ids_and_unchanged_versions_are_never_slashed(
-        make_validator, codec, tiny_model) -> None:
+    make_validator, codec, tiny_model
+) -> None:
     backend = TransformersBackend(tiny_model)
-    v = make_validator({"assignment.temperature": 0.05, "rules.audit_rate": 0.0},
-                       problems=twin_problems(4), oracle=TransformersOracle({0: tiny_model, 1: tiny_model}))
+    v = make_validator(
+        {"assignment.temperature": 0.05, "rules.audit_rate": 0.0},
+        problems=twin_problems(4),
+        oracle=TransformersOracle({0: tiny_model, 1: tiny_model}),
+    )
     keys = [SigningKey.from_seed(bytes([0x70 + i]) * 32) for i in range(4)]
     audited = accepted = 0
     for version in (0, 1):
@@ -168,14 +199,18 @@ def test_honest_repeats_under_twin_prompt_ids_and_unchanged_versions_are_never_s
             v.versions.restore(1, b"\x11" * 32)  # a new version with the same weights
         for _ in range(2):
             for key in keys:
-                out = verdicts(v, v.submit(canonical_bytes(honest_group(v, backend, codec, key=key))))
+                out = verdicts(
+                    v, v.submit(canonical_bytes(honest_group(v, backend, codec, key=key)))
+                )
                 accepted += sum(x.accepted for x in out)
                 audited += sum(x.audited for x in out)
     assert accepted == 64 and not slashes(v)
     assert audited >= 4  # the repeats were audited, though the draw rate is 0, and passed
 
 
-def test_a_copy_with_a_retouched_logprob_is_audited_and_fails_replay(make_validator, backend, codec) -> None:
+def test_a_copy_with_a_retouched_logprob_is_audited_and_fails_replay(
+    make_validator, backend, codec
+) -> None:
     v = make_validator({"rules.audit_rate": 0.0}, problems=twin_problems(1))
     donor = honest_group(v, backend, codec)
     assert all(x.accepted and not x.audited for x in verdicts(v, v.submit(canonical_bytes(donor))))
@@ -188,7 +223,9 @@ def test_a_copy_with_a_retouched_logprob_is_audited_and_fails_replay(make_valida
     out = verdicts(v, v.submit(canonical_bytes(resign(CHEAT, v, sealed, copied))))
     assert not any(x.accepted for x in out) and any(x.audited for x in out)
     # the twin's assignment draws other sampling seeds: the copied tokens fail the replay
-    assert {Reason(x.reason) for x in out} - {Reason.GROUP_REJECTED} == {Reason.SAMPLER_REPLAY_MISMATCH}
+    assert {Reason(x.reason) for x in out} - {Reason.GROUP_REJECTED} == {
+        Reason.SAMPLER_REPLAY_MISMATCH
+    }
     assert v.ledger.is_banned(CHEAT.public.raw)
 
 
@@ -199,30 +236,35 @@ def test_a_copy_with_a_retouched_logprob_is_audited_and_fails_replay(make_valida
 def mixed_tolerances(tiny_model, codec, tmp_path_factory):  # type: ignore[no-untyped-def]
     """The tolerance file `prooftrain calibrate` writes by default (float32 and bfloat16)."""
     prompts = [codec.encode(p.prompt) for p in generate("arithmetic", "train", 6, seed=3)]
-    cal = calibrate(tiny_model, prompts, stop_token_ids=[codec.eos_token_id], max_tokens=12,
-                    batch_sizes=(1, 4))
+    cal = calibrate(
+        tiny_model, prompts, stop_token_ids=[codec.eos_token_id], max_tokens=12, batch_sizes=(1, 4)
+    )
     return load_tolerance_file(write_tolerance_file(cal, tmp_path_factory.mktemp("tol") / "t.json"))
 
 
 def test_a_bfloat16_copy_claiming_float32_is_caught_under_the_calibrated_file(
-        make_validator, codec, tiny_model, mixed_tolerances) -> None:
+    make_validator, codec, tiny_model, mixed_tolerances
+) -> None:
     v = make_validator(tolerance=mixed_tolerances)
     cheap = TransformersBackend(tiny_model, dtype="bfloat16")
     sealed, a, comps = cheat_assignment(v, cheap, codec)
-    assert rejected_reason(v, resign(CHEAT, v, sealed, [(c.token_ids, c.logprobs) for c in comps])) == {
-        Reason.LOGPROB_MISMATCH}
+    assert rejected_reason(
+        v, resign(CHEAT, v, sealed, [(c.token_ids, c.logprobs) for c in comps])
+    ) == {Reason.LOGPROB_MISMATCH}
 
 
 def test_logprobs_rounded_to_two_decimals_claiming_float32_are_caught(
-        make_validator, backend, codec, mixed_tolerances) -> None:
+    make_validator, backend, codec, mixed_tolerances
+) -> None:
     v = make_validator(tolerance=mixed_tolerances)
     sealed, a, comps = cheat_assignment(v, backend, codec)
     forged = [(c.token_ids, np.round(c.logprobs, 2).astype(np.float32)) for c in comps]
     assert rejected_reason(v, resign(CHEAT, v, sealed, forged)) == {Reason.LOGPROB_MISMATCH}
 
 
-def test_an_honest_bfloat16_contributor_declaring_it_is_accepted(make_validator, codec, tiny_model,
-                                                                 mixed_tolerances) -> None:
+def test_an_honest_bfloat16_contributor_declaring_it_is_accepted(
+    make_validator, codec, tiny_model, mixed_tolerances
+) -> None:
     v = make_validator(tolerance=mixed_tolerances)
     bf16 = TransformersBackend(tiny_model, dtype="bfloat16")
     assert bf16.precision == "bfloat16"
@@ -232,7 +274,9 @@ def test_an_honest_bfloat16_contributor_declaring_it_is_accepted(make_validator,
         assert all(x.accepted and x.audited for x in out), [x.reason for x in out]
 
 
-def test_a_precision_without_a_tolerance_is_refused_not_slashed(make_validator, codec, tiny_model) -> None:
+def test_a_precision_without_a_tolerance_is_refused_not_slashed(
+    make_validator, codec, tiny_model
+) -> None:
     v = make_validator()  # a lone float32 tolerance
     group = honest_group(v, TransformersBackend(tiny_model, dtype="bfloat16"), codec, key=CHEAT)
     assert rejected_reason(v, group) == {Reason.UNSUPPORTED_PRECISION}
@@ -242,11 +286,15 @@ def test_a_precision_without_a_tolerance_is_refused_not_slashed(make_validator, 
 # -- 6. assignment grinding ---------------------------------------------------------------
 
 
-def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(make_validator, backend,
-                                                                       codec) -> None:
+def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(
+    make_validator, backend, codec
+) -> None:
     now = [1_000_000]
-    v = make_validator({"assignment.ttl_s": 10.0, "assignment.max_outstanding": 2},
-                       problems=generate("arithmetic", "train", 3), clock=lambda: now[0])
+    v = make_validator(
+        {"assignment.ttl_s": 10.0, "assignment.max_outstanding": 2},
+        problems=generate("arithmetic", "train", 3),
+        clock=lambda: now[0],
+    )
     v.register(CHEAT.public.raw, "grinder")
     held = [v.assign(CHEAT.public.raw), v.assign(CHEAT.public.raw)]
     with pytest.raises(AdmissionError) as refused:
@@ -254,14 +302,18 @@ def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(make_val
     assert refused.value.reason is Reason.ASSIGNMENT_LIMIT
     # Answer one: its place frees at once. Abandon the other: past its expiry its prompt is
     # handed out again, but its place stays taken for one more ttl.
-    out = verdicts(v, v.submit(canonical_bytes(answer(CHEAT, held[0], v.key.public, backend, codec))))
+    out = verdicts(
+        v, v.submit(canonical_bytes(answer(CHEAT, held[0], v.key.public, backend, codec)))
+    )
     assert all(x.accepted for x in out)
     v.assign(CHEAT.public.raw)
     now[0] += 11_000
     v.register(HONEST.public.raw, "honest")
     abandoned = open_assignment(held[1], v.key.public, CHEAT.public).prompt_id
-    reissued = {open_assignment(v.assign(HONEST.public.raw), v.key.public, HONEST.public).prompt_id
-                for _ in range(2)}
+    reissued = {
+        open_assignment(v.assign(HONEST.public.raw), v.key.public, HONEST.public).prompt_id
+        for _ in range(2)
+    }
     assert abandoned in reissued
     with pytest.raises(AdmissionError) as still:
         v.assign(CHEAT.public.raw)
@@ -277,15 +329,19 @@ def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(make_val
 
 @pytest.mark.parametrize("change", [{"temperature": 0.9}, {"temperature": 1.1}, {"top_k": 20}])
 def test_cheaper_sampling_is_rejected_whenever_it_differs_from_the_honest_sample(
-        make_validator, backend, codec, tiny_model, mixed_tolerances, change) -> None:
+    make_validator, backend, codec, tiny_model, mixed_tolerances, change
+) -> None:
     """Under the calibrated file, with completions spanning several chunks: every group that
     differs from what honest sampling gives for its assignment is rejected; the rest are the
     honest sample itself."""
     oracle = TransformersOracle({0: tiny_model})
     differing = rejected = 0
     for i in range(6):
-        v = make_validator({"assignment.max_tokens": 40, "assignment.chunk_size": 8}, name=f"v{i}",
-                           tolerance=mixed_tolerances)
+        v = make_validator(
+            {"assignment.max_tokens": 40, "assignment.chunk_size": 8},
+            name=f"v{i}",
+            tolerance=mixed_tolerances,
+        )
         sealed, a, honest = cheat_assignment(v, backend, codec)
         prompt = codec.encode(a.prompt)
         req = generation_request(a, prompt, CHEAT.public, a.stop_token_ids)

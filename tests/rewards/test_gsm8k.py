@@ -48,7 +48,9 @@ def test_the_100_originals_are_gsm8k_test_problems_with_their_answers() -> None:
 def test_the_reference_solution_scores_one_and_a_wrong_answer_zero(split) -> None:
     for p in generate("gsm8k", split, 25, seed=4):
         solution = TASK.reference_completion(p)
-        assert "<<" not in solution and solution.rstrip().endswith(f"#### {p.data['solution'].rsplit('####', 1)[1].strip()}")
+        assert "<<" not in solution and solution.rstrip().endswith(
+            f"#### {p.data['solution'].rsplit('####', 1)[1].strip()}"
+        )
         assert reward("gsm8k", solution, p) == 1.0
         wrong = solution.rsplit("####", 1)[0] + f"#### {int(float(p.answer)) + 1}"
         assert reward("gsm8k", wrong, p) == 0.0

@@ -52,7 +52,13 @@ def test_arithmetic_format():
 def test_split_is_content_only():
     # Golden values: a key's split never depends on the seed, the process or the draw order.
     assert [split_of(k) for k in ("0+0=", "0+3=", "1+2=", "0+1=", "0+2=", "5+5=")] == [
-        "heldout", "heldout", "heldout", "train", "train", "train"]
+        "heldout",
+        "heldout",
+        "heldout",
+        "train",
+        "train",
+        "train",
+    ]
     for task in TASKS:  # what any seed draws for train is never what any seed holds out
         train = {p.prompt for seed in range(4) for p in generate(task, "train", 200, seed=seed)}
         heldout = {p.prompt for seed in range(4) for p in generate(task, "heldout", 50, seed=seed)}

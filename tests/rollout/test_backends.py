@@ -44,9 +44,16 @@ PROMPT = (0, 17, 23, 99, 5, 64, 3)
 def _tiny_llama(seed: int) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=EOS, pad_token_id=0,
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -67,13 +74,31 @@ def backend(model_dir):
 
 
 def _request(temperature=1.0, top_k=0, top_p=1.0, group=8, max_tokens=64, seed=13):
-    return GenerationRequest(PROMPT, group, temperature, top_k, top_p, max_tokens, KEY, NONCE,
-                             seed, stop_token_ids=(EOS,))
+    return GenerationRequest(
+        PROMPT,
+        group,
+        temperature,
+        top_k,
+        top_p,
+        max_tokens,
+        KEY,
+        NONCE,
+        seed,
+        stop_token_ids=(EOS,),
+    )
 
 
 def _oracle_requests(request, completions):
-    return [OracleRequest(request.prompt_ids + c.token_ids, len(request.prompt_ids),
-                          request.temperature, request.top_k, request.top_p) for c in completions]
+    return [
+        OracleRequest(
+            request.prompt_ids + c.token_ids,
+            len(request.prompt_ids),
+            request.temperature,
+            request.top_k,
+            request.top_p,
+        )
+        for c in completions
+    ]
 
 
 def test_completions_are_well_formed_and_deterministic(backend):
@@ -101,16 +126,22 @@ def test_committed_logprobs_equal_recomputation_fp32(backend, model_dir, params,
     completions = backend.generate(request)
     requests = _oracle_requests(request, completions)
     packed = layout == "packed"
-    oracle = TransformersOracle({3: model_dir}, dtype="float32", padding_side="left" if packed else layout,
-                                max_packed_tokens=4096 if packed else 0)
+    oracle = TransformersOracle(
+        {3: model_dir},
+        dtype="float32",
+        padding_side="left" if packed else layout,
+        max_packed_tokens=4096 if packed else 0,
+    )
     assert oracle.packs(3) == packed
     batched = oracle.logprobs_batch(3, requests)  # batch of 8: one packed row, or 8 padded ones
     singles = [oracle.logprobs(3, r.input_ids, r.prompt_len, *params) for r in requests]
     worst = 0.0
     for c, b, s in zip(completions, batched, singles, strict=True):
         worst = max(worst, float(np.abs(b - c.logprobs).max()), float(np.abs(s - c.logprobs).max()))
-    print(f"fp32 generation vs fp32 recomputation ({layout} layout, {params}): "
-          f"max abs diff {worst:.2e}")
+    print(
+        f"fp32 generation vs fp32 recomputation ({layout} layout, {params}): "
+        f"max abs diff {worst:.2e}"
+    )
     assert worst <= 1e-5
     if params[0] == 0.0:
         assert all(np.all(c.logprobs == 0.0) for c in completions)
@@ -129,9 +160,15 @@ def test_generation_batch_size_does_not_change_a_completion(backend):
 def test_a_batch_of_requests_generates_what_each_would_alone(backend, model_dir, params):
     # prompts of different lengths (left padding), other nonces, seeds and keys per request
     prompts = [PROMPT, PROMPT[:3], (5, 9, 200, 31, 7, 7, 7, 7, 12, 40, 41), PROMPT[2:]]
-    requests = [dataclasses.replace(_request(*params, group=4, max_tokens=24, seed=20 + i),
-                                    prompt_ids=p, nonce=bytes([i]) * 32, sampler_key=bytes([i + 1]) * 32)
-                for i, p in enumerate(prompts)]
+    requests = [
+        dataclasses.replace(
+            _request(*params, group=4, max_tokens=24, seed=20 + i),
+            prompt_ids=p,
+            nonce=bytes([i]) * 32,
+            sampler_key=bytes([i + 1]) * 32,
+        )
+        for i, p in enumerate(prompts)
+    ]
     batched = backend.generate_batch(requests)
     assert len(batched) == len(requests)
     for request, group in zip(requests, batched, strict=True):
@@ -143,8 +180,9 @@ def test_a_batch_of_requests_generates_what_each_would_alone(backend, model_dir,
             np.testing.assert_allclose(a.logprobs, b.logprobs, atol=FLOAT32_TOLERANCE.token_abs)
         # and the validator's recomputation accepts them (same committed definition)
         oracle = TransformersOracle({0: model_dir}, dtype="float32")
-        for c, recomputed in zip(group, oracle.logprobs_batch(0, _oracle_requests(request, group)),
-                                 strict=True):
+        for c, recomputed in zip(
+            group, oracle.logprobs_batch(0, _oracle_requests(request, group)), strict=True
+        ):
             np.testing.assert_allclose(c.logprobs, recomputed, atol=FLOAT32_TOLERANCE.token_abs)
     assert len({c.token_ids for g in batched for c in g}) > 8
 
@@ -154,8 +192,9 @@ def test_a_batch_must_share_sampling_and_length(backend):
         backend.generate_batch([_request(), _request(temperature=0.7)])
     with pytest.raises(ValueError, match="batch_key"):
         backend.generate_batch([])
-    assert [c.token_ids for c in backend.generate_batch([_request()])[0]] == \
-        [c.token_ids for c in backend.generate(_request())]
+    assert [c.token_ids for c in backend.generate_batch([_request()])[0]] == [
+        c.token_ids for c in backend.generate(_request())
+    ]
 
 
 def test_small_batches_split_by_token_budget(model_dir, backend):
@@ -163,8 +202,9 @@ def test_small_batches_split_by_token_budget(model_dir, backend):
     completions = backend.generate(request)
     requests = _oracle_requests(request, completions)
     whole = TransformersOracle({0: model_dir}, dtype="float32").logprobs_batch(0, requests)
-    split = TransformersOracle({0: model_dir}, dtype="float32",
-                               max_batch_tokens=60).logprobs_batch(0, requests)
+    split = TransformersOracle({0: model_dir}, dtype="float32", max_batch_tokens=60).logprobs_batch(
+        0, requests
+    )
     for a, b in zip(whole, split, strict=True):
         assert np.abs(a - b).max() <= 1e-5
 
@@ -176,8 +216,9 @@ def test_replay_and_support_accept_every_honest_token(backend, model_dir, params
     for c in backend.generate(request):
         logits = oracle.completion_logits(0, request.prompt_ids + c.token_ids, len(PROMPT))
         sampler = sampler_named(request.sampler)
-        uniforms = sampler.randomness([(KEY, NONCE, request.seed, c.group_index, range(len(c.token_ids)))],
-                                      VOCAB)
+        uniforms = sampler.randomness(
+            [(KEY, NONCE, request.seed, c.group_index, range(len(c.token_ids)))], VOCAB
+        )
         stats = sampler.replay(c.token_ids, logits, *params, uniforms, slack=1e-4)
         assert stats.tokens == len(c.token_ids)
         support_check(c.token_ids, logits, *params)
@@ -192,8 +233,11 @@ def test_replay_rejects_a_substituted_token(backend, model_dir):
     uniforms = sampler.randomness([(KEY, NONCE, request.seed, 2, range(len(c.token_ids)))], VOCAB)
     forged = list(c.token_ids)
     t = len(forged) // 2
-    forged[t] = int(np.argsort(logits[t])[-2]) if forged[t] == int(np.argmax(logits[t])) else int(
-        np.argmax(logits[t]))
+    forged[t] = (
+        int(np.argsort(logits[t])[-2])
+        if forged[t] == int(np.argmax(logits[t]))
+        else int(np.argmax(logits[t]))
+    )
     with pytest.raises(SpotCheckError) as info:
         sampler.replay(forged, logits, 1.0, 0, 1.0, uniforms, slack=1e-4)
     assert info.value.reason is Reason.SAMPLER_REPLAY_MISMATCH and info.value.position == t
@@ -221,19 +265,26 @@ def test_bf16_vs_fp32_discrepancy(model_dir):
     request = _request(max_tokens=64)
     fp32 = TransformersOracle({0: model_dir}, dtype="float32")
     bf16 = TransformersOracle({0: model_dir}, dtype="bfloat16")
-    cases = [("bf16 gen -> fp32 oracle", "bfloat16", fp32),
-             ("fp32 gen -> bf16 oracle", "float32", bf16)]
+    cases = [
+        ("bf16 gen -> fp32 oracle", "bfloat16", fp32),
+        ("fp32 gen -> bf16 oracle", "float32", bf16),
+    ]
     for label, gen_dtype, oracle in cases:
         completions = TransformersBackend(model_dir, dtype=gen_dtype).generate(request)
         recomputed = oracle.logprobs_batch(0, _oracle_requests(request, completions))
-        diff = np.concatenate([np.abs(r - c.logprobs) for r, c in zip(recomputed, completions,
-                                                                      strict=True)])
-        chunk_means = [float(np.abs(r - c.logprobs)[i:i + 32].mean())
-                       for r, c in zip(recomputed, completions, strict=True)
-                       for i in range(0, len(c.token_ids), 32)]
-        print(f"{label}: {diff.size} tokens, max abs diff {diff.max():.4f}, "
-              f"mean {diff.mean():.4f}, p99 {np.quantile(diff, 0.99):.4f}, "
-              f"worst chunk mean {max(chunk_means):.4f}")
+        diff = np.concatenate(
+            [np.abs(r - c.logprobs) for r, c in zip(recomputed, completions, strict=True)]
+        )
+        chunk_means = [
+            float(np.abs(r - c.logprobs)[i : i + 32].mean())
+            for r, c in zip(recomputed, completions, strict=True)
+            for i in range(0, len(c.token_ids), 32)
+        ]
+        print(
+            f"{label}: {diff.size} tokens, max abs diff {diff.max():.4f}, "
+            f"mean {diff.mean():.4f}, p99 {np.quantile(diff, 0.99):.4f}, "
+            f"worst chunk mean {max(chunk_means):.4f}"
+        )
         assert diff.max() > 1e-4  # bf16 noise is real, far above fp32 noise
         for r, c in zip(recomputed, completions, strict=True):
             compare_chunk(c.logprobs, r, BFLOAT16_TOLERANCE, 0)
@@ -250,8 +301,13 @@ def test_pit_flags_greedy_generation_claimed_as_temperature_one(backend, model_d
             for c in completions:
                 logits = oracle.completion_logits(0, PROMPT + c.token_ids, len(PROMPT))
                 label = bytes([seed, c.group_index])
-                values.append(pit_values(c.token_ids, process_logits(logits, 1.0, 0, 1.0),
-                                         pit_randomizer(KEY, label, len(c.token_ids))))
+                values.append(
+                    pit_values(
+                        c.token_ids,
+                        process_logits(logits, 1.0, 0, 1.0),
+                        pit_randomizer(KEY, label, len(c.token_ids)),
+                    )
+                )
         return np.concatenate(values)
 
     honest = pooled_pit(1.0, range(3))
@@ -280,8 +336,9 @@ def test_cuda_generation_vs_cpu_recomputation(model_dir):
     for dtype in ("float32", "bfloat16"):
         completions = TransformersBackend(model_dir, device="cuda", dtype=dtype).generate(request)
         recomputed = cpu.logprobs_batch(0, _oracle_requests(request, completions))
-        diff = np.concatenate([np.abs(r - c.logprobs) for r, c in zip(recomputed, completions,
-                                                                      strict=True)])
+        diff = np.concatenate(
+            [np.abs(r - c.logprobs) for r, c in zip(recomputed, completions, strict=True)]
+        )
         print(f"cuda {dtype} gen -> cpu fp32 oracle: max {diff.max():.2e} mean {diff.mean():.2e}")
         tolerance = FLOAT32_TOLERANCE if dtype == "float32" else BFLOAT16_TOLERANCE
         for r, c in zip(recomputed, completions, strict=True):

@@ -41,13 +41,16 @@ def _random_seqs(rng: random.Random, lengths=(0, 1, 2, 5, 9)) -> list[tuple[list
 def test_every_forward_layout_matches_one_row_per_sequence(tiny_model, seed) -> None:
     seqs = _random_seqs(random.Random(seed), lengths=(0, 1, 2, 5, 9, 30))
     padded = _padded(tiny_model)
-    shared = TransformersOracle({0: tiny_model}, min_prefix_savings=0, max_batch_tokens=40,
-                                max_packed_tokens=0)
+    shared = TransformersOracle(
+        {0: tiny_model}, min_prefix_savings=0, max_batch_tokens=40, max_packed_tokens=0
+    )
     packed = TransformersOracle({0: tiny_model}, max_batch_tokens=40)  # several packed batches
     mixed = TransformersOracle({0: tiny_model}, min_prefix_savings=0, max_packed_tokens=24)
     assert packed.packs(0) and mixed.packs(0) and not padded.packs(0)
     want = padded.logits_batch(0, seqs)
-    assert [tuple(x.shape) for x in want] == [(len(ids) - p, x.shape[-1]) for (ids, p), x in zip(seqs, want, strict=True)]
+    assert [tuple(x.shape) for x in want] == [
+        (len(ids) - p, x.shape[-1]) for (ids, p), x in zip(seqs, want, strict=True)
+    ]
     for oracle in (shared, packed, mixed):
         _assert_same(oracle.logits_batch(0, seqs), want)
 
@@ -59,7 +62,8 @@ def test_a_packed_group_runs_its_prompt_once_and_pads_nothing(tiny_model) -> Non
     assert oracle.packs(0)  # the probe's own forward calls come first
     widths: list[tuple[int, ...]] = []
     hook = oracle.model(0).register_forward_pre_hook(
-        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True)
+        lambda _m, _a, kw: widths.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
     try:
         got = oracle.logits_batch(0, seqs)
     finally:
@@ -98,21 +102,35 @@ def test_a_model_that_ignores_packed_masks_is_not_packed(tiny_model) -> None:
     probe = [([5, 9, 11, 7, 7, 7], 3), ([5, 9, 11, 8, 8], 3), ([5, 9, 11, 6, 6, 6], 3)]
     oracle._run_packed(oracle.model(0), probe, [[0, 1, 2]], wrong)
     right = _padded(tiny_model).logits_batch(0, probe)
-    assert max(float((g - w).abs().max()) for g, w in zip(wrong, right, strict=True) if g is not None) > 1e-3
+    assert (
+        max(float((g - w).abs().max()) for g, w in zip(wrong, right, strict=True) if g is not None)
+        > 1e-3
+    )
 
 
 def test_a_sliding_window_bounds_the_packed_rows(tiny_model) -> None:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(0)
-    model = MistralForCausalLM(MistralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=6, attn_implementation="sdpa")).eval()
+    model = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=6,
+            attn_implementation="sdpa",
+        )
+    ).eval()
     oracle = TransformersOracle({0: model})
     assert oracle.packs(0) and oracle._packs[0] == 6
     rng = random.Random(7)
     prompt = [rng.randrange(3, 60) for _ in range(3)]
-    seqs = [(prompt + [rng.randrange(3, 60) for _ in range(n)], 3) for n in (2, 3, 9)]  # packed: 14 slots
+    seqs = [
+        (prompt + [rng.randrange(3, 60) for _ in range(n)], 3) for n in (2, 3, 9)
+    ]  # packed: 14 slots
     want = _padded(model).logits_batch(0, seqs)
     _assert_same(oracle.logits_batch(0, seqs), want)
     # packed anyway, the row's mask would let the last completion see past the window
@@ -139,16 +157,26 @@ def test_attention_spans_are_read_from_every_field_that_names_one() -> None:
     assert attention_span(SimpleNamespace(sliding_window=4096)) == 4096
     assert attention_span(SimpleNamespace(window_size=256, attention_chunk_size=8192)) == 256
     assert attention_span(SimpleNamespace(text_config=SimpleNamespace(sliding_window=512))) == 512
-    assert attention_span(SimpleNamespace(use_cache=True, sliding_window=True)) is None  # a flag, not a span
+    assert (
+        attention_span(SimpleNamespace(use_cache=True, sliding_window=True)) is None
+    )  # a flag, not a span
 
 
 def test_a_local_attention_window_bounds_the_packed_rows() -> None:
     from transformers import GPTNeoConfig, GPTNeoForCausalLM
 
     torch.manual_seed(0)
-    model = GPTNeoForCausalLM(GPTNeoConfig(
-        vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, window_size=8,
-        attention_types=[[["global", "local"], 1]], max_position_embeddings=128)).eval()
+    model = GPTNeoForCausalLM(
+        GPTNeoConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_layers=2,
+            num_heads=4,
+            window_size=8,
+            attention_types=[[["global", "local"], 1]],
+            max_position_embeddings=128,
+        )
+    ).eval()
     oracle = TransformersOracle({0: model})
     assert packed_width_limit(model) > 8 and oracle.packs(0) and oracle._packs[0] == 8
     rng = random.Random(8)
@@ -214,22 +242,57 @@ def test_a_bfloat16_model_packs_and_matches_its_padded_rows_within_rounding(tiny
     oracle = TransformersOracle({0: tiny_model}, dtype="bfloat16")
     assert oracle.packs(0)
     seqs = _random_seqs(random.Random(10))
-    want = TransformersOracle({0: tiny_model}, dtype="bfloat16", max_packed_tokens=0,
-                              min_prefix_savings=10**9).logits_batch(0, seqs)
+    want = TransformersOracle(
+        {0: tiny_model}, dtype="bfloat16", max_packed_tokens=0, min_prefix_savings=10**9
+    ).logits_batch(0, seqs)
     for g, w in zip(oracle.logits_batch(0, seqs), want, strict=True):
         scale = max(1.0, float(w.abs().max())) if w.numel() else 1.0
-        assert g.shape == w.shape and (not g.numel() or float((g - w).abs().max()) <= 2 ** -6 * scale)
+        assert g.shape == w.shape and (not g.numel() or float((g - w).abs().max()) <= 2**-6 * scale)
 
 
 ARCHITECTURES = {  # name: (model class, config class, config, packs)
-    "qwen2": ("Qwen2ForCausalLM", "Qwen2Config", dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                      num_attention_heads=4, num_key_value_heads=2), True),
-    "gpt2": ("GPT2LMHeadModel", "GPT2Config", dict(n_embd=32, n_layer=2, n_head=4), True),  # Conv1D weights
-    "gpt_neox": ("GPTNeoXForCausalLM", "GPTNeoXConfig", dict(hidden_size=32, intermediate_size=64,
-                                                             num_hidden_layers=2, num_attention_heads=4), True),
-    "opt": ("OPTForCausalLM", "OPTConfig", dict(hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                                num_attention_heads=4, word_embed_proj_dim=32), True),
-    "bloom": ("BloomForCausalLM", "BloomConfig", dict(hidden_size=32, n_layer=2, n_head=4), False),  # ALiBi
+    "qwen2": (
+        "Qwen2ForCausalLM",
+        "Qwen2Config",
+        dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        ),
+        True,
+    ),
+    "gpt2": (
+        "GPT2LMHeadModel",
+        "GPT2Config",
+        dict(n_embd=32, n_layer=2, n_head=4),
+        True,
+    ),  # Conv1D weights
+    "gpt_neox": (
+        "GPTNeoXForCausalLM",
+        "GPTNeoXConfig",
+        dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4),
+        True,
+    ),
+    "opt": (
+        "OPTForCausalLM",
+        "OPTConfig",
+        dict(
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            word_embed_proj_dim=32,
+        ),
+        True,
+    ),
+    "bloom": (
+        "BloomForCausalLM",
+        "BloomConfig",
+        dict(hidden_size=32, n_layer=2, n_head=4),
+        False,
+    ),  # ALiBi
 }
 
 
@@ -239,7 +302,9 @@ def test_each_architecture_packs_only_where_packing_gives_its_padded_logits(name
 
     cls, config_cls, config, packs = ARCHITECTURES[name]
     torch.manual_seed(0)
-    model = getattr(transformers, cls)(getattr(transformers, config_cls)(vocab_size=64, **config)).eval()
+    model = getattr(transformers, cls)(
+        getattr(transformers, config_cls)(vocab_size=64, **config)
+    ).eval()
     oracle = TransformersOracle({0: model}, min_prefix_savings=10**9)
     assert oracle.packs(0) is packs
     seqs = _random_seqs(random.Random(11))

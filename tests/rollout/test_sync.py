@@ -28,8 +28,14 @@ untied, tied = tiny_llama_fixtures()
 
 
 def make_sync(model_dir: Path, store: LocalPolicyStore, num_stages: int, **kw) -> PolicySync:
-    return PolicySync(model_dir, kw.pop("key", TRAINER.public), kw.pop("fm", store.manifest),
-                      kw.pop("fb", store.blob), num_stages, **kw)
+    return PolicySync(
+        model_dir,
+        kw.pop("key", TRAINER.public),
+        kw.pop("fm", store.manifest),
+        kw.pop("fb", store.blob),
+        num_stages,
+        **kw,
+    )
 
 
 def trainer_state(pubs) -> dict[str, torch.Tensor]:
@@ -47,14 +53,15 @@ def assert_same(rebuilt: dict[str, torch.Tensor], published: dict[str, torch.Ten
         assert torch.equal(value, rebuilt.get(name, rebuilt["model.embed_tokens.weight"])), name
 
 
-@pytest.mark.parametrize(("fixture", "num_stages", "codec"),
-                         [("untied", 1, "topk"), ("untied", 2, "int8"), ("tied", 2, "topk"),
-                          ("tied", 1, "fp32")])
-def test_rebuild_equals_published_copy(request, tmp_path: Path, fixture: str, num_stages: int,
-                                       codec: str) -> None:
+@pytest.mark.parametrize(
+    ("fixture", "num_stages", "codec"),
+    [("untied", 1, "topk"), ("untied", 2, "int8"), ("tied", 2, "topk"), ("tied", 1, "fp32")],
+)
+def test_rebuild_equals_published_copy(
+    request, tmp_path: Path, fixture: str, num_stages: int, codec: str
+) -> None:
     model_dir = request.getfixturevalue(fixture)
-    _, pubs, sealed = run_chain(model_dir, tmp_path, num_stages=num_stages, versions=6,
-                                codec=codec)
+    _, pubs, sealed = run_chain(model_dir, tmp_path, num_stages=num_stages, versions=6, codec=codec)
     sync = make_sync(model_dir, LocalPolicyStore(tmp_path), num_stages)
     rebuilt = sync.state_at(6)
     assert_same(rebuilt, trainer_state(pubs))
@@ -86,8 +93,14 @@ def test_rebuild_in_another_process_is_identical(untied: Path, tmp_path: Path) -
         print(json.dumps({{"manifests": [s.manifest.hex() for s in sealed],
                           "sha": h.hexdigest()}}))
     """)
-    out = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
-                         text=True, timeout=240, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     child = json.loads(out.stdout.strip().splitlines()[-1])
     assert child["manifests"] == [s.manifest.hex() for s in sealed]  # same digests and sizes
     import hashlib
@@ -100,8 +113,7 @@ def test_rebuild_in_another_process_is_identical(untied: Path, tmp_path: Path) -
 
 
 def test_snapshots_bound_the_chain(untied: Path, tmp_path: Path) -> None:
-    stages, pubs, sealed = run_chain(untied, tmp_path, num_stages=2, versions=7,
-                                     snapshot_every=3)
+    stages, pubs, sealed = run_chain(untied, tmp_path, num_stages=2, versions=7, snapshot_every=3)
     store = LocalPolicyStore(tmp_path)
     kinds = [decode(PolicyManifest, s.manifest, max_bytes=10_000).shards[0].kind for s in sealed]
     assert kinds == ["delta", "delta", "full", "delta", "delta", "full", "delta"]
@@ -172,8 +184,9 @@ def test_tampered_manifest_and_wrong_key_are_refused(published, no_decode) -> No
     assert no_decode == []
 
 
-def test_broken_parent_link_and_other_base_are_refused(published, tmp_path: Path,
-                                                       no_decode) -> None:
+def test_broken_parent_link_and_other_base_are_refused(
+    published, tmp_path: Path, no_decode
+) -> None:
     model_dir, store = published
     m3 = decode(PolicyManifest, store.manifest(3).manifest, max_bytes=10_000)
     # A trainer-signed version 3 whose parent is not the published version 2.
@@ -189,8 +202,18 @@ def test_broken_parent_link_and_other_base_are_refused(published, tmp_path: Path
 def _with_parent(m: PolicyManifest, parent: bytes) -> SignedManifest:
     from verify.signed import seal
 
-    return seal(TRAINER, PolicyManifest(m.schema_version, m.version, parent, m.base_digest,
-                                        m.shards, m.trainer_key, m.created_at_ms))
+    return seal(
+        TRAINER,
+        PolicyManifest(
+            m.schema_version,
+            m.version,
+            parent,
+            m.base_digest,
+            m.shards,
+            m.trainer_key,
+            m.created_at_ms,
+        ),
+    )
 
 
 def test_stage_split_matches_trainer_and_validator(untied: Path) -> None:
@@ -203,7 +226,8 @@ def test_stage_split_matches_trainer_and_validator(untied: Path) -> None:
             got = layer_stages(layers, stages)
             assert got == sorted(got) and set(got) == set(range(stages))
             assert [list(s.layers) for s in partition_layers(layers, stages)] == [
-                [i for i, s in enumerate(got) if s == stage] for stage in range(stages)]
+                [i for i, s in enumerate(got) if s == stage] for stage in range(stages)
+            ]
 
 
 def test_rebuilt_model_drives_backend_and_oracle(published) -> None:
@@ -215,8 +239,17 @@ def test_rebuilt_model_drives_backend_and_oracle(published) -> None:
     oracle = TransformersOracle(sync.model_at)
     backend = TransformersBackend(sync.model_at(3))
     prompt = (1, 5, 6)
-    req = GenerationRequest(prompt_ids=prompt, group_size=2, temperature=1.0, top_k=0, top_p=1.0,
-                            max_tokens=4, sampler_key=b"\x01" * 32, nonce=b"\x02" * 16, seed=7)
+    req = GenerationRequest(
+        prompt_ids=prompt,
+        group_size=2,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_tokens=4,
+        sampler_key=b"\x01" * 32,
+        nonce=b"\x02" * 16,
+        seed=7,
+    )
     for out in backend.generate(req):
         ids = list(prompt) + list(out.token_ids)
         again = oracle.logprobs(3, ids, len(prompt), 1.0, 0, 1.0)
@@ -229,8 +262,7 @@ def test_broken_link_after_a_cached_version_is_refused(published, monkeypatch) -
     model_dir, store = published
     m3 = decode(PolicyManifest, store.manifest(3).manifest, max_bytes=10_000)
     bad_parent = _with_parent(m3, b"\x07" * 32)
-    sync = make_sync(model_dir, store, 2,
-                     fm=lambda v: bad_parent if v == 3 else store.manifest(v))
+    sync = make_sync(model_dir, store, 2, fm=lambda v: bad_parent if v == 3 else store.manifest(v))
     sync.state_at(2)  # verified and cached: the anchor for version 3
     calls: list = []
     monkeypatch.setattr(sync_mod, "apply_state_delta", lambda *a, **k: calls.append(a))

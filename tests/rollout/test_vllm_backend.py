@@ -41,9 +41,17 @@ SETTINGS = {"float32": (FLOAT32_TOLERANCE, 1e-4), "bfloat16": (BFLOAT16_TOLERANC
 def _tiny_llama(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=512,
-        bos_token_id=0, eos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+        vocab_size=VOCAB,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=0,
+        tie_word_embeddings=False,
     )  # head_dim 64: every vLLM attention backend supports it
     model = LlamaForCausalLM(config)
     with torch.no_grad():
@@ -58,13 +66,16 @@ def model_dir(tmp_path_factory):
     return path
 
 
-def _request(temperature=1.0, top_k=0, top_p=1.0, group=4, max_tokens=24, seed=11,
-             nonce=NONCE, stops=STOPS):
-    return GenerationRequest(PROMPT, group, temperature, top_k, top_p, max_tokens, KEY, nonce,
-                             seed, stop_token_ids=stops)
+def _request(
+    temperature=1.0, top_k=0, top_p=1.0, group=4, max_tokens=24, seed=11, nonce=NONCE, stops=STOPS
+):
+    return GenerationRequest(
+        PROMPT, group, temperature, top_k, top_p, max_tokens, KEY, nonce, seed, stop_token_ids=stops
+    )
 
 
 # --- stand-in engine: the processor under both vLLM interfaces, on CPU ----------------------
+
 
 class _Move(enum.Enum):
     UNIDIRECTIONAL = 1
@@ -110,10 +121,17 @@ class _V2Base(ABC):
 
 def _stub_vllm(monkeypatch, interfaces: tuple[str, ...]) -> type:
     """Install stub ``vllm`` interface modules and return the processor class built on them."""
-    names = ["vllm", "vllm.v1", "vllm.v1.sample", "vllm.v1.sample.logits_processor",
-             "vllm.v1.worker", "vllm.v1.worker.gpu", "vllm.v1.worker.gpu.sample",
-             "vllm.v1.worker.gpu.sample.logits_processor",
-             "vllm.v1.worker.gpu.sample.logits_processor.interface"]
+    names = [
+        "vllm",
+        "vllm.v1",
+        "vllm.v1.sample",
+        "vllm.v1.sample.logits_processor",
+        "vllm.v1.worker",
+        "vllm.v1.worker.gpu",
+        "vllm.v1.worker.gpu.sample",
+        "vllm.v1.worker.gpu.sample.logits_processor",
+        "vllm.v1.worker.gpu.sample.logits_processor.interface",
+    ]
     modules = {name: types.ModuleType(name) for name in names}
     if "v1" in interfaces:
         modules["vllm.v1.sample.logits_processor"].LogitsProcessor = _V1Base
@@ -137,8 +155,20 @@ def _last_logits(model, rows: list[list[int]]) -> torch.Tensor:
 
 
 def _specs(request):
-    return [RowSpec(f"tag-{g}", KEY, request.nonce, request.seed, g, request.temperature,
-                    request.top_k, request.top_p, len(PROMPT)) for g in range(request.group_size)]
+    return [
+        RowSpec(
+            f"tag-{g}",
+            KEY,
+            request.nonce,
+            request.seed,
+            g,
+            request.temperature,
+            request.top_k,
+            request.top_p,
+            len(PROMPT),
+        )
+        for g in range(request.group_size)
+    ]
 
 
 def _run_v1(proc, model, request) -> list[list[int]]:
@@ -150,16 +180,22 @@ def _run_v1(proc, model, request) -> list[list[int]]:
     # A partial prefill chunk samples a token that is then thrown away.
     proc.update_state(_Update(1, added=[(0, params[0], list(PROMPT), outs[0])]))
     proc.apply(_last_logits(model, [list(PROMPT[:3])]))
-    proc.update_state(_Update(len(batch), added=[(r, params[g], list(PROMPT), outs[g])
-                                                 for r, g in enumerate(batch)]))
+    proc.update_state(
+        _Update(
+            len(batch), added=[(r, params[g], list(PROMPT), outs[g]) for r, g in enumerate(batch)]
+        )
+    )
     step = 0
     while batch:
         logits = proc.apply(_last_logits(model, [list(PROMPT) + outs[g] for g in batch]))
         assert bool((torch.isfinite(logits).sum(-1) == 1).all())
         for r, g in enumerate(batch):
             outs[g].append(int(logits[r].argmax()))
-        done = [r for r, g in enumerate(batch) if outs[g][-1] in STOPS
-                or len(outs[g]) == request.max_tokens]
+        done = [
+            r
+            for r, g in enumerate(batch)
+            if outs[g][-1] in STOPS or len(outs[g]) == request.max_tokens
+        ]
         update = _Update(0, removed=sorted(done, reverse=True))
         for r in sorted(done, reverse=True):
             last = len(batch) - 1
@@ -193,15 +229,18 @@ def _run_v2(proc, model, request) -> list[list[int]]:
     while active:
         order = active[::-1] if step % 2 else active  # rows are reordered between steps
         seqs = [list(PROMPT) + outs[g] for g in order] + [list(PROMPT)]
-        ctx = SimpleNamespace(idx_mapping_np=np.array([slots[g] for g in order] + [3]),
-                              pos=torch.tensor([len(s) - 1 for s in seqs]))
+        ctx = SimpleNamespace(
+            idx_mapping_np=np.array([slots[g] for g in order] + [3]),
+            pos=torch.tensor([len(s) - 1 for s in seqs]),
+        )
         raw = _last_logits(model, seqs)
         logits = proc.apply(raw.clone(), ctx)
         assert torch.equal(logits[-1], raw[-1])  # the declined request's row
         for r, g in enumerate(order):
             outs[g].append(int(logits[r].argmax()))
-        active = [g for g in active if outs[g][-1] not in STOPS
-                  and len(outs[g]) < request.max_tokens]
+        active = [
+            g for g in active if outs[g][-1] not in STOPS and len(outs[g]) < request.max_tokens
+        ]
         step += 1
     return outs
 
@@ -213,8 +252,10 @@ def test_stand_in_engine_matches_transformers_backend(monkeypatch, interfaces, p
     model = _tiny_llama()
     request = _request(*params)
     expected = TransformersBackend(model, dtype="float32").generate(request)
-    engines = {"v1": lambda: _run_v1(cls(None, torch.device("cpu"), False), model, request),
-               "v2": lambda: _run_v2(cls(None, None), model, request)}
+    engines = {
+        "v1": lambda: _run_v1(cls(None, torch.device("cpu"), False), model, request),
+        "v2": lambda: _run_v2(cls(None, None), model, request),
+    }
     for name in interfaces:
         outs = engines[name]()
         lengths = set()
@@ -254,8 +295,13 @@ def test_row_spec_round_trip_and_malformed_entries():
 
 
 def test_config_errors_without_a_gpu(monkeypatch, tmp_path):
-    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                 "VLLM_NO_USAGE_STATS", "DO_NOT_TRACK"):
+    for name in (
+        "VLLM_ENABLE_V1_MULTIPROCESSING",
+        "HF_HUB_OFFLINE",
+        "TRANSFORMERS_OFFLINE",
+        "VLLM_NO_USAGE_STATS",
+        "DO_NOT_TRACK",
+    ):
         monkeypatch.setenv(name, "1")  # restored afterwards: the backend sets them
     assert "vllm" in available_backends()
     with pytest.raises(ConfigError, match="local model directory"):
@@ -272,11 +318,13 @@ def test_config_errors_without_a_gpu(monkeypatch, tmp_path):
 
 # --- real vLLM on a GPU ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module", params=["float32", "bfloat16"])
 def vllm_run(request, model_dir):
     pytest.importorskip("vllm")
-    backend = vllm_backend.VllmBackend(model_dir, dtype=request.param, enforce_eager=True,
-                                       gpu_memory_utilization=0.2)
+    backend = vllm_backend.VllmBackend(
+        model_dir, dtype=request.param, enforce_eager=True, gpu_memory_utilization=0.2
+    )
     yield request.param, backend
     backend.close()
 
@@ -293,24 +341,41 @@ def test_vllm_tokens_replay_and_logprobs_match_recomputation(vllm_run, model_dir
     request = _request(*params, group=8, max_tokens=64)
     completions = backend.generate(request)
     oracle = TransformersOracle({0: model_dir}, dtype="float32")
-    recomputed = oracle.logprobs_batch(0, [OracleRequest(PROMPT + c.token_ids, len(PROMPT),
-                                                         *params) for c in completions])
+    recomputed = oracle.logprobs_batch(
+        0, [OracleRequest(PROMPT + c.token_ids, len(PROMPT), *params) for c in completions]
+    )
     exact = total = 0
     worst = max_gap = 0.0
     for c, r in zip(completions, recomputed, strict=True):
         sampler = sampler_named(request.sampler)
-        uniforms = sampler.randomness([(KEY, NONCE, request.seed, c.group_index,
-                                        range(len(c.token_ids)))], VOCAB)
-        stats = sampler.replay(c.token_ids, _oracle_logits(oracle, c), *params, uniforms,
-                               slack=sampler.slack(tolerance) if eps > 1e-4 else 1e-4)
-        exact, total, max_gap = exact + stats.exact, total + stats.tokens, max(max_gap,
-                                                                               stats.max_gap)
+        uniforms = sampler.randomness(
+            [(KEY, NONCE, request.seed, c.group_index, range(len(c.token_ids)))], VOCAB
+        )
+        stats = sampler.replay(
+            c.token_ids,
+            _oracle_logits(oracle, c),
+            *params,
+            uniforms,
+            slack=sampler.slack(tolerance) if eps > 1e-4 else 1e-4,
+        )
+        exact, total, max_gap = (
+            exact + stats.exact,
+            total + stats.tokens,
+            max(max_gap, stats.max_gap),
+        )
         for start in range(0, len(c.token_ids), 32):
-            compare_chunk(c.logprobs[start:start + 32], r[start:start + 32], tolerance,
-                          start // 32, position_offset=start)
+            compare_chunk(
+                c.logprobs[start : start + 32],
+                r[start : start + 32],
+                tolerance,
+                start // 32,
+                position_offset=start,
+            )
         worst = max(worst, float(np.abs(c.logprobs - r).max()))
-    print(f"vllm {backend.vllm_version} {dtype} {params}: {total} tokens, exact replay "
-          f"{exact}/{total}, max near-tie gap {max_gap:.2e}, max |logprob - cpu fp32| {worst:.2e}")
+    print(
+        f"vllm {backend.vllm_version} {dtype} {params}: {total} tokens, exact replay "
+        f"{exact}/{total}, max near-tie gap {max_gap:.2e}, max |logprob - cpu fp32| {worst:.2e}"
+    )
 
 
 @pytest.mark.gpu
@@ -325,12 +390,16 @@ def test_vllm_agrees_with_transformers_backend(vllm_run, model_dir, monkeypatch)
     same, worst = 0, 0.0
     for a, b in zip(ours, theirs, strict=True):
         same += a.token_ids == b.token_ids
-        prefix = next((t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False))
-                       if x != y), min(len(a.token_ids), len(b.token_ids)))
+        prefix = next(
+            (t for t, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)) if x != y),
+            min(len(a.token_ids), len(b.token_ids)),
+        )
         if prefix:
             worst = max(worst, float(np.abs(a.logprobs[:prefix] - b.logprobs[:prefix]).max()))
-    print(f"vllm vs transformers ({dtype}, {device}): {same}/8 identical completions, "
-          f"max |logprob diff| on shared prefixes {worst:.2e}")
+    print(
+        f"vllm vs transformers ({dtype}, {device}): {same}/8 identical completions, "
+        f"max |logprob diff| on shared prefixes {worst:.2e}"
+    )
     assert worst <= tolerance.token_abs
     if dtype == "float32":
         assert same >= 7  # only a numerical near-tie may split a completion

@@ -58,7 +58,10 @@ def test_the_build_digest_is_the_one_manifests_and_release_cards_name(tiny_build
     release card name ``base_model_digest`` (trainer/release.py); one digest for the base."""
     a = tiny_builds[0]
     assert a.weights_digest == base_model_digest(a.path).hex()
-    assert json.loads((a.path / BUILD_INFO).read_text())["weights_digest"] == base_model_digest(a.path).hex()
+    assert (
+        json.loads((a.path / BUILD_INFO).read_text())["weights_digest"]
+        == base_model_digest(a.path).hex()
+    )
 
 
 def test_loads_with_auto_classes(tiny_builds):

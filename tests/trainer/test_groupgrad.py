@@ -29,10 +29,19 @@ SEGMENTS = [(0, 3), (3, 4), (4, 4), (4, 9)]  # uneven, one empty
 
 def llama(*, tied: bool, bias: bool) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                      pad_token_id=0, tie_word_embeddings=tied, attention_bias=bias,
-                      mlp_bias=bias)
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        tie_word_embeddings=tied,
+        attention_bias=bias,
+        mlp_bias=bias,
+    )
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # random norm weights, so their gradients are not all alike
         for name, p in model.named_parameters():
@@ -51,10 +60,19 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, mask, weights
 
 
-def segment_loss(model: nn.Module, ids: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor,
-                 lo: int, hi: int, lp: torch.Tensor | None = None) -> torch.Tensor:
+def segment_loss(
+    model: nn.Module,
+    ids: torch.Tensor,
+    mask: torch.Tensor,
+    weights: torch.Tensor,
+    lo: int,
+    hi: int,
+    lp: torch.Tensor | None = None,
+) -> torch.Tensor:
     if lp is None:
-        lp = token_logprobs(model(input_ids=ids[lo:hi], attention_mask=mask[lo:hi]).logits, ids[lo:hi])
+        lp = token_logprobs(
+            model(input_ids=ids[lo:hi], attention_mask=mask[lo:hi]).logits, ids[lo:hi]
+        )
     return (lp * weights[lo:hi] * mask[lo:hi, 1:]).sum() / (1 + hi - lo)
 
 
@@ -74,8 +92,10 @@ def one_pass(model: nn.Module, plan: GroupGradients) -> torch.Tensor:
     out = torch.full((len(SEGMENTS), plan.numel), float("nan"))
     with plan.capture(SEGMENTS, out):
         lp = token_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids)
-        sum(segment_loss(model, ids, mask, weights, lo, hi, lp[lo:hi] if hi > lo else lp[:0])
-            for lo, hi in SEGMENTS).backward()
+        sum(
+            segment_loss(model, ids, mask, weights, lo, hi, lp[lo:hi] if hi > lo else lp[:0])
+            for lo, hi in SEGMENTS
+        ).backward()
     return out
 
 
@@ -95,7 +115,7 @@ def test_one_pass_equals_a_pass_per_segment(tied: bool, bias: bool) -> None:
     # every parameter kind takes part: no slot of a non-empty segment is all zero
     start = 0
     for p in params:
-        assert got[0, start:start + p.numel()].abs().max() > 0
+        assert got[0, start : start + p.numel()].abs().max() > 0
         start += p.numel()
 
 
@@ -104,7 +124,10 @@ def test_parameters_require_gradients_again_after_the_pass_even_on_error() -> No
     params = list(model.parameters())
     plan = GroupGradients.plan(model, params)
     assert plan is not None
-    with pytest.raises(RuntimeError, match="boom"), plan.capture([(0, 1)], torch.empty(1, plan.numel)):
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        plan.capture([(0, 1)], torch.empty(1, plan.numel)),
+    ):
         assert not any(p.requires_grad for p in params)
         raise RuntimeError("boom")
     assert all(p.requires_grad for p in params)
@@ -123,8 +146,9 @@ class ShiftedNorm(nn.Module):
         return (1 + self.weight) * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-@pytest.mark.parametrize("odd", [lambda: nn.LayerNorm(8), lambda: nn.Conv1d(8, 8, 1),
-                                 lambda: ShiftedNorm(8)])
+@pytest.mark.parametrize(
+    "odd", [lambda: nn.LayerNorm(8), lambda: nn.Conv1d(8, 8, 1), lambda: ShiftedNorm(8)]
+)
 def test_a_module_it_cannot_split_means_no_plan(odd: Any) -> None:
     model = nn.Sequential(nn.Linear(8, 8), odd())
     assert GroupGradients.plan(model, list(model.parameters())) is None
@@ -138,8 +162,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def uneven_batch():  # noqa: ANN201 - a TrainBatch
     keys = [bytes([k]) * 32 for k in (3, 1, 2)]
-    rows = [group(bytes([i]) * 16, [1.0, 0.0, 0.5, 0.0][: 2 + i % 3], key=keys[i % 3])
-            for i in range(7)]  # interleaved contributors, 2 to 4 rows per group
+    rows = [
+        group(bytes([i]) * 16, [1.0, 0.0, 0.5, 0.0][: 2 + i % 3], key=keys[i % 3]) for i in range(7)
+    ]  # interleaved contributors, 2 to 4 rows per group
     return build_batch(rows, 0)
 
 
@@ -168,9 +193,12 @@ def test_rl_step_one_pass_matches_a_pass_per_contributor(tiny: Path, loss: str) 
 def test_micro_batches_use_a_pass_per_contributor(tiny: Path) -> None:
     ensure_process_group()
     stage = load_stage(tiny, 0, 1)
-    step = RLStep(PipelineRunner(stage, 0, 1, num_microbatches=2),
-                  torch.optim.SGD(stage.parameters(), lr=0.1), get_policy_loss("tis"),
-                  get_aggregator("mean"))
+    step = RLStep(
+        PipelineRunner(stage, 0, 1, num_microbatches=2),
+        torch.optim.SGD(stage.parameters(), lr=0.1),
+        get_policy_loss("tis"),
+        get_aggregator("mean"),
+    )
     assert step.grouped is None
     assert step(uneven_batch())["aggregate/contributors"] == 3
 
@@ -180,8 +208,13 @@ def _two_stage_rows(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     out = {}
     for mode in ("one", "per"):
         stage = load_stage(model_dir, rank, world)
-        step = RLStep(PipelineRunner(stage, rank, world), torch.optim.SGD(stage.parameters(), lr=1.0),
-                      get_policy_loss("tis"), get_aggregator("median"), grad_clip=0.0)
+        step = RLStep(
+            PipelineRunner(stage, rank, world),
+            torch.optim.SGD(stage.parameters(), lr=1.0),
+            get_policy_loss("tis"),
+            get_aggregator("median"),
+            grad_clip=0.0,
+        )
         out[f"{mode}_planned"] = step.grouped is not None
         if mode == "per":
             step.grouped = None

@@ -28,16 +28,19 @@ def gram_pass(model: torch.nn.Module, plan: GroupGradients, poison: int | None =
     ids, mask, weights = inputs()
     with plan.capture_gram(SEGMENTS):
         lp = token_logprobs(model(input_ids=ids, attention_mask=mask).logits, ids)
-        losses = [segment_loss(model, ids, mask, weights, lo, hi, lp[lo:hi] if hi > lo else lp[:0])
-                  for lo, hi in SEGMENTS]
+        losses = [
+            segment_loss(model, ids, mask, weights, lo, hi, lp[lo:hi] if hi > lo else lp[:0])
+            for lo, hi in SEGMENTS
+        ]
         if poison is not None:
             losses[poison] = losses[poison] * float("nan")
         sum(losses).backward()
 
 
 @pytest.mark.parametrize(("tied", "bias"), [(True, False), (False, True)])
-def test_gram_and_combine_match_the_rows(tied: bool, bias: bool,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gram_and_combine_match_the_rows(
+    tied: bool, bias: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model = llama(tied=tied, bias=bias)
     params = [p for p in model.parameters() if p.requires_grad]
     plan = GroupGradients.plan(model, params)

@@ -61,9 +61,16 @@ def _kill_after_checkpoint_3(ckpt: Path) -> None:
 
 
 def _cfg(tiny: Path, ckpt: Path, steps: int) -> TrainerConfig:
-    return TrainerConfig(model_dir=tiny, steps=steps, batch_groups=2, rules=NetworkRules(max_staleness=100),
-                         eval_every=0, checkpoint_dir=ckpt, checkpoint_every=3,
-                         starve_timeout_s=1)
+    return TrainerConfig(
+        model_dir=tiny,
+        steps=steps,
+        batch_groups=2,
+        rules=NetworkRules(max_staleness=100),
+        eval_every=0,
+        checkpoint_dir=ckpt,
+        checkpoint_every=3,
+        starve_timeout_s=1,
+    )
 
 
 def test_resume_re_runs_published_steps_without_publishing_them(tiny: Path, tmp_path: Path) -> None:

@@ -42,11 +42,21 @@ def mixed_batch() -> TrainBatch:
     for i in range(5):
         prompt = tuple(range(1, 4 + (i * 3) % 7))
         size = 2 + i % 2
-        groups.append(tuple(
-            sample(bytes([i]) * 16, g, size, completion=[7 + (g + i) % 5] * (1 + (g + 2 * i) % 4),
-                   reward=float(g % 2), key=keys[(i + g) % 3], prompt=prompt,
-                   logprobs=[-0.5 - 0.3 * j for j in range(1 + (g + 2 * i) % 4)])
-            for g in range(size)))
+        groups.append(
+            tuple(
+                sample(
+                    bytes([i]) * 16,
+                    g,
+                    size,
+                    completion=[7 + (g + i) % 5] * (1 + (g + 2 * i) % 4),
+                    reward=float(g % 2),
+                    key=keys[(i + g) % 3],
+                    prompt=prompt,
+                    logprobs=[-0.5 - 0.3 * j for j in range(1 + (g + 2 * i) % 4)],
+                )
+                for g in range(size)
+            )
+        )
     return build_batch(groups, 0)
 
 
@@ -84,14 +94,20 @@ def test_logprobs_at_kept_positions_equal_the_full_ones() -> None:
     assert torch.allclose(g_got, g_want, atol=1e-6)
 
 
-def _step_delta(model_dir: Path | str, rank: int, world: int, loss: str, full: bool,
-                **kw: Any) -> tuple[torch.Tensor, dict[str, float], list[tuple[int, ...]]]:
+def _step_delta(
+    model_dir: Path | str, rank: int, world: int, loss: str, full: bool, **kw: Any
+) -> tuple[torch.Tensor, dict[str, float], list[tuple[int, ...]]]:
     """One RL step (SGD, lr 1, no clip): the parameter change, the metrics and the shapes
     of every head output during the step."""
     stage = load_stage(model_dir, rank, world)
-    step = RLStep(PipelineRunner(stage, rank, world), torch.optim.SGD(stage.parameters(), lr=1.0),
-                  get_policy_loss(loss), get_aggregator(kw.pop("aggregator", "median")),
-                  grad_clip=0.0, proximal=loss == "ppo-decoupled")
+    step = RLStep(
+        PipelineRunner(stage, rank, world),
+        torch.optim.SGD(stage.parameters(), lr=1.0),
+        get_policy_loss(loss),
+        get_aggregator(kw.pop("aggregator", "median")),
+        grad_clip=0.0,
+        proximal=loss == "ppo-decoupled",
+    )
     for key, value in kw.items():
         setattr(step, key, value)
     shapes: list[tuple[int, ...]] = []
@@ -135,8 +151,9 @@ def _two_stages(rank: int, world: int, model_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for loss in ("tis", "ppo-decoupled"):
         for full in (True, False):
-            delta, metrics, shapes = _step_delta(model_dir, rank, world, loss, full,
-                                                 aggregator="centered-clip")
+            delta, metrics, shapes = _step_delta(
+                model_dir, rank, world, loss, full, aggregator="centered-clip"
+            )
             out[f"{loss}/{full}"] = (delta.tolist(), metrics, shapes)
     return out
 

@@ -40,8 +40,12 @@ class ListSource:
 def groups_of(n: int, *, version: int = 0, start: int = 0, keys: int = 2) -> list[AcceptedSample]:
     out: list[AcceptedSample] = []
     for i in range(start, start + n):
-        out += group(i.to_bytes(16, "big"), [1.0, 0.0, 0.0, 0.0], version=version,
-                     key=bytes([1 + i % keys]) * 32)
+        out += group(
+            i.to_bytes(16, "big"),
+            [1.0, 0.0, 0.0, 0.0],
+            version=version,
+            key=bytes([1 + i % keys]) * 32,
+        )
     return out
 
 
@@ -99,8 +103,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_loop(model_dir: Path, source, cfg: TrainerConfig, published: list) -> TrainerLoop:
     ensure_process_group()
     runner = PipelineRunner(load_stage(model_dir, 0, 1), 0, 1)
-    return TrainerLoop(cfg, runner, source, publish=lambda v, s: published.append(v),
-                       progress=False)
+    return TrainerLoop(
+        cfg, runner, source, publish=lambda v, s: published.append(v), progress=False
+    )
 
 
 def trained(loop: TrainerLoop) -> list[int]:
@@ -119,9 +124,16 @@ def trained(loop: TrainerLoop) -> list[int]:
 
 def test_checkpoint_resume_trains_every_group_exactly_once(tiny: Path, tmp_path: Path) -> None:
     source = ListSource(groups_of(12))
-    cfg = TrainerConfig(model_dir=tiny, steps=4, batch_groups=2, rules=NetworkRules(max_staleness=100),
-                        eval_every=0, checkpoint_dir=tmp_path / "ckpt", checkpoint_every=1,
-                        starve_timeout_s=1)
+    cfg = TrainerConfig(
+        model_dir=tiny,
+        steps=4,
+        batch_groups=2,
+        rules=NetworkRules(max_staleness=100),
+        eval_every=0,
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=1,
+        starve_timeout_s=1,
+    )
     published: list[int] = []
     loop = make_loop(tiny, source, cfg, published)
     seen = trained(loop)
@@ -158,11 +170,33 @@ def test_config_rejects_unknown_keys_and_bad_bounds(tmp_path: Path) -> None:
 
 
 def test_cli_smoke(tiny: Path, tmp_path: Path) -> None:
-    cmd = [sys.executable, "-m", "node.cli", "trainer", "--steps", "2", "--quiet",
-           "--set", f"model_dir={tiny}", "--set", "local.contributors=2",
-           "--set", "local.group_size=4", "--set", "local.groups_per_fetch=4",
-           "--set", "batch_groups=2", "--set", "eval_problems=8", "--set", "eval_every=2",
-           "--set", "skip_uniform_groups=false", "--metrics", str(tmp_path / "m.jsonl")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "trainer",
+        "--steps",
+        "2",
+        "--quiet",
+        "--set",
+        f"model_dir={tiny}",
+        "--set",
+        "local.contributors=2",
+        "--set",
+        "local.group_size=4",
+        "--set",
+        "local.groups_per_fetch=4",
+        "--set",
+        "batch_groups=2",
+        "--set",
+        "eval_problems=8",
+        "--set",
+        "eval_every=2",
+        "--set",
+        "skip_uniform_groups=false",
+        "--metrics",
+        str(tmp_path / "m.jsonl"),
+    ]
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -173,14 +207,40 @@ def test_cli_smoke(tiny: Path, tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_cli_two_stage_pipeline_smoke(tiny: Path, tmp_path: Path) -> None:
     """S = 2 under torchrun: rank 0 hosts the network, both stages step and checkpoint."""
-    cmd = [sys.executable, "-m", "node.cli", "trainer", "--steps", "2", "--quiet",
-           "--set", f"model_dir={tiny}", "--set", "stages=2", "--set", "local.contributors=2",
-           "--set", "local.group_size=4", "--set", "local.groups_per_fetch=4",
-           "--set", "batch_groups=2", "--set", "eval_problems=8", "--set", "eval_every=2",
-           "--set", "skip_uniform_groups=false", "--checkpoint-dir", str(tmp_path / "ck")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "node.cli",
+        "trainer",
+        "--steps",
+        "2",
+        "--quiet",
+        "--set",
+        f"model_dir={tiny}",
+        "--set",
+        "stages=2",
+        "--set",
+        "local.contributors=2",
+        "--set",
+        "local.group_size=4",
+        "--set",
+        "local.groups_per_fetch=4",
+        "--set",
+        "batch_groups=2",
+        "--set",
+        "eval_problems=8",
+        "--set",
+        "eval_every=2",
+        "--set",
+        "skip_uniform_groups=false",
+        "--checkpoint-dir",
+        str(tmp_path / "ck"),
+    ]
     repo = Path(__file__).resolve().parents[2]
     out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "pass@1 (greedy)" in out.stdout
     assert sorted(p.name for p in (tmp_path / "ck" / "v00000002").iterdir()) == [
-        "stage0.pt", "stage1.pt"]
+        "stage0.pt",
+        "stage1.pt",
+    ]

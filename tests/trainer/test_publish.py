@@ -32,8 +32,14 @@ CODECS = {
 
 
 def run_chain(
-    model_dir: Path, store_dir: Path, *, num_stages: int, versions: int, codec: str = "topk",
-    snapshot_every: int = 0, seed: int = 0,
+    model_dir: Path,
+    store_dir: Path,
+    *,
+    num_stages: int,
+    versions: int,
+    codec: str = "topk",
+    snapshot_every: int = 0,
+    seed: int = 0,
 ) -> tuple[list[Stage], list[StagePublisher], list]:
     """Train-and-publish ``versions`` steps; returns (stages, publishers, sealed manifests)."""
     from rollout.sync import base_model_digest
@@ -41,17 +47,24 @@ def run_chain(
     torch.manual_seed(seed)
     stages = [load_stage(model_dir, s, num_stages) for s in range(num_stages)]
     name, params = CODECS[codec]
-    pubs = [StagePublisher.for_stage(st, s, name, params, snapshot_every)
-            for s, st in enumerate(stages)]
+    pubs = [
+        StagePublisher.for_stage(st, s, name, params, snapshot_every) for s, st in enumerate(stages)
+    ]
     store = LocalPolicyStore(store_dir)
     base = base_model_digest(model_dir)
     gen = torch.Generator().manual_seed(seed)
     sealed, parent = [], None
     for v in range(1, versions + 1):
         train_step(stages, gen)
-        parent = publish_version(pubs, [dict(st.named_parameters()) for st in stages], store,
-                                 parent=parent, base_digest=base, trainer_key=TRAINER,
-                                 now_ms=1_000 + v)
+        parent = publish_version(
+            pubs,
+            [dict(st.named_parameters()) for st in stages],
+            store,
+            parent=parent,
+            base_digest=base,
+            trainer_key=TRAINER,
+            now_ms=1_000 + v,
+        )
         sealed.append(parent)
     return stages, pubs, sealed
 
@@ -84,8 +97,9 @@ def test_implicit_error_feedback_sends_what_was_dropped() -> None:
     gaps = []
     for _ in range(25):
         pub.update(current)
-        gaps.append(sum(float((current[k] - v).abs().max()) for k, v in
-                        pub.published_state().items()))
+        gaps.append(
+            sum(float((current[k] - v).abs().max()) for k, v in pub.published_state().items())
+        )
     assert gaps[-1] < 1e-2 * gaps[0]
 
 
@@ -146,8 +160,10 @@ def test_load_into_copies_published_weights() -> None:
 
 
 def test_build_manifest_checks_stages_versions_and_codecs() -> None:
-    infos = [ShardInfo(1, b"\x01" * 32, 10, "delta", "topk"),
-             ShardInfo(0, b"\x00" * 32, 12, "delta", "topk")]
+    infos = [
+        ShardInfo(1, b"\x01" * 32, 10, "delta", "topk"),
+        ShardInfo(0, b"\x00" * 32, 12, "delta", "topk"),
+    ]
     v1 = build_manifest(1, None, BASE, infos, "topk", TRAINER, 5)
     m1 = check_manifest(v1, TRAINER.public)
     assert [s.stage for s in m1.shards] == [0, 1] and m1.parent_digest == b""
@@ -226,10 +242,10 @@ def test_publish_hook_resumes_from_its_checkpoint(untied: Path, tmp_path: Path) 
     gen = torch.Generator().manual_seed(3)
 
     def hook_for(stage: Stage) -> PublishHook:
-        pub = StagePublisher.for_stage(stage, 0, "topk", {"fraction": 0.05},
-                                       train_on="published")
-        return PublishHook(pub, store, base_digest=base_model_digest(untied),
-                           trainer_key=TRAINER, now_ms=lambda: 7)
+        pub = StagePublisher.for_stage(stage, 0, "topk", {"fraction": 0.05}, train_on="published")
+        return PublishHook(
+            pub, store, base_digest=base_model_digest(untied), trainer_key=TRAINER, now_ms=lambda: 7
+        )
 
     hook = hook_for(stage)
     for v in (1, 2):
@@ -255,8 +271,14 @@ def test_bench_weights_smoke() -> None:
 
     _demo_model_dir()
     repo = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "bench/weights.py", "--steps", "2"], cwd=repo,
-                         capture_output=True, text=True, timeout=240, check=True)
+    out = subprocess.run(
+        [sys.executable, "bench/weights.py", "--steps", "2"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "weights" and result["topk_meets_target"] is True
     assert result["codecs"]["topk-2%-int8"]["ratio_vs_bf16"] >= 10

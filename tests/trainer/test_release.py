@@ -28,16 +28,29 @@ from verify.signed import open_sealed, seal
 from verify.types import EvalStatement, SignedEvalStatement, decode
 
 REPO = Path(__file__).resolve().parents[2]
-REPORT = EvalReport("m", "arithmetic", "heldout", 5,
-                    (Metric("pass@1 (greedy)", 0.4, 0.1, 0.8, 5), Metric("pass@2", 0.6, 0.2, 0.9, 5)))
+REPORT = EvalReport(
+    "m",
+    "arithmetic",
+    "heldout",
+    5,
+    (Metric("pass@1 (greedy)", 0.4, 0.1, 0.8, 5), Metric("pass@2", 0.6, 0.2, 0.9, 5)),
+)
 
 
 world, release = release_fixtures(eval_problems=6)
 
 
 def _statement(version: int, digest: bytes, key: SigningKey = TRAINER) -> SignedEvalStatement:
-    return eval_statement(REPORT, version=version, manifest_digest=digest, task="arithmetic",
-                          split="heldout", seed=3, key=key, created_at_ms=9)
+    return eval_statement(
+        REPORT,
+        version=version,
+        manifest_digest=digest,
+        task="arithmetic",
+        split="heldout",
+        seed=3,
+        key=key,
+        created_at_ms=9,
+    )
 
 
 def test_eval_statement_round_trips() -> None:
@@ -105,14 +118,18 @@ def test_release_loads_and_reproduces_its_card(release: Path) -> None:
     model = load_pretrained_lm(release)
     assert model.config.num_hidden_layers == 2
     data = (release / L.table_path("arithmetic", "release")).read_bytes()
-    stmt = decode(EvalStatement, decode(SignedEvalStatement, data, max_bytes=len(data)).statement,
-                  max_bytes=len(data))
+    stmt = decode(
+        EvalStatement,
+        decode(SignedEvalStatement, data, max_bytes=len(data)).statement,
+        max_bytes=len(data),
+    )
     assert stmt.version == 3
     card_pass1 = next(m for m in stmt.metrics if m.name == "pass@1 (greedy)")
     card = (release / L.CARD_FILE).read_text()
     assert f"{card_pass1.value:.4f} [{card_pass1.lo:.4f}, {card_pass1.hi:.4f}]" in card
-    again = evaluate(release, "arithmetic", "heldout", n=stmt.problems, k=2, seed=stmt.seed,
-                     device="cpu").metric("pass@1 (greedy)")
+    again = evaluate(
+        release, "arithmetic", "heldout", n=stmt.problems, k=2, seed=stmt.seed, device="cpu"
+    ).metric("pass@1 (greedy)")
     assert card_pass1.lo <= again.value <= card_pass1.hi
     assert again.value == card_pass1.value  # greedy decoding is deterministic
     curve = json.loads((release / L.EVALS_FILE).read_text())["curve"]
@@ -122,27 +139,58 @@ def test_release_loads_and_reproduces_its_card(release: Path) -> None:
 
 def test_build_refusals(world: World, release: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError):
-        build_release(ledger=world.ledger, out=release, base_model=world.model,
-                      trainer_key=TRAINER, progress=False)
+        build_release(
+            ledger=world.ledger,
+            out=release,
+            base_model=world.model,
+            trainer_key=TRAINER,
+            progress=False,
+        )
     with pytest.raises(ConfigError, match="not published"):
-        build_release(ledger=world.ledger, out=tmp_path / "x", base_model=world.model,
-                      trainer_key=TRAINER, version=7, progress=False)
+        build_release(
+            ledger=world.ledger,
+            out=tmp_path / "x",
+            base_model=world.model,
+            trainer_key=TRAINER,
+            version=7,
+            progress=False,
+        )
     assert not (tmp_path / "x").exists()
 
 
 def _cli(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "node.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=300, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "node.cli", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
 
 
 def test_cli_builds_verifies_and_names_a_tampered_file(world: World, tmp_path: Path) -> None:
     key_file = tmp_path / "trainer.key"
     save_signing_key(TRAINER, key_file)
     out = tmp_path / "cli-release"
-    built = _cli("release", "--ledger", str(world.ledger), "--out", str(out), "--base-model",
-                 str(world.model), "--trainer-key", str(key_file), "--version", "2",
-                 "--eval-problems", "3", "-k", "1")
+    built = _cli(
+        "release",
+        "--ledger",
+        str(world.ledger),
+        "--out",
+        str(out),
+        "--base-model",
+        str(world.model),
+        "--trainer-key",
+        str(key_file),
+        "--version",
+        "2",
+        "--eval-problems",
+        "3",
+        "-k",
+        "1",
+    )
     assert built.returncode == 0, built.stderr
     keys = ["--trainer-key", TRAINER.public.hex(), "--validator-key", VALIDATOR.public.hex()]
     ok = _cli("release", "verify", str(out), *keys)
@@ -160,13 +208,19 @@ def test_cli_builds_verifies_and_names_a_tampered_file(world: World, tmp_path: P
 @pytest.mark.slow
 def test_eval_command_in_the_card_reproduces_it(release: Path) -> None:
     """The card's reproduction command, run as written inside the release, gives its pass@1."""
-    command = next(line for line in (release / L.CARD_FILE).read_text().splitlines()
-                   if line.startswith("prooftrain eval . "))
+    command = next(
+        line
+        for line in (release / L.CARD_FILE).read_text().splitlines()
+        if line.startswith("prooftrain eval . ")
+    )
     evaluated = _cli(*command.split()[1:], "--json", "--device", "cpu", cwd=release)
     assert evaluated.returncode == 0, evaluated.stderr
     data = (release / L.table_path("arithmetic", "release")).read_bytes()
-    stmt = decode(EvalStatement, decode(SignedEvalStatement, data, max_bytes=len(data)).statement,
-                  max_bytes=len(data))
+    stmt = decode(
+        EvalStatement,
+        decode(SignedEvalStatement, data, max_bytes=len(data)).statement,
+        max_bytes=len(data),
+    )
     card = next(m for m in stmt.metrics if m.name == "pass@1 (greedy)")
     got = json.loads(evaluated.stdout)["metrics"]["pass@1 (greedy)"]
     assert card.lo <= got["value"] <= card.hi and got["value"] == card.value

@@ -23,27 +23,54 @@ torch.set_num_threads(1)
 
 
 def sample(
-    aid: bytes, g: int, size: int, *, completion: list[int], reward: float, version: int = 0,
-    key: bytes = b"\x01" * 32, prompt: tuple[int, ...] = (1, 5, 6), logprobs: list[float] | None = None,
+    aid: bytes,
+    g: int,
+    size: int,
+    *,
+    completion: list[int],
+    reward: float,
+    version: int = 0,
+    key: bytes = b"\x01" * 32,
+    prompt: tuple[int, ...] = (1, 5, 6),
+    logprobs: list[float] | None = None,
     temperature: float = 1.0,
 ) -> AcceptedSample:
     lp = logprobs if logprobs is not None else [-1.0 - 0.1 * i for i in range(len(completion))]
     return AcceptedSample(
-        ledger_index=0, envelope_digest=bytes([g]) * 32, contributor_key=key,
-        assignment_id=aid, group_index=g, group_size=size, policy_version=version,
-        task_id="t", prompt_id="p", prompt_ids=np.asarray(prompt, "<u4").tobytes(),
+        ledger_index=0,
+        envelope_digest=bytes([g]) * 32,
+        contributor_key=key,
+        assignment_id=aid,
+        group_index=g,
+        group_size=size,
+        policy_version=version,
+        task_id="t",
+        prompt_id="p",
+        prompt_ids=np.asarray(prompt, "<u4").tobytes(),
         token_ids=np.asarray(completion, "<u4").tobytes(),
-        logprobs=np.asarray(lp, "<f4").tobytes(), temperature=temperature, top_k=0, top_p=1.0,
-        reward=reward, audited=False,
+        logprobs=np.asarray(lp, "<f4").tobytes(),
+        temperature=temperature,
+        top_k=0,
+        top_p=1.0,
+        reward=reward,
+        audited=False,
     )
 
 
-def group(aid: bytes, rewards: list[float], *, key: bytes = b"\x01" * 32, version: int = 0,
-          good: int = 7, bad: int = 8) -> tuple[AcceptedSample, ...]:
+def group(
+    aid: bytes,
+    rewards: list[float],
+    *,
+    key: bytes = b"\x01" * 32,
+    version: int = 0,
+    good: int = 7,
+    bad: int = 8,
+) -> tuple[AcceptedSample, ...]:
     size = len(rewards)
     return tuple(
-        sample(aid, g, size, completion=[good if r > 0 else bad, 2], reward=r, key=key,
-               version=version)
+        sample(
+            aid, g, size, completion=[good if r > 0 else bad, 2], reward=r, key=key, version=version
+        )
         for g, r in enumerate(rewards)
     )
 
@@ -81,8 +108,9 @@ def make_step(model_dir: Path, aggregator: str = "mean", lr: float = 1e-2, **kw)
     stage = load_stage(model_dir, 0, 1)
     runner = PipelineRunner(stage, 0, 1)
     opt = kw.pop("optimizer", None) or torch.optim.Adam(stage.parameters(), lr=lr)
-    return RLStep(runner, opt, get_policy_loss(kw.pop("loss", "tis")), get_aggregator(aggregator),
-                  **kw)
+    return RLStep(
+        runner, opt, get_policy_loss(kw.pop("loss", "tis")), get_aggregator(aggregator), **kw
+    )
 
 
 def mean_logprob(step: RLStep, batch, rows: torch.Tensor) -> float:

@@ -45,8 +45,11 @@ def _stages(root: int) -> dict[tuple[int, int], int]:
         pid = todo.pop()
         todo += children.get(pid, [])
         try:
-            env = dict(kv.split("=", 1) for kv in
-                       (Path("/proc") / str(pid) / "environ").read_text().split("\0") if "=" in kv)
+            env = dict(
+                kv.split("=", 1)
+                for kv in (Path("/proc") / str(pid) / "environ").read_text().split("\0")
+                if "=" in kv
+            )
         except OSError:
             continue
         if "RANK" in env and "TORCHELASTIC_RESTART_COUNT" in env:
@@ -54,8 +57,9 @@ def _stages(root: int) -> dict[tuple[int, int], int]:
     return found
 
 
-def _run_and_kill(tmp_path: Path, checkpoint_every: int,
-                  due: Callable[[Path], bool]) -> tuple[int, int]:
+def _run_and_kill(
+    tmp_path: Path, checkpoint_every: int, due: Callable[[Path], bool]
+) -> tuple[int, int]:
     """Run S = 2 with ``--max-restarts 2``; SIGKILL rank 1 once ``due(checkpoint_dir)``.
 
     Returns the newest published version and the newest checkpoint at the kill.
@@ -63,13 +67,29 @@ def _run_and_kill(tmp_path: Path, checkpoint_every: int,
     model = ensure_base_model("arithmetic", progress=False)
     ckpt = tmp_path / "ckpt"
     (tmp_path / "t.toml").write_text(
-        tiny_config(model, ckpt, STEPS, stages=2, checkpoint_every=checkpoint_every))
+        tiny_config(model, ckpt, STEPS, stages=2, checkpoint_every=checkpoint_every)
+    )
     log = open(tmp_path / "trainer.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "node.cli", "trainer", "--config", str(tmp_path / "t.toml"),
-         "--max-restarts", "2", "--quiet", "--metrics", str(tmp_path / "metrics.jsonl")],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "node.cli",
+            "trainer",
+            "--config",
+            str(tmp_path / "t.toml"),
+            "--max-restarts",
+            "2",
+            "--quiet",
+            "--metrics",
+            str(tmp_path / "metrics.jsonl"),
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 300
         while not due(ckpt):

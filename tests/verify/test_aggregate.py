@@ -154,8 +154,13 @@ def test_column_blocks_do_not_change_results(seed: int, n: int, d: int, block: i
 
     x = torch.tensor(_data(seed, n, d))
     w = torch.tensor(np.random.default_rng(seed + 2).uniform(0.1, 3.0, n))
-    cases = [(CoordinateMedian(), None), (CoordinateMedian(), w), (CenteredClip(iters=4, init="median"), None),
-             (CenteredClip(iters=2, tau=0.3), w), (TrimmedMean(f=(n - 1) // 2), None)]
+    cases = [
+        (CoordinateMedian(), None),
+        (CoordinateMedian(), w),
+        (CenteredClip(iters=4, init="median"), None),
+        (CenteredClip(iters=2, tau=0.3), w),
+        (TrimmedMean(f=(n - 1) // 2), None),
+    ]
     whole = [a(x, wt) for a, wt in cases]
     old = agg.COLUMN_BLOCK
     agg.COLUMN_BLOCK = block

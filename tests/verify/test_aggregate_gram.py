@@ -36,10 +36,17 @@ def _via_gram(agg: GramAggregator, x: torch.Tensor, w: torch.Tensor | None) -> t
 
 
 @SETTINGS
-@given(st.integers(0, 10_000), st.integers(1, 9), st.integers(1, 50), st.floats(0.05, 10.0),
-       st.integers(1, 5), st.booleans())
-def test_gram_coefficients_give_the_aggregate(seed: int, n: int, d: int, tau: float,
-                                              iters: int, weighted: bool) -> None:
+@given(
+    st.integers(0, 10_000),
+    st.integers(1, 9),
+    st.integers(1, 50),
+    st.floats(0.05, 10.0),
+    st.integers(1, 5),
+    st.booleans(),
+)
+def test_gram_coefficients_give_the_aggregate(
+    seed: int, n: int, d: int, tau: float, iters: int, weighted: bool
+) -> None:
     x = _rows(seed, n, d)
     w = torch.tensor(np.random.default_rng(seed + 1).uniform(0.1, 3.0, n)) if weighted else None
     for agg in (CenteredClip(tau=tau, iters=iters), Mean()):
@@ -47,10 +54,17 @@ def test_gram_coefficients_give_the_aggregate(seed: int, n: int, d: int, tau: fl
 
 
 @SETTINGS
-@given(st.integers(0, 10_000), st.integers(2, 9), st.integers(1, 40),
-       st.sampled_from([1e6, -1.0, -1e6, 0.0, 1e3]), st.floats(0.05, 5.0), st.integers(1, 4))
-def test_gram_centered_clip_keeps_bounded_influence(seed: int, n: int, d: int, scale: float,
-                                                    tau: float, iters: int) -> None:
+@given(
+    st.integers(0, 10_000),
+    st.integers(2, 9),
+    st.integers(1, 40),
+    st.sampled_from([1e6, -1.0, -1e6, 0.0, 1e3]),
+    st.floats(0.05, 5.0),
+    st.integers(1, 4),
+)
+def test_gram_centered_clip_keeps_bounded_influence(
+    seed: int, n: int, d: int, scale: float, tau: float, iters: int
+) -> None:
     """One contributor scaled by 1e6 or sign-flipped moves the result by <= the stated bound."""
     x = _rows(seed, n, d)
     bad = x.clone()

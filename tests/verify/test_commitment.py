@@ -97,8 +97,11 @@ def test_every_bit_flip_in_an_opening_or_proof_is_rejected() -> None:
 
 
 def _fields(opening: ChunkOpening) -> dict:
-    return {"token_bytes": opening.token_bytes, "logprob_bytes": opening.logprob_bytes,
-            "proof": opening.proof}
+    return {
+        "token_bytes": opening.token_bytes,
+        "logprob_bytes": opening.logprob_bytes,
+        "proof": opening.proof,
+    }
 
 
 def test_malformed_proofs_are_rejected_with_their_reason() -> None:
@@ -112,8 +115,12 @@ def test_malformed_proofs_are_rejected_with_their_reason() -> None:
             ChunkOpening(5, good.token_bytes, good.logprob_bytes, (b"\x00" * 32,) + good.proof),
         ],
         Reason.PROOF_WRONG_SIZE: [
-            ChunkOpening(5, good.token_bytes, good.logprob_bytes, (good.proof[0] + b"\x00",) + good.proof[1:]),
-            ChunkOpening(5, good.token_bytes, good.logprob_bytes, (b"\x00" + good.proof[0],) + good.proof[1:]),
+            ChunkOpening(
+                5, good.token_bytes, good.logprob_bytes, (good.proof[0] + b"\x00",) + good.proof[1:]
+            ),
+            ChunkOpening(
+                5, good.token_bytes, good.logprob_bytes, (b"\x00" + good.proof[0],) + good.proof[1:]
+            ),
         ],
         Reason.PROOF_WRONG_INDEX: [
             ChunkOpening(25, good.token_bytes, good.logprob_bytes, good.proof),

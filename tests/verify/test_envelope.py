@@ -28,16 +28,29 @@ from verify.types import (
 
 KEY = SigningKey.from_seed(b"\x07" * 32)
 HEADER_REASONS = {
-    Reason.MALFORMED, Reason.TRUNCATED, Reason.TRAILING_BYTES, Reason.SCHEMA_VERSION,
-    Reason.BAD_SIGNATURE, Reason.LIMIT_TOKENS, Reason.LIMIT_GROUP, Reason.INCONSISTENT,
+    Reason.MALFORMED,
+    Reason.TRUNCATED,
+    Reason.TRAILING_BYTES,
+    Reason.SCHEMA_VERSION,
+    Reason.BAD_SIGNATURE,
+    Reason.LIMIT_TOKENS,
+    Reason.LIMIT_GROUP,
+    Reason.INCONSISTENT,
 }
 
 
 def fields(**over: object) -> dict:
     base = dict(
-        policy_version=3, manifest_digest=b"\x01" * 32, task_id="arithmetic", prompt_id="train/42",
-        prompt_digest=b"\x02" * 32, assignment_id=b"\x03" * 16, nonce=b"\x04" * 32,
-        sampling=SamplingParams(1.0, 1.0, 0, 64, 11), group_index=1, group_size=4,
+        policy_version=3,
+        manifest_digest=b"\x01" * 32,
+        task_id="arithmetic",
+        prompt_id="train/42",
+        prompt_digest=b"\x02" * 32,
+        assignment_id=b"\x03" * 16,
+        nonce=b"\x04" * 32,
+        sampling=SamplingParams(1.0, 1.0, 0, 64, 11),
+        group_index=1,
+        group_size=4,
         created_at_ms=1_700_000_000_000,
     )
     base.update(over)
@@ -73,9 +86,16 @@ def test_honest_envelope_verifies_from_bytes_and_struct() -> None:
 
 def test_an_envelope_verified_elsewhere_parses_to_what_verification_gave() -> None:
     env = make(seed=3)
-    again, checked = already_verified(decode(RolloutEnvelope, canonical_bytes(env), max_bytes=1 << 20)), verify_envelope(env)
+    again, checked = (
+        already_verified(decode(RolloutEnvelope, canonical_bytes(env), max_bytes=1 << 20)),
+        verify_envelope(env),
+    )
     assert (again.header, again.header_bytes, again.signature, again.digest) == (
-        checked.header, checked.header_bytes, checked.signature, checked.digest)
+        checked.header,
+        checked.header_bytes,
+        checked.signature,
+        checked.digest,
+    )
     assert again.token_ids.dtype == np.uint32 and again.logprobs.dtype == np.float32
     assert again.token_ids.tolist() == checked.token_ids.tolist()
     assert again.logprobs.tobytes() == checked.logprobs.tobytes()
@@ -97,9 +117,17 @@ def test_every_body_bit_flip_breaks_the_commitment() -> None:
     for field in ("token_ids", "logprobs"):
         blob = getattr(env.body, field)
         for bit in range(8 * len(blob)):
-            body = RolloutBody(**{"token_ids": env.body.token_ids, "logprobs": env.body.logprobs,
-                                  field: flip(blob, bit)})
-            assert reason_of(RolloutEnvelope(env.header, env.signature, body)) is Reason.COMMITMENT_MISMATCH
+            body = RolloutBody(
+                **{
+                    "token_ids": env.body.token_ids,
+                    "logprobs": env.body.logprobs,
+                    field: flip(blob, bit),
+                }
+            )
+            assert (
+                reason_of(RolloutEnvelope(env.header, env.signature, body))
+                is Reason.COMMITMENT_MISMATCH
+            )
 
 
 def test_every_signature_bit_flip_is_rejected() -> None:

@@ -10,7 +10,9 @@ from blake3 import blake3
 from verify.hashing import COMPLETION, JOIN_MAX, blake3_digest
 
 
-@pytest.mark.parametrize("sizes", [(), (0,), (32, 4096, 4096), (5, JOIN_MAX - 5), (JOIN_MAX, 1), (3 * JOIN_MAX,)])
+@pytest.mark.parametrize(
+    "sizes", [(), (0,), (32, 4096, 4096), (5, JOIN_MAX - 5), (JOIN_MAX, 1), (3 * JOIN_MAX,)]
+)
 def test_a_digest_is_blake3_of_domain_separator_and_parts(sizes: tuple[int, ...]) -> None:
     parts = [os.urandom(n) for n in sizes]
     whole = b"".join(parts)

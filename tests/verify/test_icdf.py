@@ -23,24 +23,38 @@ def test_golden_vectors() -> None:
     doc = json.loads(VECTORS.read_text())
     assert doc["sampler"] == ICDF and len(doc["cases"]) >= 20
     for case in doc["cases"]:
-        u = icdf_uniform(bytes.fromhex(case["key"]), bytes.fromhex(case["nonce"]), case["seed"],
-                         case["position"], sample_index=case["index"])
+        u = icdf_uniform(
+            bytes.fromhex(case["key"]),
+            bytes.fromhex(case["nonce"]),
+            case["seed"],
+            case["position"],
+            sample_index=case["index"],
+        )
         assert u.hex() == case["uniform"]
-        lp = process_logits(torch.tensor([case["logits"]], dtype=torch.float32), case["temperature"],
-                            case["top_k"], case["top_p"])
+        lp = process_logits(
+            torch.tensor([case["logits"]], dtype=torch.float32),
+            case["temperature"],
+            case["top_k"],
+            case["top_p"],
+        )
         assert int(sample_icdf(lp, torch.tensor([u], dtype=torch.float64))[0]) == case["token"]
 
 
 def test_uniforms_are_keyed_by_every_input_and_batch_as_singles() -> None:
     u = icdf_uniform(KEY, NONCE, 42, 3, sample_index=2)
     assert 0.0 < u < 1.0
-    others = {icdf_uniform(KEY, NONCE, 43, 3, sample_index=2), icdf_uniform(KEY, NONCE, 42, 4, sample_index=2),
-              icdf_uniform(KEY, NONCE, 42, 3, sample_index=1), icdf_uniform(KEY, b"\x08" * 32, 42, 3, sample_index=2),
-              icdf_uniform(bytes(32), NONCE, 42, 3, sample_index=2)}
+    others = {
+        icdf_uniform(KEY, NONCE, 43, 3, sample_index=2),
+        icdf_uniform(KEY, NONCE, 42, 4, sample_index=2),
+        icdf_uniform(KEY, NONCE, 42, 3, sample_index=1),
+        icdf_uniform(KEY, b"\x08" * 32, 42, 3, sample_index=2),
+        icdf_uniform(bytes(32), NONCE, 42, 3, sample_index=2),
+    }
     assert u not in others and len(others) == 5
     batch = icdf_uniforms([(KEY, NONCE, 42, 2, range(2, 6)), (KEY, NONCE, 42, 1, [3])])
-    assert batch.tolist() == [icdf_uniform(KEY, NONCE, 42, p, sample_index=2) for p in range(2, 6)] + [
-        icdf_uniform(KEY, NONCE, 42, 3, sample_index=1)]
+    assert batch.tolist() == [
+        icdf_uniform(KEY, NONCE, 42, p, sample_index=2) for p in range(2, 6)
+    ] + [icdf_uniform(KEY, NONCE, 42, 3, sample_index=1)]
     with pytest.raises(ValueError):
         icdf_uniform(b"short", NONCE, 1, 0)
 
@@ -60,8 +74,9 @@ def test_draws_follow_the_committed_distribution(params) -> None:
     chi2 = float((((counts[kept] - expected) ** 2) / expected).sum())
     assert chi2 < 30.0, (chi2, counts, expected)  # p < 2e-5 for df <= 5
     # The same test tells a different temperature apart.
-    colder = np.bincount(sample_icdf(process_logits(logits, 0.8, *params[1:]).expand(n, -1), u).numpy(),
-                         minlength=6)
+    colder = np.bincount(
+        sample_icdf(process_logits(logits, 0.8, *params[1:]).expand(n, -1), u).numpy(), minlength=6
+    )
     assert float((((colder[kept] - expected) ** 2) / expected).sum()) > 100.0
 
 
@@ -85,23 +100,35 @@ def _caught_per_token(logits, uniforms, claimed, forged, slack: float) -> tuple[
     caught = 0
     for t in differ:
         try:
-            SAMPLER.replay(forged[t:t + 1], logits[t:t + 1], *claimed, uniforms[t:t + 1], slack=slack,
-                           position_offset=t)
+            SAMPLER.replay(
+                forged[t : t + 1],
+                logits[t : t + 1],
+                *claimed,
+                uniforms[t : t + 1],
+                slack=slack,
+                position_offset=t,
+            )
         except SpotCheckError as exc:
             assert exc.reason is Reason.SAMPLER_REPLAY_MISMATCH and exc.position == t
             caught += 1
     return len(differ), caught
 
 
-@pytest.mark.parametrize("cheat", ["greedy", "temperature-0.9", "temperature-1.1", "top-k-20", "top-p-0.8"])
+@pytest.mark.parametrize(
+    "cheat", ["greedy", "temperature-0.9", "temperature-1.1", "top-k-20", "top-p-0.8"]
+)
 def test_replay_catches_a_cheaper_sampler_at_every_token_it_changes(scene, cheat) -> None:
     logits, uniforms = scene
     claimed = (1.0, 0, 1.0)
     if cheat == "greedy":
         forged = process_logits(logits, *claimed).argmax(dim=-1)
     else:
-        params = {"temperature-0.9": (0.9, 0, 1.0), "temperature-1.1": (1.1, 0, 1.0),
-                  "top-k-20": (1.0, 20, 1.0), "top-p-0.8": (1.0, 0, 0.8)}[cheat]
+        params = {
+            "temperature-0.9": (0.9, 0, 1.0),
+            "temperature-1.1": (1.1, 0, 1.0),
+            "top-k-20": (1.0, 20, 1.0),
+            "top-p-0.8": (1.0, 0, 0.8),
+        }[cheat]
         forged = _honest(logits, params, uniforms)  # the same keyed uniforms, another distribution
     differ, caught = _caught_per_token(logits, uniforms, claimed, forged, slack=0.0)
     assert differ >= 20 and caught == differ
@@ -118,7 +145,11 @@ def test_replay_catches_a_hand_picked_token_at_any_position(scene) -> None:
     assert SAMPLER.replay(honest, logits, *claimed, uniforms, slack=0.0).exact == 400
     for t in range(0, 400, 7):
         forged = honest.clone()
-        forged[t] = int(process_logits(logits[t], *claimed).argsort()[-2 if honest[t] == logits[t].argmax() else -1])
+        forged[t] = int(
+            process_logits(logits[t], *claimed).argsort()[
+                -2 if honest[t] == logits[t].argmax() else -1
+            ]
+        )
         with pytest.raises(SpotCheckError) as info:
             SAMPLER.replay(forged, logits, *claimed, uniforms, slack=1e-4)
         assert info.value.position == t

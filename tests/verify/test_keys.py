@@ -84,8 +84,12 @@ def test_secret_bytes_appear_in_no_repr_log_or_exception(tmp_path: Path) -> None
     corrupt = tmp_path / "corrupt"
     corrupt.write_bytes(path.read_bytes()[:-20])
     locked = save_signing_key(key, tmp_path / "locked", passphrase=b"pw")
-    for bad in (lambda: load_signing_key(corrupt), lambda: load_signing_key(locked, b"wrong"),
-                lambda: save_signing_key(key, path), lambda: key.public.verify(b"m", b"\x00" * 64)):
+    for bad in (
+        lambda: load_signing_key(corrupt),
+        lambda: load_signing_key(locked, b"wrong"),
+        lambda: save_signing_key(key, path),
+        lambda: key.public.verify(b"m", b"\x00" * 64),
+    ):
         with pytest.raises(Exception) as exc:
             bad()
         texts += [str(exc.value), repr(exc.value)]
@@ -100,10 +104,16 @@ def test_cli_never_prints_the_secret(tmp_path: Path) -> None:
     env = {**os.environ, "PROOFTRAIN_KEY_PASSPHRASE": "s3cret-pass"}
     out = tmp_path / "node.key"
     cmd = [sys.executable, "-m", "node.cli", "keys"]
-    made = subprocess.run([*cmd, "new", "--out", str(out), "--encrypt"], env=env,
-                          capture_output=True, text=True, check=True)
-    shown = subprocess.run([*cmd, "show", str(out), "--json"], env=env,
-                           capture_output=True, text=True, check=True)
+    made = subprocess.run(
+        [*cmd, "new", "--out", str(out), "--encrypt"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    shown = subprocess.run(
+        [*cmd, "show", str(out), "--json"], env=env, capture_output=True, text=True, check=True
+    )
     key = load_signing_key(out, b"s3cret-pass")
     assert key.public.hex() in shown.stdout
     assert (tmp_path / "node.key.pub").read_text().strip() == key.public.hex()
@@ -111,8 +121,12 @@ def test_cli_never_prints_the_secret(tmp_path: Path) -> None:
         for form in _secret_forms(key) + ["s3cret-pass"]:
             assert form not in text
     assert stat.S_IMODE(os.stat(out).st_mode) == 0o600
-    wrong = subprocess.run([*cmd, "show", str(out)], capture_output=True, text=True,
-                           env={**env, "PROOFTRAIN_KEY_PASSPHRASE": "nope"})
+    wrong = subprocess.run(
+        [*cmd, "show", str(out)],
+        capture_output=True,
+        text=True,
+        env={**env, "PROOFTRAIN_KEY_PASSPHRASE": "nope"},
+    )
     assert wrong.returncode == 1 and "wrong passphrase" in wrong.stderr
     again = subprocess.run([*cmd, "new", "--out", str(out)], capture_output=True, text=True)
     assert again.returncode == 1 and "refusing to overwrite" in again.stderr

@@ -23,10 +23,15 @@ OTHER = SigningKey.from_seed(b"\x32" * 32)
 BASE = b"\xba" * 32
 
 
-def manifest(version: int, parent: bytes, blobs: list[bytes], kind: str = "delta",
-             key: SigningKey = TRAINER) -> SignedManifest:
-    shards = [ShardEntry(i, blob_digest(b), "int8-block", len(b), kind) for i, b in enumerate(blobs)]
-    return seal(key, PolicyManifest(1, version, parent, BASE, shards, key.public.raw, 1000 + version))
+def manifest(
+    version: int, parent: bytes, blobs: list[bytes], kind: str = "delta", key: SigningKey = TRAINER
+) -> SignedManifest:
+    shards = [
+        ShardEntry(i, blob_digest(b), "int8-block", len(b), kind) for i, b in enumerate(blobs)
+    ]
+    return seal(
+        key, PolicyManifest(1, version, parent, BASE, shards, key.public.raw, 1000 + version)
+    )
 
 
 def chain(n: int) -> list[SignedManifest]:
@@ -70,7 +75,9 @@ def test_manifest_signed_by_another_key_is_rejected() -> None:
     sealed = manifest(1, b"", [b"x"], key=OTHER)
     with pytest.raises(SignatureError):
         check_manifest(sealed, TRAINER.public)
-    tampered = SignedManifest(sealed.manifest[:-1] + bytes([sealed.manifest[-1] ^ 1]), sealed.signature)
+    tampered = SignedManifest(
+        sealed.manifest[:-1] + bytes([sealed.manifest[-1] ^ 1]), sealed.signature
+    )
     with pytest.raises(SignatureError):
         check_manifest(tampered, OTHER.public)
 
@@ -84,24 +91,58 @@ def test_manifest_stage_layout_is_checked() -> None:
 
 
 def test_assignments_and_verdicts_round_trip_through_seal() -> None:
-    a = WorkAssignment(1, b"\x01" * 16, TRAINER.public.raw, OTHER.public.raw, "arithmetic", "p/1",
-                       b"\x02" * 32, "12+30=", 4, 3, b"\x03" * 32, SamplingParams(1.0, 1.0, 0, 8, 1),
-                       b"\x04" * 32, 10, 20, 32, [2])
+    a = WorkAssignment(
+        1,
+        b"\x01" * 16,
+        TRAINER.public.raw,
+        OTHER.public.raw,
+        "arithmetic",
+        "p/1",
+        b"\x02" * 32,
+        "12+30=",
+        4,
+        3,
+        b"\x03" * 32,
+        SamplingParams(1.0, 1.0, 0, 8, 1),
+        b"\x04" * 32,
+        10,
+        20,
+        32,
+        [2],
+    )
     sealed = seal(TRAINER, a)
     assert open_sealed(WorkAssignment, sealed, TRAINER.public) == a
     with pytest.raises(SignatureError):
         open_sealed(WorkAssignment, sealed, OTHER.public)
-    g = GroupVerdict(b"\x07" * 32, [_verdict(0, False, "logprob_mismatch"), _verdict(1, False, "group_rejected")])
+    g = GroupVerdict(
+        b"\x07" * 32, [_verdict(0, False, "logprob_mismatch"), _verdict(1, False, "group_rejected")]
+    )
     assert open_sealed(GroupVerdict, seal(TRAINER, g), TRAINER.public.raw) == g
     assert digest_of(g) != digest_of(a)
     with pytest.raises(SignatureError):
         open_sealed(GroupVerdict, sealed, TRAINER.public)  # an assignment is not a verdict
 
 
-def _verdict(index: int, accepted: bool = True, reason: str = "", key: SigningKey = TRAINER,
-             assignment: bytes = b"\x01" * 16) -> Verdict:
-    return Verdict(1, key.public.raw, assignment, index, bytes([index]) * 32, accepted, reason,
-                   0.5, not accepted, b"" if accepted else b"\x06" * 32, 30)
+def _verdict(
+    index: int,
+    accepted: bool = True,
+    reason: str = "",
+    key: SigningKey = TRAINER,
+    assignment: bytes = b"\x01" * 16,
+) -> Verdict:
+    return Verdict(
+        1,
+        key.public.raw,
+        assignment,
+        index,
+        bytes([index]) * 32,
+        accepted,
+        reason,
+        0.5,
+        not accepted,
+        b"" if accepted else b"\x06" * 32,
+        30,
+    )
 
 
 def test_a_group_verdict_opens_only_whole_and_for_its_own_submission() -> None:
@@ -118,11 +159,15 @@ def test_a_group_verdict_opens_only_whole_and_for_its_own_submission() -> None:
     with pytest.raises(SignatureError) as named:
         open_group_verdict(foreign, TRAINER.public)
     assert named.value.reason is Reason.WRONG_SIGNER
-    spanning = seal(TRAINER, GroupVerdict(b"\x07" * 32, [_verdict(0), _verdict(1, assignment=b"\x02" * 16)]))
+    spanning = seal(
+        TRAINER, GroupVerdict(b"\x07" * 32, [_verdict(0), _verdict(1, assignment=b"\x02" * 16)])
+    )
     with pytest.raises(DecodeError) as two:
         open_group_verdict(spanning, TRAINER.public)
     assert two.value.reason is Reason.INCONSISTENT
     # a single flipped byte of the signed bytes fails the signature
-    flipped = type(sealed)(sealed.group_verdict[:-1] + bytes([sealed.group_verdict[-1] ^ 1]), sealed.signature)
+    flipped = type(sealed)(
+        sealed.group_verdict[:-1] + bytes([sealed.group_verdict[-1] ^ 1]), sealed.signature
+    )
     with pytest.raises(SignatureError):
         open_group_verdict(flipped, TRAINER.public)

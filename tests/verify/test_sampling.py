@@ -52,8 +52,16 @@ def reference_process(row: list[float], temperature: float, top_k: int, top_p: f
 
 @pytest.mark.parametrize(
     "temperature,top_k,top_p",
-    [(1.0, 0, 1.0), (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.9, 12, 0.5), (1.0, 1, 1.0),
-     (0.0, 0, 1.0), (2.0, 50, 0.95)],
+    [
+        (1.0, 0, 1.0),
+        (0.7, 0, 1.0),
+        (1.0, 5, 1.0),
+        (1.3, 0, 0.8),
+        (0.9, 12, 0.5),
+        (1.0, 1, 1.0),
+        (0.0, 0, 1.0),
+        (2.0, 50, 0.95),
+    ],
 )
 def test_process_logits_matches_reference(temperature, top_k, top_p):
     gen = torch.Generator().manual_seed(1)
@@ -89,7 +97,12 @@ def test_disabled_filters_equal_log_softmax():
 def test_ties_at_boundaries_keep_lower_token_ids():
     logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 0.0]])
     assert torch.isfinite(process_logits(logits, 1.0, 2, 1.0)[0]).tolist() == [
-        False, True, True, False, False]
+        False,
+        True,
+        True,
+        False,
+        False,
+    ]
     # Three equal tokens carry 1/3 each: top_p = 0.5 keeps two, lowest ids first.
     equal = torch.tensor([[5.0, 5.0, 5.0]])
     assert torch.isfinite(process_logits(equal, 1.0, 0, 0.5)[0]).tolist() == [True, True, False]
@@ -106,8 +119,9 @@ def test_top_p_keeps_the_crossing_token():
     assert torch.isfinite(tiny[0]).tolist() == [True, False, False, False]
 
 
-@pytest.mark.parametrize("bad", [(-1.0, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -1, 1.0),
-                                 (1.0, 0, 0.0), (1.0, 0, 1.5)])
+@pytest.mark.parametrize(
+    "bad", [(-1.0, 0, 1.0), (float("nan"), 0, 1.0), (1.0, -1, 1.0), (1.0, 0, 0.0), (1.0, 0, 1.5)]
+)
 def test_invalid_params_rejected(bad):
     with pytest.raises(ValueError):
         process_logits(torch.zeros(1, 4), *bad)
@@ -120,11 +134,13 @@ def test_gumbel_noise_is_a_fixed_keyed_stream():
     # Golden values pin the byte layout and the float64 construction.
     assert [round(float(x), 12) for x in g[:3]] == GOLDEN_NOISE
     assert torch.equal(g[:10], gumbel_noise(KEY, NONCE, 42, 3, 10, sample_index=2))
-    for other in [gumbel_noise(KEY, NONCE, 43, 3, 1000, sample_index=2),
-                  gumbel_noise(KEY, NONCE, 42, 4, 1000, sample_index=2),
-                  gumbel_noise(KEY, NONCE, 42, 3, 1000, sample_index=1),
-                  gumbel_noise(KEY, b"\x08" * 32, 42, 3, 1000, sample_index=2),
-                  gumbel_noise(bytes(32), NONCE, 42, 3, 1000, sample_index=2)]:
+    for other in [
+        gumbel_noise(KEY, NONCE, 43, 3, 1000, sample_index=2),
+        gumbel_noise(KEY, NONCE, 42, 4, 1000, sample_index=2),
+        gumbel_noise(KEY, NONCE, 42, 3, 1000, sample_index=1),
+        gumbel_noise(KEY, b"\x08" * 32, 42, 3, 1000, sample_index=2),
+        gumbel_noise(bytes(32), NONCE, 42, 3, 1000, sample_index=2),
+    ]:
         assert not torch.equal(g, other)
     big = gumbel_noise(KEY, NONCE, 1, 0, 200_000)
     assert abs(float(big.mean()) - 0.5772157) < 0.01
@@ -136,8 +152,16 @@ def test_gumbel_noise_is_a_fixed_keyed_stream():
 GOLDEN_NOISE = [-0.795334496553, -0.638726256643, 0.356910884879]
 
 
-def _honest(gen: torch.Generator, n: int, temperature=1.0, top_k=0, top_p=1.0, *,
-            scale: float = 3.0, verifiable: bool = False):
+def _honest(
+    gen: torch.Generator,
+    n: int,
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    *,
+    scale: float = 3.0,
+    verifiable: bool = False,
+):
     """Logits with varied sharpness and tokens sampled from the processed distribution."""
     sharp = torch.exp(torch.randn(n, 1, generator=gen) * 0.7) * scale
     logits = torch.randn(n, V, generator=gen) * sharp
@@ -161,8 +185,11 @@ def test_replay_accepts_honest_tokens_and_rejects_a_substitute():
     logits, tokens, noise = _honest(gen, 64, verifiable=True)
     lp = process_logits(logits, 1.0, 0, 1.0)
     forged = tokens.clone()
-    forged[17] = int(lp[17].argmax()) if int(lp[17].argmax()) != int(tokens[17]) else (
-        int(tokens[17]) + 1) % V
+    forged[17] = (
+        int(lp[17].argmax())
+        if int(lp[17].argmax()) != int(tokens[17])
+        else (int(tokens[17]) + 1) % V
+    )
     with pytest.raises(SpotCheckError) as info:
         replay_check(forged, logits, 1.0, 0, 1.0, noise, position_offset=100)
     err = info.value
@@ -241,8 +268,9 @@ def test_ks_p_values_match_known_quantiles():
 def _pit_p(seed: int, n: int, true_params, claimed=(1.0, 0, 1.0), verifiable=False) -> float:
     gen = torch.Generator().manual_seed(seed)
     logits, tokens, _ = _honest(gen, n, *true_params, verifiable=verifiable)
-    u = pit_values(tokens, process_logits(logits, *claimed),
-                   pit_randomizer(KEY, seed.to_bytes(8, "little"), n))
+    u = pit_values(
+        tokens, process_logits(logits, *claimed), pit_randomizer(KEY, seed.to_bytes(8, "little"), n)
+    )
     return ks_uniform(u).p_value
 
 
@@ -255,9 +283,14 @@ def test_pit_passes_honest_verifiable_sampling():
 
 @pytest.mark.parametrize(
     "name,true_params,n",
-    [("greedy", (0.0, 0, 1.0), 500), ("temperature 0.5", (0.5, 0, 1.0), 500),
-     ("temperature 0.8", (0.8, 0, 1.0), 2000), ("temperature 1.5", (1.5, 0, 1.0), 500),
-     ("top-k 20", (1.0, 20, 1.0), 1000), ("top-p 0.9", (1.0, 0, 0.9), 2000)],
+    [
+        ("greedy", (0.0, 0, 1.0), 500),
+        ("temperature 0.5", (0.5, 0, 1.0), 500),
+        ("temperature 0.8", (0.8, 0, 1.0), 2000),
+        ("temperature 1.5", (1.5, 0, 1.0), 500),
+        ("top-k 20", (1.0, 20, 1.0), 1000),
+        ("top-p 0.9", (1.0, 0, 0.9), 2000),
+    ],
 )
 def test_pit_flags_a_sampler_other_than_the_claimed_one(name, true_params, n):
     gen = torch.Generator().manual_seed(7)

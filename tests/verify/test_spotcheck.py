@@ -86,8 +86,11 @@ def test_shape_mismatch_is_inconsistent():
     assert info.value.reason is Reason.INCONSISTENT
 
 
-@given(st.lists(st.floats(-30, 0, width=32), min_size=1, max_size=64),
-       st.floats(0, 5e-4), st.integers(0, 63))
+@given(
+    st.lists(st.floats(-30, 0, width=32), min_size=1, max_size=64),
+    st.floats(0, 5e-4),
+    st.integers(0, 63),
+)
 def test_noise_under_tolerance_always_passes(values, shift, where):
     c = np.array(values, dtype=np.float32)
     r = c.astype(np.float64)
@@ -113,8 +116,9 @@ def test_oracle_request_and_protocol():
             return np.zeros(len(input_ids) - prompt_len, dtype=np.float32)
 
         def logprobs_batch(self, version, requests):
-            return [self.logprobs(version, r.input_ids, r.prompt_len, 1.0, 0, 1.0)
-                    for r in requests]
+            return [
+                self.logprobs(version, r.input_ids, r.prompt_len, 1.0, 0, 1.0) for r in requests
+            ]
 
     assert isinstance(Fixed(), LogprobOracle)
     assert not isinstance(object(), LogprobOracle)

@@ -20,7 +20,8 @@ BIG = 10**8
 
 def test_every_wire_type_has_a_strategy_and_a_producer_consumer_comment() -> None:
     wire = {
-        obj for _, obj in inspect.getmembers(T, inspect.isclass)
+        obj
+        for _, obj in inspect.getmembers(T, inspect.isclass)
         if issubclass(obj, T._Wire) and obj is not T._Wire
     }
     assert wire == set(ALL)
@@ -72,7 +73,7 @@ def test_non_canonical_encoding_is_rejected() -> None:
     with pytest.raises(DecodeError, match="not canonical"):
         T.decode(T.SamplingParams, f32, max_bytes=BIG)
     tail = T.canonical_bytes("icdf-v1")
-    wide_int = raw[:-1 - len(tail)] + bytes([0xCE]) + (9).to_bytes(4, "big") + tail
+    wide_int = raw[: -1 - len(tail)] + bytes([0xCE]) + (9).to_bytes(4, "big") + tail
     with pytest.raises(DecodeError, match="not canonical"):
         T.decode(T.SamplingParams, wide_int, max_bytes=BIG)
 
@@ -112,7 +113,11 @@ def test_to_builtins_is_json_friendly() -> None:
     params = T.SamplingParams(0.7, 0.9, 40, 128, 5)
     shard = T.ShardEntry(1, b"\xab" * 32, "int8-block", 10, "delta")
     assert T.to_builtins(params) == {
-        "temperature": 0.7, "top_p": 0.9, "top_k": 40, "max_tokens": 128, "seed": 5,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 40,
+        "max_tokens": 128,
+        "seed": 5,
         "sampler": "icdf-v1",
     }
     assert T.to_builtins(shard)["digest"] == "ab" * 32

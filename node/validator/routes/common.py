@@ -32,26 +32,48 @@ if TYPE_CHECKING:
 MSGPACK = "application/msgpack"
 MSGPACK_BYTES = MSGPACK.encode()
 STATUS = {
-    Reason.UNAUTHORIZED: 401, Reason.UNKNOWN_KEY: 403, Reason.BANNED_KEY: 403,
-    Reason.UNKNOWN_ASSIGNMENT: 404, Reason.NOT_FOUND: 404, Reason.REPLAY: 409, Reason.TOO_LARGE: 413,
-    Reason.RATE_LIMITED: 429, Reason.BACKPRESSURE: 429, Reason.ASSIGNMENT_LIMIT: 429,
+    Reason.UNAUTHORIZED: 401,
+    Reason.UNKNOWN_KEY: 403,
+    Reason.BANNED_KEY: 403,
+    Reason.UNKNOWN_ASSIGNMENT: 404,
+    Reason.NOT_FOUND: 404,
+    Reason.REPLAY: 409,
+    Reason.TOO_LARGE: 413,
+    Reason.RATE_LIMITED: 429,
+    Reason.BACKPRESSURE: 429,
+    Reason.ASSIGNMENT_LIMIT: 429,
 }
 T = TypeVar("T")
 INT64_MAX = 2**63 - 1  # SQLite INTEGER range: a larger version or cursor cannot be looked up
 # OpenAPI: every signed endpoint needs all three X-Prooftrain-* headers (see node/validator/auth.py).
-SIGNED: list[dict[str, list[str]]] = [{"prooftrainKey": [], "prooftrainTime": [], "prooftrainSignature": []}]
+SIGNED: list[dict[str, list[str]]] = [
+    {"prooftrainKey": [], "prooftrainTime": [], "prooftrainSignature": []}
+]
 SECURITY_SCHEMES = {
     name: {"type": "apiKey", "in": "header", "name": header, "description": text}
     for name, header, text in [
         ("prooftrainKey", "X-Prooftrain-Key", "64 hex digits: the caller's Ed25519 public key"),
-        ("prooftrainTime", "X-Prooftrain-Time", "milliseconds since the epoch, within 120 s of the node's clock"),
-        ("prooftrainSignature", "X-Prooftrain-Signature",
-         "128 hex digits: Ed25519 over method, path with query, time and the body's blake3 digest"),
+        (
+            "prooftrainTime",
+            "X-Prooftrain-Time",
+            "milliseconds since the epoch, within 120 s of the node's clock",
+        ),
+        (
+            "prooftrainSignature",
+            "X-Prooftrain-Signature",
+            "128 hex digits: Ed25519 over method, path with query, time and the body's blake3 digest",
+        ),
     ]
 }
-_ERROR_TEXT = {400: "malformed input", 401: "missing, stale or invalid request signature",
-               403: "unknown or banned key", 404: "not found", 409: "replayed submission",
-               413: "body over limits.max_body_bytes", 429: "rate limited or audit queue full (Retry-After)"}
+_ERROR_TEXT = {
+    400: "malformed input",
+    401: "missing, stale or invalid request signature",
+    403: "unknown or banned key",
+    404: "not found",
+    409: "replayed submission",
+    413: "body over limits.max_body_bytes",
+    429: "rate limited or audit queue full (Retry-After)",
+}
 
 DirectRoute = Callable[[Scope, Receive, Send], Awaitable[None]]
 """A route served on the ASGI messages themselves (``service._ValidatorApp.direct``)."""
@@ -91,8 +113,9 @@ class ApiError(Exception):
 def error_response(reason: Reason, message: str) -> JSONResponse:
     status = STATUS.get(reason, 400)
     headers = {"Retry-After": "1"} if status == 429 else None
-    return JSONResponse({"reason": reason.value, "message": message[:1_000]}, status_code=status,
-                        headers=headers)
+    return JSONResponse(
+        {"reason": reason.value, "message": message[:1_000]}, status_code=status, headers=headers
+    )
 
 
 # The app's exception handlers (``create_app`` registers them; the direct submit route calls them).
@@ -101,7 +124,9 @@ async def api_error(request: Request, exc: ApiError) -> JSONResponse:
 
 
 async def invalid_parameter(request: Request, exc: RequestValidationError) -> JSONResponse:
-    where = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors()[:5])
+    where = "; ".join(
+        f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg', '')}" for e in exc.errors()[:5]
+    )
     return error_response(Reason.MALFORMED, f"invalid parameter: {where}")
 
 
@@ -113,7 +138,9 @@ async def domain_error(request: Request, exc: ProofTrainError) -> JSONResponse:
 class TokenBuckets:
     """Per-caller token buckets: ``rate`` tokens per second, at most ``burst`` saved."""
 
-    def __init__(self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, rate: float, burst: int, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.rate, self.burst, self.clock = rate, burst, clock
         self._buckets: dict[str, tuple[float, float]] = {}
 
@@ -136,8 +163,13 @@ class Serving:
     the one worker thread every validator call runs on, per-caller rate limits, and (while
     the app serves) the admission queue and the precheck pool."""
 
-    def __init__(self, validator: Validator, trainer: PublicKey | None, metrics: Metrics,
-                 clock_ms: Callable[[], int]) -> None:
+    def __init__(
+        self,
+        validator: Validator,
+        trainer: PublicKey | None,
+        metrics: Metrics,
+        clock_ms: Callable[[], int],
+    ) -> None:
         self.validator, self.cfg, self.trainer = validator, validator.cfg, trainer
         self.metrics, self.clock_ms = metrics, clock_ms
         self.buckets = TokenBuckets(self.cfg.limits.requests_per_s, self.cfg.limits.burst)
@@ -145,8 +177,10 @@ class Serving:
         # serving, the event loop's (pinned) one. Its id is kept to give it its CPUs back after.
         self.executor_threads: list[int] = []
         self.executor = ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="validator",
-            initializer=lambda: self.executor_threads.append(threading.get_native_id()))
+            max_workers=1,
+            thread_name_prefix="validator",
+            initializer=lambda: self.executor_threads.append(threading.get_native_id()),
+        )
         self.waiting_calls = 0
         """Validator calls waiting or running (the queue-depth gauge)."""
         self.running: dict[str, Any] = {}

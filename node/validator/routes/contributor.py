@@ -46,9 +46,24 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
     directly ((method, path) -> ASGI app)."""
     validator, max_body = node.validator, node.cfg.limits.max_body_bytes
 
-    @app.post("/v1/register", responses=errors(400, 401, 403, 413, 429), openapi_extra={
-        "security": SIGNED, "requestBody": {"required": False, "content": {"application/json": {"schema": {
-            "type": "object", "properties": {"name": {"type": "string", "maxLength": 256}}}}}}})
+    @app.post(
+        "/v1/register",
+        responses=errors(400, 401, 403, 413, 429),
+        openapi_extra={
+            "security": SIGNED,
+            "requestBody": {
+                "required": False,
+                "content": {
+                    "application/json": {
+                        "schema": {
+                            "type": "object",
+                            "properties": {"name": {"type": "string", "maxLength": 256}},
+                        }
+                    }
+                },
+            },
+        },
+    )
     async def register(request: Request) -> dict[str, Any]:
         body = await node.body_of(request)
         key = await node.caller(request, body)
@@ -56,27 +71,45 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
             name = msgspec.json.decode(body or b"{}").get("name", "")
         except (msgspec.DecodeError, AttributeError):
             name = None
-        if not isinstance(name, str) or len(name) > 256:  # as declared: a string of at most 256 characters
-            raise ApiError(Reason.MALFORMED, 'body must be JSON {"name": "<at most 256 characters>"}')
+        if (
+            not isinstance(name, str) or len(name) > 256
+        ):  # as declared: a string of at most 256 characters
+            raise ApiError(
+                Reason.MALFORMED, 'body must be JSON {"name": "<at most 256 characters>"}'
+            )
         added = await node.call(lambda: validator.register(key.raw, name))
         return {"registered": added, "fingerprint": key.fingerprint}
 
-    @app.post("/v1/assign", response_class=Response, openapi_extra={"security": SIGNED},
-              responses={**ok_binary(MSGPACK, "msgpack SignedAssignment"), **errors(400, 401, 403, 413, 429)})
+    @app.post(
+        "/v1/assign",
+        response_class=Response,
+        openapi_extra={"security": SIGNED},
+        responses={
+            **ok_binary(MSGPACK, "msgpack SignedAssignment"),
+            **errors(400, 401, 403, 413, 429),
+        },
+    )
     async def assign(request: Request) -> Response:
         body = await node.body_of(request)
         key = await node.caller(request, body)
         sealed = await node.call(lambda: validator.assign(key.raw))
         return Response(canonical_bytes(sealed), media_type=MSGPACK)
 
-    @app.post("/v1/submit", response_class=Response,
-              openapi_extra={"requestBody": {"required": True, "content": binary(MSGPACK, max_body)}},
-              responses={**ok_binary(MSGPACK, "msgpack SignedGroupVerdict"),
-                         **errors(400, 403, 404, 409, 413, 429)})
+    @app.post(
+        "/v1/submit",
+        response_class=Response,
+        openapi_extra={"requestBody": {"required": True, "content": binary(MSGPACK, max_body)}},
+        responses={
+            **ok_binary(MSGPACK, "msgpack SignedGroupVerdict"),
+            **errors(400, 403, 404, 409, 413, 429),
+        },
+    )
     async def submit(request: Request) -> Response:
         body = await node.body_of(request)
-        return Response(await answer_to(node, body, request.client.host if request.client else "?"),
-                        media_type=MSGPACK)
+        return Response(
+            await answer_to(node, body, request.client.host if request.client else "?"),
+            media_type=MSGPACK,
+        )
 
     async def submit_direct(scope: Scope, receive: Receive, send: Send) -> None:
         """``submit`` with its error handlers, on the ASGI messages themselves: no request,
@@ -93,8 +126,16 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
         except ProofTrainError as exc:
             await (await domain_error(Request(scope, receive), exc))(scope, receive, send)
             return
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-length", str(len(data)).encode()), (b"content-type", MSGPACK_BYTES)]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [
+                    (b"content-length", str(len(data)).encode()),
+                    (b"content-type", MSGPACK_BYTES),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": data})
 
     return {("POST", "/v1/submit"): submit_direct}

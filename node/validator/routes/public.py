@@ -19,10 +19,17 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
     validator, metrics, call = node.validator, node.metrics, node.call
     cfg, a = node.cfg, node.cfg.assignment
     network = {  # what the node fixes for everyone: trainers and contributors read it, never repeat it
-        "base_model_digest": validator.versions.base_digest.hex(), "task": cfg.task.name,
-        "rules": cfg.rules.model_dump(), "group_size": a.group_size,
-        "temperature": a.temperature, "top_p": a.top_p, "top_k": a.top_k, "max_tokens": a.max_tokens,
-        "chunk_size": a.chunk_size, "max_outstanding": a.max_outstanding}
+        "base_model_digest": validator.versions.base_digest.hex(),
+        "task": cfg.task.name,
+        "rules": cfg.rules.model_dump(),
+        "group_size": a.group_size,
+        "temperature": a.temperature,
+        "top_p": a.top_p,
+        "top_k": a.top_k,
+        "max_tokens": a.max_tokens,
+        "chunk_size": a.chunk_size,
+        "max_outstanding": a.max_outstanding,
+    }
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -30,9 +37,16 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
         metrics.ledger_size.set(size)
         return {"ok": True, "ledger_size": size, "policy_version": validator.versions.current}
 
-    @app.get("/metrics", response_class=Response,
-             responses={200: {"description": "Prometheus text exposition",
-                              "content": {"text/plain": {"schema": {"type": "string"}}}}})
+    @app.get(
+        "/metrics",
+        response_class=Response,
+        responses={
+            200: {
+                "description": "Prometheus text exposition",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            }
+        },
+    )
     async def prometheus() -> Response:
         metrics.ledger_size.set(await call(validator.ledger.size))  # what /healthz says, now
         metrics.policy_version.set(validator.versions.current)
@@ -41,13 +55,20 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
         cp = await call(validator.ledger.latest_checkpoint)
-        return {"validator_key": validator.key.public.hex(), "origin": validator.ledger.origin,
-                "policy_version": validator.versions.current,
-                "trainer_key": node.trainer.hex() if node.trainer else None,
-                "checkpoint": cp.to_text() if cp else None, "network": network}
+        return {
+            "validator_key": validator.key.public.hex(),
+            "origin": validator.ledger.origin,
+            "policy_version": validator.versions.current,
+            "trainer_key": node.trainer.hex() if node.trainer else None,
+            "checkpoint": cp.to_text() if cp else None,
+            "network": network,
+        }
 
-    @app.get("/v1/policy/{version}", response_class=Response,
-             responses={**ok_binary(MSGPACK, "msgpack SignedManifest"), **errors(400, 404)})
+    @app.get(
+        "/v1/policy/{version}",
+        response_class=Response,
+        responses={**ok_binary(MSGPACK, "msgpack SignedManifest"), **errors(400, 404)},
+    )
     async def get_policy(version: Annotated[int, Path(ge=0, le=INT64_MAX)]) -> Response:
         data = await call(lambda: validator.state.manifest(version))
         if data is None:
@@ -57,12 +78,20 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
     @app.get("/v1/trainer/evals")
     async def get_evals() -> dict[str, list[int]]:
         """Versions with an eval recorded by the trainer key (the ledger is public: no signature)."""
-        return {"versions": await call(lambda: trainer_side.recorded_evals(validator.ledger, node.trainer))}
+        return {
+            "versions": await call(
+                lambda: trainer_side.recorded_evals(validator.ledger, node.trainer)
+            )
+        }
 
-    @app.get("/v1/blobs/{digest}", response_class=Response,
-             responses={**ok_binary("application/octet-stream", "the blob's bytes"), **errors(400, 404)})
-    async def get_blob(digest: Annotated[str, Path(min_length=64, max_length=64,
-                                                   pattern="^[0-9a-fA-F]{64}$")]) -> Response:
+    @app.get(
+        "/v1/blobs/{digest}",
+        response_class=Response,
+        responses={**ok_binary("application/octet-stream", "the blob's bytes"), **errors(400, 404)},
+    )
+    async def get_blob(
+        digest: Annotated[str, Path(min_length=64, max_length=64, pattern="^[0-9a-fA-F]{64}$")],
+    ) -> Response:
         blobs = validator.ledger.blobs
         try:
             raw = bytes.fromhex(digest)
