@@ -34,7 +34,7 @@ from tests.node.test_validator_core import (
     slash_evidence,
     verdicts,
 )
-from verify.envelope import build_envelope, sign_header
+from verify.envelope import build_envelope, completion_digest, sign_header, verify_envelope
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.pit import KsResult
@@ -193,19 +193,23 @@ def test_honest_repeats_under_twin_prompt_ids_and_unchanged_versions_are_never_s
         oracle=TransformersOracle({0: tiny_model, 1: tiny_model}),
     )
     keys = [SigningKey.from_seed(bytes([0x70 + i]) * 32) for i in range(4)]
-    audited = accepted = 0
+    audited = accepted = repeats = 0
+    seen: set[bytes] = set()  # completion digests (prompt text and token ids) accepted before
     for version in (0, 1):
         if version:
             v.versions.restore(1, b"\x11" * 32)  # a new version with the same weights
         for _ in range(2):
             for key in keys:
-                out = verdicts(
-                    v, v.submit(canonical_bytes(honest_group(v, backend, codec, key=key)))
-                )
+                group = honest_group(v, backend, codec, key=key)
+                mine = [completion_digest(verify_envelope(e)) for e in group.envelopes]
+                repeats += sum(d in seen for d in mine)
+                out = verdicts(v, v.submit(canonical_bytes(group)))
                 accepted += sum(x.accepted for x in out)
                 audited += sum(x.audited for x in out)
+                seen.update(mine)
     assert accepted == 64 and not slashes(v)
-    assert audited >= 4  # the repeats were audited, though the draw rate is 0, and passed
+    assert repeats >= 1  # twin prompt ids and an unchanged version make honest repeats
+    assert audited >= repeats  # every repeat was audited, though the draw rate is 0, and passed
 
 
 def test_a_copy_with_a_retouched_logprob_is_audited_and_fails_replay(
