@@ -203,6 +203,7 @@ def noise(rollouts: list[Rollout], recompute: Recompute) -> tuple[dict, Toleranc
     settings = recompute.settings()
     diffs: dict[tuple[str, int, str], list[np.ndarray]] = {}
     logits_of: dict[int, torch.Tensor] = {}
+    diff_of: dict[int, np.ndarray] = {}
     chunk_means: dict[tuple[str, int, str], list[float]] = {}
     for turn, start in enumerate(range(0, len(rollouts), 16)):
         batch, layout = settings[turn % len(settings)]
@@ -218,14 +219,12 @@ def noise(rollouts: list[Rollout], recompute: Recompute) -> tuple[dict, Toleranc
             chunk_means.setdefault(key, []).extend(
                 d[c : c + CHUNK].mean() for c in range(0, len(d), CHUNK)
             )
-            logits_of[start + i] = lg
+            logits_of[start + i], diff_of[start + i] = lg, d
         log(
             f"  recomputed {min(start + 16, len(rollouts))}/{len(rollouts)} ({recompute.seconds:.0f} s)"
         )
     half = {i for i in range(len(rollouts)) if (i // GROUP) % 2 == 0}  # every other group
-    calibration = _calibrate(
-        [r for i, r in enumerate(rollouts) if i in half], [logits_of[i] for i in sorted(half)]
-    )
+    calibration = _calibrate([(rollouts[i].precision, diff_of[i]) for i in sorted(half)])
     audits: dict[str, Counter[str]] = {"calibrated": Counter(), "built_in": Counter()}
     for i, r in enumerate(rollouts):
         rollout = claimed(r, precision=r.precision)
@@ -267,17 +266,12 @@ def _stats(key: tuple[str, int, str], diffs: list[np.ndarray], means: list[float
     }
 
 
-def _calibrate(rollouts: list[Rollout], logits: list[torch.Tensor]) -> Tolerances:
-    """Margin 2 over the largest honest per-token and chunk-mean differences, per precision."""
+def _calibrate(diffs: list[tuple[str, np.ndarray]]) -> Tolerances:
+    """Margin 2 over the largest honest per-token and chunk-mean differences, per precision;
+    ``diffs``: each rollout's generation precision and per-token |difference|."""
     stats = []
-    for precision in sorted({r.precision for r in rollouts}):
-        mine = [(r, lg) for r, lg in zip(rollouts, logits, strict=True) if r.precision == precision]
-        d = [
-            np.abs(
-                r.completion.logprobs.astype(np.float64) - true_logprobs(lg, r.completion.token_ids)
-            )
-            for r, lg in mine
-        ]
+    for precision in sorted({p for p, _ in diffs}):
+        d = [x for p, x in diffs if p == precision]
         means = [x[c : c + CHUNK].mean() for x in d for c in range(0, len(x), CHUNK)]
         allv = np.concatenate(d)
         stats.append(

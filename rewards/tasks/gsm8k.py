@@ -155,17 +155,14 @@ class Gsm8kTask:
         failures = 0
         while failures < 10 * len(ids):
             template = rng.choice(ids)
-            drawn = _sampler(template).draw(rng)
-            if drawn is None or drawn[0] in seen or drawn[0] == self._original_question(template):
+            sampler = _sampler(template)
+            drawn = sampler.draw(rng)
+            if drawn is None or drawn[0] in seen or drawn[0] == sampler.template.question:
                 failures += 1
                 continue
             seen.add(drawn[0])
             digest = hashlib.sha256(drawn[0].encode()).hexdigest()[:12]
             yield _problem(f"gsm8k/var/{template}/{digest}", drawn[0], drawn[1], template, False)
-
-    @staticmethod
-    def _original_question(template_id: int) -> str:
-        return next(t.question for t in _templates() if t.id_orig == template_id)
 
     def generate(self, split: Split, n: int, seed: int = 0) -> list[Problem]:
         """Held-out: the held-out originals first, then variants; train: variants only."""
