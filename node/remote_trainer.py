@@ -35,7 +35,7 @@ from rollout.loading import load_pretrained_lm
 from rollout.sync import base_model_digest
 from trainer.base_model import ensure_base_model
 from trainer.config import TrainerConfig
-from trainer.evals import EvalReport, eval_statement, evaluate
+from trainer.evals import EvalReport, eval_statement, evaluate_heldout
 from trainer.loop import History, TrainerLoop, ensure_process_group
 from trainer.losses import Metrics
 from trainer.pipeline import PipelineRunner
@@ -117,15 +117,7 @@ def run_remote(
             raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
         model = copy.deepcopy(template)
         publisher.load_into(model)
-        report = evaluate(
-            (model, tokenizer),
-            cfg.task,
-            "heldout",
-            n=cfg.eval_problems,
-            k=1,
-            samples=1,
-            seed=cfg.seed,
-        )
+        report = evaluate_heldout(model, tokenizer, cfg.task, cfg.eval_problems, cfg.seed)
         digest = manifest_digest(hook.parent) if version and hook.parent is not None else b""
         client.record_eval(
             eval_statement(
@@ -142,14 +134,7 @@ def run_remote(
         recorded.add(version)
         return report
 
-    runner = PipelineRunner(
-        stage,
-        0,
-        1,
-        num_microbatches=cfg.microbatches,
-        temperature=cfg.local.temperature,
-        seed=cfg.seed,
-    )
+    runner = PipelineRunner.for_config(stage, cfg)
     loop = TrainerLoop(
         cfg,
         runner,

@@ -240,6 +240,14 @@ def evaluate(
     return EvalReport(name, problems[0].task, split, len(problems), tuple(metrics), settings)
 
 
+def evaluate_heldout(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, task: str, n: int, seed: int
+) -> EvalReport:
+    """The held-out greedy pass@1 report a trainer records for a version: ``n`` problems of
+    ``task`` drawn with ``seed``, one greedy sample each."""
+    return evaluate((model, tokenizer), task, "heldout", n=n, k=1, samples=1, seed=seed)
+
+
 def report_json(report: EvalReport) -> str:
     return json.dumps(report.to_json(), indent=2, sort_keys=True)
 

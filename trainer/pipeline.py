@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -37,6 +37,9 @@ import torch.distributed as dist
 from trainer.logprobs import kept_positions, token_logprobs, token_logprobs_at
 from trainer.stages import Stage
 from verify.errors import ConfigError, ProofTrainError
+
+if TYPE_CHECKING:
+    from trainer.config import TrainerConfig
 
 LossFn = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, float]]]
 """``loss_fn(logprobs (b, T-1), micro_batch) -> (scalar loss, metrics)``.
@@ -159,6 +162,21 @@ class PipelineRunner:
         self._sends: list[tuple[dist.Work, torch.Tensor]] = []
         self._where = "idle"
         self._failed: PipelineError | None = None
+
+    @classmethod
+    def for_config(
+        cls, stage: Stage, cfg: TrainerConfig, rank: int = 0, world: int = 1
+    ) -> PipelineRunner:
+        """The runner a trainer configured by ``cfg`` uses for ``stage``: its microbatches,
+        its rollouts' sampling temperature and its seed."""
+        return cls(
+            stage,
+            rank,
+            world,
+            num_microbatches=cfg.microbatches,
+            temperature=cfg.local.temperature,
+            seed=cfg.seed,
+        )
 
     @property
     def ties_across_stages(self) -> bool:

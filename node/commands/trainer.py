@@ -203,14 +203,7 @@ def _caught_up_network(cfg: TrainerConfig) -> LocalNetwork:
     if head > checkpoint_version(cfg.checkpoint_dir):
         torch.set_num_threads(cfg.threads)
         ensure_process_group()
-        runner = PipelineRunner(
-            load_stage(model_dir, 0, 1),
-            0,
-            1,
-            num_microbatches=cfg.microbatches,
-            temperature=cfg.local.temperature,
-            seed=cfg.seed,
-        )
+        runner = PipelineRunner.for_config(load_stage(model_dir, 0, 1), cfg)
         loop = TrainerLoop(cfg, runner, net, weights=net.weights, progress=False)
         loop.resume(cfg.checkpoint_dir, published=head)
         loop.save(cfg.checkpoint_dir)

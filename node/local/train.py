@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from node.local.network import LocalNetwork, LocalSettings
 from trainer.base_model import ensure_base_model
 from trainer.config import TrainerConfig
-from trainer.evals import EvalReport, evaluate
+from trainer.evals import EvalReport, evaluate_heldout
 from trainer.launch import init_distributed
 from trainer.loop import History, TrainerLoop, ensure_process_group
 from trainer.losses import Metrics
@@ -79,27 +79,14 @@ def run_local(
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def evaluate_version(version: int) -> EvalReport:
-        report = evaluate(
-            (net.model(version), tokenizer),
-            cfg.task,
-            "heldout",
-            n=cfg.eval_problems,
-            k=1,
-            samples=1,
-            seed=cfg.seed,
+        report = evaluate_heldout(
+            net.model(version), tokenizer, cfg.task, cfg.eval_problems, cfg.seed
         )
         net.record_eval(version, report, seed=cfg.seed)
         return report
 
     stage = load_stage(model_dir, 0, 1)
-    runner = PipelineRunner(
-        stage,
-        0,
-        1,
-        num_microbatches=cfg.microbatches,
-        temperature=cfg.local.temperature,
-        seed=cfg.seed,
-    )
+    runner = PipelineRunner.for_config(stage, cfg)
     loop = TrainerLoop(
         cfg,
         runner,
@@ -172,26 +159,13 @@ def run_local_pipeline(
             return None
         if tokenizer is None:  # rank 0 loads both the network and the tokenizer
             raise RuntimeError("rank 0 holds the network but no tokenizer")
-        report = evaluate(
-            (net.model(version), tokenizer),
-            cfg.task,
-            "heldout",
-            n=cfg.eval_problems,
-            k=1,
-            samples=1,
-            seed=cfg.seed,
+        report = evaluate_heldout(
+            net.model(version), tokenizer, cfg.task, cfg.eval_problems, cfg.seed
         )
         net.record_eval(version, report, seed=cfg.seed)
         return report
 
-    runner = PipelineRunner(
-        load_stage(model_dir, rank, world),
-        rank,
-        world,
-        num_microbatches=cfg.microbatches,
-        temperature=cfg.local.temperature,
-        seed=cfg.seed,
-    )
+    runner = PipelineRunner.for_config(load_stage(model_dir, rank, world), cfg, rank, world)
     loop = TrainerLoop(
         cfg,
         runner,
