@@ -4,7 +4,9 @@ Both sides train the demo base model (``trainer.base_model.ensure_base_model``)
 on the arithmetic task with the same batch (``groups`` prompts x ``group_size``
 completions per optimizer step), the same completion length, sampling
 (temperature 1, no top-k / top-p), learning rate, AdamW betas, gradient clip
-and reward function (``rewards.reward``), no KL term, one optimizer step per
+and reward function (``rewards.reward``), the same prompt tokens (a model whose
+tokenizer has a chat template gets each prompt as one user message on both
+sides, rendered by that template), no KL term, one optimizer step per
 generated batch, float32 on the CPU with one torch thread each (the harness
 runs its tiny models on one thread). Each side runs in its own Python process;
 the sides alternate ``rounds`` times and the best round of each counts (the
@@ -265,16 +267,30 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 # -- TRL ----------------------------------------------------------------------------------
 
 
+def _text(x: str | list[dict[str, str]]) -> str:
+    """A prompt or completion as text: conversational ones are lists of messages."""
+    return x if isinstance(x, str) else x[-1]["content"]
+
+
 def reward_fn(
-    prompts: list[str], completions: list[str], problem_id: list[str], answer: list[str], **_: Any
+    prompts: list[Any], completions: list[Any], problem_id: list[str], answer: list[str], **_: Any
 ) -> list[float | None]:
     """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
     from rewards import Problem, reward
 
     return [
-        reward(TASK, c, Problem(id=i, task=TASK, prompt=p, answer=a))
+        reward(TASK, _text(c), Problem(id=i, task=TASK, prompt=_text(p), answer=a))
         for p, c, i, a in zip(prompts, completions, problem_id, answer, strict=True)
     ]
+
+
+def trl_prompt(text: str, tokenizer: Any) -> str | list[dict[str, str]]:
+    """The prompt as TRL gets it: one user message when the tokenizer has a chat template,
+    so TRL renders it with the template exactly as prooftrain's nodes encode it
+    (``rollout.prompting.encode_prompt``), else the text itself."""
+    from rollout.prompting import has_chat_template
+
+    return [{"role": "user", "content": text}] if has_chat_template(tokenizer) else text
 
 
 def run_trl(args: argparse.Namespace, work: Path) -> dict:
@@ -290,11 +306,14 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     torch.manual_seed(SEED)
     model_dir = args.model_dir or ensure_base_model(TASK, SEED, progress=args.progress)
     problems = generate_problems(TASK, "train", pool_size(args), seed=SEED)
-    dataset = Dataset.from_list(
-        [{"prompt": p.prompt, "answer": p.answer, "problem_id": p.id} for p in problems]
-    )
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    dataset = Dataset.from_list(
+        [
+            {"prompt": trl_prompt(p.prompt, tokenizer), "answer": p.answer, "problem_id": p.id}
+            for p in problems
+        ]
+    )
     ends: list[float] = []
 
     class StepClock(TrainerCallback):

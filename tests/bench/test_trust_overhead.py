@@ -171,3 +171,34 @@ def test_tiny_scaling_run_prints_every_figure() -> None:
     else:
         assert demo["ratio"] > 0 and demo["trl_peak_rss_mib"] > 0
         assert result["ratios"] == {"demo": demo["ratio"]}
+
+
+@pytest.mark.parametrize(
+    "template", [None, "{% for m in messages %}[{{ m['content'] }}]{% endfor %}>"]
+)
+def test_trl_gets_the_prompt_tokens_prooftrains_nodes_encode(template: str | None) -> None:
+    """With a chat template TRL renders the prompt through it (``_tokenize_prompts``) as the
+    nodes do; without one both sides tokenise the text. A side that skipped the template would
+    train on sequences several times shorter (SmolLM2: 6 prompt tokens against 36)."""
+    from transformers import AutoTokenizer
+
+    from rollout.prompting import encode_prompt
+    from trainer.base_model import ensure_base_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_base_model("arithmetic"))
+    tok.chat_template = template
+    text = "85-92="
+    prompt = bench.trl_prompt(text, tok)
+    if template is None:
+        assert prompt == text
+        trl_ids = tok(text=[prompt])["input_ids"][0]
+    else:
+        assert prompt == [{"role": "user", "content": text}]
+        trl_ids = tok.apply_chat_template(
+            conversation=[prompt], add_generation_prompt=True, tokenize=True, return_dict=True
+        )["input_ids"][0]
+        assert len(trl_ids) > len(tok(text)["input_ids"])  # the template's tokens are there
+    assert list(trl_ids) == encode_prompt(tok, text)
+    assert bench.reward_fn([prompt], [[{"role": "assistant", "content": "-7"}]], ["p"], ["-7"]) == [
+        1.0
+    ]
