@@ -1,4 +1,4 @@
-"""Asynchronous against synchronous training under the same simulated latency.
+"""Asynchronous against synchronous training under the same simulated latency, over seeds.
 
 Both runs use the same honest population (sixteen consumer machines that
 generate 20x slower than this one, over heavy-tailed lognormal wide-area
@@ -10,19 +10,31 @@ temperature 0.5, truncated IS capped at 2, a cosine schedule from 1.2e-4); only
 rollouts of the current version, so after each publication it waits for fresh
 generations while work started under the older version is wasted and the
 trainer idles; async trains on whatever arrived within the staleness bound
-while the next rollouts are in flight. Prints progress on stderr and one JSON object on
-the last line of stdout:
+while the next rollouts are in flight.
 
-  async_samples_per_s / sync_samples_per_s   samples trained per simulated second
-  throughput_ratio                           async / sync (target >= 2)
-  async_time_to_target_s / sync_...          simulated seconds until held-out pass@1
-                                             first reaches ``target`` (null if never)
-  time_ratio                                 sync / async time to target
-  time_ratio_at_least                        when only async reached the target: sync's
-                                             whole run / async's time to target
-  async_evals / sync_evals                   every held-out eval as [simulated s, pass@1]
+Each of ``--seeds`` seeds runs both modes, paired: seed i moves the scenario's
+root and task seeds by i (``harness.run.seeded``: keys, network draws, train
+pool, held-out set, sampling). Time to target is the simulated time of the first
+held-out eval whose pass@1 reaches ``--target``. A run that never reaches it is
+censored at its run length: its time counts as the whole run, which understates
+it. Sync censored only makes the sync/async ratio a lower bound; async censored
+makes the ratio overstate async's advantage, and ``censoring`` says which
+happened. Intervals are 95%: Student t over seeds for each mode's mean, paired
+bootstrap over seeds (expanded percentile, ``harness.stats``) for the ratios.
 
-    python bench/async.py [--steps 80] [--target 0.30] [--uploads 2]
+Prints progress on stderr and one JSON object on the last line of stdout:
+
+  async_samples_per_s / sync_samples_per_s   mean samples trained per simulated second
+  throughput_ratio, throughput_ratio_ci      async / sync (ratio of means), target >= 2
+  async_time_to_target_s / sync_...          mean simulated seconds to ``target``, censored
+                                             runs at their run length; ``..._ci``: t interval
+  async_reached / sync_reached               seeds whose run reached the target
+  time_ratio, time_ratio_ci                  sync / async mean time to target, target >= 2
+  time_ratio_call                            yes / no / inconclusive: time_ratio >= 2 at 95%
+  censoring                                  none, sync-only (a lower bound) or async (overstated)
+  per_seed                                   each seed's figures and every eval [sim s, pass@1]
+
+    python bench/async.py [--steps 80] [--target 0.30] [--uploads 2] [--seeds 3]
 """
 
 from __future__ import annotations
@@ -74,9 +86,10 @@ run_no_defence = false
 """
 
 
-def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
+def run(mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
+    """One ``mode`` run at seed index ``seed``; its throughput, time to target and evals."""
     from harness.events import EVENTS_FILE, Eval, EventLog, read_events
-    from harness.run import run_variant
+    from harness.run import run_variant, seeded
     from harness.scenario import load_scenario
 
     path = work / f"{mode}.toml"
@@ -89,16 +102,16 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
             eval_every=max(1, args.steps // 8),
         )
     )
-    scenario = load_scenario(path)
-    log_path = work / mode / EVENTS_FILE
+    scenario = seeded(load_scenario(path), seed)
+    log_path = work / f"{mode}-s{seed}" / EVENTS_FILE
     log_path.parent.mkdir(parents=True)
     with EventLog(log_path) as log:
         values = run_variant(
             scenario,
-            work / mode / "run",
+            work / f"{mode}-s{seed}" / "run",
             log,
             progress=True,
-            say=lambda m: print(m, file=sys.stderr),
+            say=lambda m: print(f"seed {seed}: {m}", file=sys.stderr),
         )
     evals = [e for e in read_events(log_path) if isinstance(e, Eval)]
     hit = next((e.t for e in evals if e.pass_at_1 >= args.target), None)
@@ -109,6 +122,73 @@ def run(mode: str, args: argparse.Namespace, work: Path) -> dict:
         "final_pass_at_1": values["pass_at_1_last"],
         "first_pass_at_1": values["pass_at_1_first"],
         "evals": [[round(e.t, 1), e.pass_at_1] for e in evals],
+    }
+
+
+def _censored_time(r: dict) -> float:
+    """Time to target, or the run's whole length when it never got there (a lower bound)."""
+    t = r["time_to_target_s"]
+    return float(r["sim_seconds"] if t is None else t)
+
+
+def _ci(iv) -> list[float] | None:  # noqa: ANN001
+    return None if iv is None else [round(iv.low, 3), round(iv.high, 3)]
+
+
+def _time_call(call: str, async_censored: bool, sync_censored: bool) -> str:
+    """The call on time_ratio >= 2, kept only where censoring cannot have made it: a censored
+    async run shortens async's time (a ``yes`` may be wrong), a censored sync run shortens
+    sync's (a ``no`` may be wrong)."""
+    if (call == "yes" and async_censored) or (call == "no" and sync_censored):
+        return "inconclusive"
+    return call
+
+
+def summarize(a: list[dict], s: list[dict], target: float) -> dict:
+    """The bench's figures from paired per-seed results ``a`` (async) and ``s`` (sync)."""
+    from harness.stats import decide, paired_bootstrap, ratio_of_means, t_interval
+
+    def mean(xs: list[float]) -> float:
+        return round(sum(xs) / len(xs), 3)
+
+    thr_a, thr_s = [r["samples_per_s"] for r in a], [r["samples_per_s"] for r in s]
+    tta_a, tta_s = [_censored_time(r) for r in a], [_censored_time(r) for r in s]
+    reached_a = sum(r["time_to_target_s"] is not None for r in a)
+    reached_s = sum(r["time_to_target_s"] is not None for r in s)
+    time_ci = paired_bootstrap(tta_s, tta_a, ratio_of_means)
+    thr_ci = paired_bootstrap(thr_a, thr_s, ratio_of_means)
+    if reached_a < len(a):
+        censoring = (
+            f"async: {len(a) - reached_a} async and {len(s) - reached_s} sync runs never "
+            "reached the target; time_ratio overstates async's advantage"
+        )
+    elif reached_s < len(s):
+        censoring = (
+            f"sync only: {len(s) - reached_s} sync runs never reached the target; "
+            "time_ratio is a lower bound"
+        )
+    else:
+        censoring = "none"
+    return {
+        "async_samples_per_s": mean(thr_a),
+        "sync_samples_per_s": mean(thr_s),
+        "throughput_ratio": round(float(ratio_of_means(thr_a, thr_s)), 3),
+        "throughput_ratio_ci": _ci(thr_ci),
+        "throughput_ratio_target": 2.0,
+        "async_sim_seconds": mean([r["sim_seconds"] for r in a]),
+        "sync_sim_seconds": mean([r["sim_seconds"] for r in s]),
+        "async_time_to_target_s": mean(tta_a),
+        "async_time_to_target_ci": _ci(t_interval(tta_a)),
+        "sync_time_to_target_s": mean(tta_s),
+        "sync_time_to_target_ci": _ci(t_interval(tta_s)),
+        "async_reached": f"{reached_a}/{len(a)}",
+        "sync_reached": f"{reached_s}/{len(s)}",
+        "time_ratio": round(float(ratio_of_means(tta_s, tta_a)), 3),
+        "time_ratio_ci": _ci(time_ci),
+        "time_ratio_target": 2.0,
+        "time_ratio_call": _time_call(decide(time_ci, 2.0), reached_a < len(a), reached_s < len(s)),
+        "censoring": censoring,
+        "target_pass_at_1": target,
     }
 
 
@@ -128,33 +208,43 @@ def main() -> None:
         help="groups each contributor may have uploading while it generates the next "
         "(1: it waits for each verdict)",
     )
+    parser.add_argument(
+        "--seeds", type=int, default=3, help="seeds, each running both modes (default 3)"
+    )
     args = parser.parse_args()
+    if args.seeds < 1:
+        parser.error("--seeds must be at least 1")
+    a, s = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        a = run("async", args, work)
-        s = run("sync", args, work)
-    ta, ts = a["time_to_target_s"], s["time_to_target_s"]
+        for seed in range(args.seeds):
+            a.append(run("async", seed, args, work))
+            s.append(run("sync", seed, args, work))
     emit(
         {
             "bench": "async",
             "steps": args.steps,
-            "target_pass_at_1": args.target,
-            "async_samples_per_s": round(a["samples_per_s"], 3),
-            "sync_samples_per_s": round(s["samples_per_s"], 3),
-            "throughput_ratio": round(a["samples_per_s"] / max(s["samples_per_s"], 1e-9), 3),
-            "throughput_ratio_target": 2.0,
-            "async_sim_seconds": a["sim_seconds"],
-            "sync_sim_seconds": s["sim_seconds"],
-            "async_time_to_target_s": ta,
-            "sync_time_to_target_s": ts,
-            "time_ratio": round(ts / ta, 3) if ta and ts else None,
-            # sync never reached the target: it would have taken longer than its whole run
-            "time_ratio_at_least": (round(s["sim_seconds"] / ta, 3) if ta and not ts else None),
-            "async_pass_at_1": [a["first_pass_at_1"], a["final_pass_at_1"]],
-            "sync_pass_at_1": [s["first_pass_at_1"], s["final_pass_at_1"]],
-            "async_evals": a["evals"],
-            "sync_evals": s["evals"],
+            "seeds": args.seeds,
             "uploads": args.uploads,
+            **summarize(a, s, args.target),
+            "per_seed": [
+                {
+                    "seed": i,
+                    **{
+                        f"{mode}_{k}": r[k]
+                        for mode, r in (("async", ra), ("sync", rs))
+                        for k in (
+                            "samples_per_s",
+                            "sim_seconds",
+                            "time_to_target_s",
+                            "first_pass_at_1",
+                            "final_pass_at_1",
+                            "evals",
+                        )
+                    },
+                }
+                for i, (ra, rs) in enumerate(zip(a, s, strict=True))
+            ],
         }
     )
 

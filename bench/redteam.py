@@ -544,7 +544,8 @@ class Strategy(Attack):
 
     def craft(self, run: Run, me: Identity) -> Crafted:
         sealed = run.sealed(me)
-        return Crafted(self.strategy.answer(me.ctx, sealed), run.open(sealed, me))
+        body = self.strategy.answer(me.ctx, sealed)  # None: a group kept back, sent as nothing
+        return Crafted(b"" if body is None else body, run.open(sealed, me))
 
     def report(self, run: Run) -> dict:
         expect = self.strategy.expect

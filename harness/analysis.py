@@ -1,16 +1,21 @@
-"""Run analysis: a run directory's events grouped by run, the detection table and the verdict.
+"""Run analysis: a run directory's events grouped by run, the detection table, the gains.
 
 Pure: these functions take events (``harness.events``) and return values;
 ``load_runs`` is the only one that reads a file (through ``read_run_dir``).
 
 Invariants:
 - Each run's event lists are in simulated-time order, and runs come
-  ``scenario``, ``honest``, ``no-defence`` first, then any others by name.
+  ``scenario``, ``honest``, ``no-defence`` first, then any others by name; the
+  runs of seed ``i`` > 0 (``harness run --seeds N``) are labelled ``<run>@s<i>``
+  (``seed_label``) and follow the runs of seed 0 with the same name.
 - A figure whose events are missing is None (rendered "n/a"), never a guess:
   a gain needs two evals, a ratio a positive honest gain.
+- A gain is the mean held-out pass@1 over the last ``SMOOTH_EVALS`` steps after
+  the first that every compared run of the seed evaluated (``end_window``), minus
+  the first eval's: one version's pass@1 swings by a few points.
 - Runs that stopped at different steps (a wall-clock budget) are compared at
-  the last step every one of them evaluated (``comparison_step``), never a
-  short run's end against a long run's.
+  the last steps every one of them evaluated (``comparison_step`` is the last of
+  them), never a short run's end against a long run's.
 - A rejection counts as caught only when its reason is not one an honest
   contributor on a slow or lossy link can get (``BENIGN_REASONS``).
 """
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +48,23 @@ BENIGN_REASONS = frozenset(
     {"stale", "expired_assignment", "rate_limited", "backpressure", "not_found"}
 )
 """Rejections an honest contributor on a slow or lossy link can get: not counted as caught."""
+SMOOTH_EVALS = 3
+"""Evaluated steps a gain averages at the end of the curve (fewer when fewer are shared)."""
+SEED_MARK = "@s"
+
+
+def seed_label(run: str, seed: int) -> str:
+    """The events' run label of ``run`` at seed index ``seed``: ``run`` itself for seed 0
+    (a single-seed run directory is unchanged), ``<run>@s<seed>`` after."""
+    return run if seed == 0 else f"{run}{SEED_MARK}{seed}"
+
+
+def split_label(label: str) -> tuple[str, int]:
+    """``(run, seed index)`` of a run label (``seed_label``'s inverse)."""
+    run, mark, seed = label.rpartition(SEED_MARK)
+    if mark and seed.isdigit() and run:
+        return run, int(seed)
+    return label, 0
 
 
 @dataclass
@@ -92,6 +115,16 @@ class RunData:
         last = self.evals[-1] if at_step is None else self.eval_at(at_step)
         return None if last is None else last.pass_at_1 - self.evals[0].pass_at_1
 
+    def smoothed_gain(self, steps: Sequence[int]) -> float | None:
+        """Mean held-out pass@1 of the last evals of ``steps`` minus the first eval's; None
+        without ``steps``, with fewer than two evals, or when one of ``steps`` has no eval."""
+        if len(self.evals) < 2 or not steps:
+            return None
+        at = [self.eval_at(s) for s in steps]
+        if any(e is None for e in at):
+            return None
+        return statistics.fmean(e.pass_at_1 for e in at if e) - self.evals[0].pass_at_1
+
     def eval_at(self, step: int) -> Eval | None:
         """The last eval of step ``step``, if there is one."""
         return next((e for e in reversed(self.evals) if e.step == step), None)
@@ -127,8 +160,12 @@ def group_runs(events: list[Event]) -> dict[str, RunData]:
     for r in runs.values():
         for name in _LISTS.values():
             getattr(r, name).sort(key=lambda e: e.t)
-    order = [n for n in RUNS if n in runs] + sorted(n for n in runs if n not in RUNS)
-    return {n: runs[n] for n in order}
+    return {n: runs[n] for n in sorted(runs, key=_run_order)}
+
+
+def _run_order(label: str) -> tuple[int, int, str]:
+    run, seed = split_label(label)
+    return (RUNS.index(run) if run in RUNS else len(RUNS), seed, run)
 
 
 def load_runs(run_dir: str | Path) -> dict[str, RunData]:
@@ -202,70 +239,13 @@ def comparison_step(runs: list[RunData]) -> int | None:
     return max(below) if below else None
 
 
-def _ended_apart(last_steps: dict[str, int]) -> bool:
-    """Whether runs whose last evaluated steps are ``last_steps`` stopped at different steps."""
-    return len(set(last_steps.values())) > 1
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The report's verdict. Gains are held-out pass@1 at the last eval minus the first,
-    or at ``step`` when the runs stopped at different steps."""
-
-    gain: float | None
-    honest_gain: float | None
-    no_defence_gain: float | None
-    honest_slashed: int
-    audit_ok: bool | None
-    step: int | None = None
-    """The step every gain is read at, when the runs' last evals are at different steps."""
-    last_steps: dict[str, int] = field(default_factory=dict)
-    """Each compared run's last evaluated step (runs with evals)."""
-
-    @property
-    def ended_apart(self) -> bool:
-        """Whether the compared runs' last evals are at different steps."""
-        return _ended_apart(self.last_steps)
-
-    @property
-    def improved(self) -> bool | None:
-        return None if self.gain is None else self.gain > 0
-
-    @property
-    def ratio(self) -> float | None:
-        """Scenario gain / honest gain (1.0: the adversaries cost nothing)."""
-        if self.gain is None or self.honest_gain is None or self.honest_gain <= 0:
-            return None
-        return self.gain / self.honest_gain
-
-    @property
-    def no_defence_worse(self) -> bool | None:
-        if self.gain is None or self.no_defence_gain is None:
-            return None
-        return self.no_defence_gain < self.gain
-
-
-def outcome(runs: dict[str, RunData]) -> Outcome:
-    main = primary(runs)
-    audits = [r.audit.ok for r in runs.values() if r.audit is not None]
-    compared = [
-        main,
-        *(runs[n] for n in ("honest", "no-defence") if n in runs and runs[n] is not main),
-    ]
-    step = comparison_step(compared)
-    last_steps = {r.name: r.last_step() for r in compared if r.evals}
-    apart = _ended_apart(last_steps)
-
-    def gain(name: str) -> float | None:  # runs that share no eval step do not compare
-        r = runs.get(name)
-        return None if r is None or (apart and step is None) else r.gain(step)
-
-    return Outcome(
-        gain=gain(main.name),
-        honest_gain=gain("honest"),
-        no_defence_gain=gain("no-defence"),
-        honest_slashed=sum(honest_slashed(r) for r in runs.values()),
-        audit_ok=all(audits) if audits else None,
-        step=step,
-        last_steps=last_steps,
-    )
+def end_window(runs: list[RunData], k: int = SMOOTH_EVALS) -> tuple[int, ...]:
+    """The steps ``runs`` are compared at: the last ``k`` steps after their first evals that
+    every one of them evaluated, up to the earliest of their last evaluated steps (so its
+    last step is ``comparison_step`` when they ended apart); empty if they share none."""
+    with_evals = [r for r in runs if r.evals]
+    if not with_evals:
+        return ()
+    end = min(r.last_step() for r in with_evals)
+    common = set.intersection(*({e.step for e in r.evals[1:]} for r in with_evals))
+    return tuple(sorted(s for s in common if s <= end)[-k:])

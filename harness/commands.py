@@ -30,10 +30,20 @@ def register_harness(subparsers: argparse._SubParsersAction) -> None:
         help="run a scenario (and its baselines) and write the report",
         description="Run SCENARIO.toml, its all-honest baseline and its no-defence "
         "ablation (as the scenario's [baselines] asks), then write report.md and "
-        "PNG plots into the output directory.",
+        "PNG plots into the output directory. With --seeds N every run is repeated at "
+        "N seeds, paired by seed, and the report gives 95%% intervals over seeds.",
     )
     r.add_argument("scenario", help="scenario TOML file (see configs/scenarios/)")
     r.add_argument("--out", help="output directory (default: runs/<scenario name>)")
+    r.add_argument(
+        "--seeds",
+        type=_positive,
+        default=1,
+        metavar="N",
+        help="run every variant at N seeds (the scenario seed plus 0..N-1, shared by the "
+        "variants of one seed); 2 or more give 95%% intervals and yes / no / inconclusive "
+        "verdicts (default: 1)",
+    )
     r.add_argument(
         "--release",
         action="store_true",
@@ -64,6 +74,16 @@ def register_harness(subparsers: argparse._SubParsersAction) -> None:
     c.set_defaults(func=run_compare)
 
 
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {n}")
+    return n
+
+
 def _runner():  # noqa: ANN202
     try:
         from harness.run import run_scenario  # noqa: PLC0415
@@ -84,7 +104,7 @@ def run_run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path("runs") / scenario.name
     run_scenario = _runner()
     out.mkdir(parents=True, exist_ok=True)
-    run_scenario(scenario, out, progress=True)
+    run_scenario(scenario, out, progress=True, seeds=args.seeds)
     path = write_report(out)
     print("\n".join(summary_lines(load_runs(out))))
     print(f"report: {path}")
@@ -92,7 +112,7 @@ def run_run(args: argparse.Namespace) -> int:
         from harness.demo import release_demo  # noqa: PLC0415
 
         release = release_demo(out, scenario.model.ensure(scenario.task.name, progress=False))
-        print(f"release: {release} (verified)")
+        print(f"release: {release} (verified; seed 0's scenario run)")
     return 0
 
 

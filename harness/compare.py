@@ -1,5 +1,9 @@
 """Several harness runs side by side: one Markdown table and one PNG of pass@1 curves.
 
+A directory run with several seeds shows each gain, the ratio and the
+difference with its 95% interval and the three verdicts at 95%
+(``harness.outcome``); a single-seed directory shows its one seed's figures.
+
 md, png = write_comparison(["runs/demo", "runs/adv45"], Path("compare.md"))
 """
 
@@ -10,12 +14,16 @@ from pathlib import Path
 
 from harness.events import HONEST
 from harness.report import (
+    RATIO_TARGET,
+    Outcome,
     RunData,
     detection_table,
     load_runs,
     outcome,
     plot_pass_at_1,
     primary,
+    steps_text,
+    with_interval,
 )
 
 
@@ -26,6 +34,20 @@ def _label(run_dir: Path, runs: dict[str, RunData]) -> str:
 
 def _f(x: float | None, fmt: str) -> str:
     return "n/a" if x is None else format(x, fmt)
+
+
+def _read_at(o: Outcome) -> str:
+    windows = {s.window for s in o.seeds}
+    if len(windows) > 1:
+        return "per seed (see each report)"
+    apart = any(s.ended_apart for s in o.seeds)
+    return steps_text(o.window) + (" (runs ended apart)" if apart else "")
+
+
+def _verdicts(o: Outcome) -> str:
+    if o.n_seeds < 2:
+        return "one seed: no intervals"
+    return f"{o.improves_call} / {o.ratio_call} / {o.no_defence_worse_call}"
 
 
 def _column(run_dir: Path, runs: dict[str, RunData]) -> dict[str, str]:
@@ -42,13 +64,16 @@ def _column(run_dir: Path, runs: dict[str, RunData]) -> dict[str, str]:
         "last pass@1 [95% CI]": "n/a"
         if last is None
         else f"{last.pass_at_1:.3f} [{last.ci_low:.3f}, {last.ci_high:.3f}]",
-        "gain": _f(o.gain, "+.3f"),
-        "honest baseline gain": _f(o.honest_gain, "+.3f"),
-        "ratio to honest": _f(o.ratio, ".2f"),
-        "no-defence gain": _f(o.no_defence_gain, "+.3f"),
-        "gains read at": "each run's end"
-        if not o.ended_apart
-        else ("no common step" if o.step is None else f"step {o.step} (runs ended apart)"),
+        "seeds": str(o.n_seeds) + (" (paired)" if o.n_seeds > 1 else ""),
+        "gain [95% CI]": with_interval(o.gain, o.gain_ci),
+        "honest baseline gain [95% CI]": with_interval(o.honest_gain, o.honest_gain_ci),
+        "ratio to honest [95% CI]": with_interval(o.ratio, o.ratio_ci, ".2f"),
+        "no-defence gain [95% CI]": with_interval(o.no_defence_gain, o.no_defence_gain_ci),
+        "defended minus no-defence [95% CI]": with_interval(o.difference, o.difference_ci),
+        f"verdicts at 95%: improved / ratio at least {RATIO_TARGET} / no-defence worse": (
+            _verdicts(o)
+        ),
+        "gains read at (mean of)": _read_at(o),
         "adversarial groups caught / submitted": f"{sum(r.caught for r in adv)}/{sum(r.submitted for r in adv)}",
         "adversaries banned": f"{sum(r.banned for r in adv)}/{n_adv}",
         "honest slashed": str(o.honest_slashed),

@@ -1,4 +1,9 @@
-"""``make demo``: the default adversarial scenario, its baselines, and the report."""
+"""``make demo``: the default adversarial scenario, its baselines, and the report.
+
+The demo runs one seed, to stay within its time budget, and its summary says
+so: intervals over seeds and yes / no / inconclusive verdicts come from
+``prooftrain harness run configs/scenarios/demo.toml --seeds N``.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,10 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     print()
     for line in summary_lines(runs):
         print(line)
+    print(
+        "one seed: its figures carry no interval over seeds; for 95% intervals and "
+        f"verdicts run `prooftrain harness run {scenario} --seeds 3`"
+    )
     print(f"report: {report} ({time.monotonic() - start:.0f} s)")
     print(
         f"release: {release} (verified; prooftrain release verify {release} "

@@ -67,7 +67,12 @@ class Eval(_Event, tag="eval", frozen=True):
 
 class TrainStep(_Event, tag="train_step", frozen=True):
     """One optimizer step: ``staleness`` has one entry per sample (current version − its version);
-    ``grad_norms`` maps contributor fingerprint → norm of its gradient before aggregation."""
+    ``grad_norms`` maps contributor fingerprint → norm of its gradient before aggregation;
+    ``samples_by`` fingerprint → samples of the step's batch signed by that key; ``weight_share``
+    fingerprint → its share of the aggregation weight (``trainer.rl``: its coefficient in the
+    aggregate over the sum of the coefficients) and ``update_share`` of the update (coefficient
+    times gradient norm, over their sum); a key whose gradient was dropped as non-finite has
+    samples but no share."""
 
     t: float
     run: str
@@ -80,11 +85,15 @@ class TrainStep(_Event, tag="train_step", frozen=True):
     ratio_mean: float
     masked_fraction: float
     grad_norms: dict[str, float]
+    samples_by: dict[str, int] = {}
+    weight_share: dict[str, float] = {}
+    update_share: dict[str, float] = {}
 
 
 class Verdict(_Event, tag="verdict", frozen=True):
     """The validator's verdict on one group submission; ``reason`` is "" when accepted,
-    ``reward`` the validator's mean reward (None when rejected before scoring)."""
+    ``reward`` the validator's mean reward (None when rejected before scoring), ``key`` the
+    fingerprint of the key that signed it."""
 
     t: float
     run: str
@@ -94,20 +103,24 @@ class Verdict(_Event, tag="verdict", frozen=True):
     reason: str
     audited: bool
     reward: float | None = None
+    key: str = ""
 
 
 class Slash(_Event, tag="slash", frozen=True):
-    """A contributor was slashed (evidence recorded in the ledger)."""
+    """A contributor was slashed (evidence recorded in the ledger); ``key``: which of its keys."""
 
     t: float
     run: str
     contributor: str
     strategy: str
     reason: str
+    key: str = ""
 
 
 class Reputation(_Event, tag="reputation", frozen=True):
-    """A contributor's reputation after a change."""
+    """A contributor's reputation after a change, of its key ``key`` (fingerprint). A key's
+    first event is its registration: at the run's start, or when a banned contributor comes
+    back under a fresh key (whitewashing)."""
 
     t: float
     run: str
@@ -116,6 +129,7 @@ class Reputation(_Event, tag="reputation", frozen=True):
     score: float
     banned: bool
     audit_rate: float
+    key: str = ""
 
 
 class Throughput(_Event, tag="throughput", frozen=True):

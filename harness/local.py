@@ -30,4 +30,7 @@ class AdversarialNetwork(LocalNetwork):
             self.validator.key.public,
             oracle=RegistryOracle(self.registry),
         )
-        return make_strategy(strategy).answer(ctx, sealed)
+        raw = make_strategy(strategy).answer(ctx, sealed)
+        # A group kept back (selective submission) is never sent: an empty body is refused
+        # before anything is recorded, and the assignment expires as if nothing had arrived.
+        return b"" if raw is None else raw

@@ -3,7 +3,7 @@
 Each function writes one PNG (matplotlib, Agg backend) to the path it is given
 and returns that path; a plot with nothing to draw still gets written, saying
 "no data". Every run keeps one colour across plots (``RUN_COLORS``, then the
-default cycle).
+default cycle); the seeds of one run (``scenario``, ``scenario@s1``...) share its colour.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-from harness.analysis import RunData, primary
+from harness.analysis import RunData, primary, split_label
 from harness.events import HONEST, Reputation
 
 RUN_COLORS = {"scenario": "tab:blue", "honest": "tab:green", "no-defence": "tab:red"}
@@ -52,7 +52,7 @@ def _save(fig, ax, path: Path, empty: bool) -> Path:  # noqa: ANN001
 
 
 def _color(run: str, i: int) -> str:
-    return RUN_COLORS.get(run, f"C{(i + 3) % 10}")
+    return RUN_COLORS.get(split_label(run)[0], f"C{(i + 3) % 10}")
 
 
 def plot_pass_at_1(runs: dict[str, RunData], path: Path, title: str = PLOTS["pass_at_1"]) -> Path:

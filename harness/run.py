@@ -26,6 +26,7 @@ order as their reports come back, and take none of the simulated time.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import shutil
 import time
@@ -33,11 +34,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-from harness.adversaries.base import Context, Strategy, make_strategy, plain_generation
+from harness.adversaries.base import (
+    Context,
+    Feedback,
+    Strategy,
+    make_strategy,
+    observe,
+    plain_generation,
+    rejoins,
+)
+from harness.analysis import seed_label
 from harness.background_evals import BackgroundEvals, Evaluated
 from harness.events import (
     EVENTS_FILE,
@@ -65,7 +76,7 @@ from trainer.evals import default_max_new_tokens
 from trainer.loop import TrainerLoop, ensure_process_group
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
-from verify.errors import AdmissionError, Reason, VerificationError
+from verify.errors import AdmissionError, ConfigError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.types import SignedAssignment
 
@@ -83,6 +94,14 @@ class Member:
     retired: bool = False
     uploading: list[float] = field(default_factory=list)
     """When each of its groups still on the wire arrives (or is given up as lost)."""
+    comebacks: int = 0
+    """Fresh keys it has registered after a ban (whitewashing)."""
+
+
+def fingerprint(key: bytes) -> str:
+    """A contributor key's label in events: its first 8 hex digits, as the trainer's metrics
+    (``aggregate/grad_norm/``, ``damage/…``) name it."""
+    return key.hex()[:8]
 
 
 def free_after(uploading: list[float], ready: float, uploads: int) -> tuple[list[float], float]:
@@ -111,6 +130,7 @@ class Simulation:
         self.queue = DeliveryQueue()
         self._backends: dict[int, TransformersBackend] = {}
         shared: dict = {}  # colluding identities share what they generated
+        problems = {p.id: p for p in net.validator.problems}  # the public train pool
         self.members: list[Member] = []
         for spec in scenario.contributors():
             key = SigningKey.from_seed(spec.seed.to_bytes(32, "little"))
@@ -122,10 +142,18 @@ class Simulation:
                 net.validator.key.public,
                 oracle=RegistryOracle(net.registry),
                 shared=shared,
+                problems=problems,
+                clock=self._now_ms,
             )
             ctx.rng = np.random.default_rng(spec.seed)
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
+        for m in self.members:  # each key's first event: its registration
+            self._registered(m, 0.0)
+
+    def _now_ms(self) -> int:
+        """Simulated time in ms: what a contributor's headers say (a run repeats with its seed)."""
+        return int(self.t * 1000)
 
     def _backend(self, version: int) -> TransformersBackend:
         if version not in self._backends:
@@ -172,14 +200,15 @@ class Simulation:
     def _assign_all(
         self, due: list[tuple[Member, float]]
     ) -> list[tuple[Member, SignedAssignment, float]]:
-        """Ask the validator for work for each ``(member, at)``; a refusal idles (or, banned,
-        retires) the contributor."""
+        """Ask the validator for work for each ``(member, at)``; a refusal idles the
+        contributor; a banned one retires, or comes back under a fresh key if its strategy
+        rejoins (:meth:`_rejoin`)."""
         jobs = []
         answers = self.net.validator.assign_many([m.key.public.raw for m, _ in due])
         for (m, at), sealed in zip(due, answers, strict=True):
             if isinstance(sealed, AdmissionError):
                 if sealed.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
-                    m.retired = True
+                    m.retired = not (sealed.reason == Reason.BANNED_KEY and self._rejoin(m, at))
                 m.free_at = at + IDLE_RETRY_S
             else:
                 jobs.append((m, sealed, at))
@@ -214,14 +243,54 @@ class Simulation:
         spent = time.perf_counter() - start + m.ctx.prefetch_s
         m.ctx.prefetched.clear()
         ready = at + self.sim.compute_time(m.spec.id, spent)
+        if body is None:  # kept back: the assignment expires unanswered
+            m.uploading, m.free_at = free_after(m.uploading, ready, m.spec.uploads)
+            return
         delay = self.sim.delay(m.spec.id, "submit")
         # A lost group is given up after IDLE_RETRY_S; the assignment expires unanswered.
         done = ready + (IDLE_RETRY_S if delay is None else delay)
         m.uploading, m.free_at = free_after([*m.uploading, done], ready, m.spec.uploads)
         if delay is not None:
-            self.queue.push((m, body), done)
+            self.queue.push((m, body, m.key.public.raw), done)
 
-    def _deliver_all(self, ready: list[tuple[Member, bytes]]) -> None:
+    def _rejoin(self, m: Member, at: float) -> bool:
+        """Whitewashing: if ``m``'s strategy comes back after a ban, register a fresh key for
+        it (registration is open) and log the new key's first reputation; True if it did."""
+        if not rejoins(m.strategy):
+            return False
+        m.comebacks += 1
+        seed = hashlib.sha256(repr(("comeback", m.spec.seed, m.comebacks)).encode()).digest()
+        m.key = m.ctx.key = SigningKey.from_seed(seed)
+        raw = m.key.public.raw
+        self.net.validator.register(raw, f"{m.spec.id}/{m.comebacks}")
+        self._registered(m, max(at, self.t))
+        return True
+
+    def _registered(self, m: Member, t: float) -> None:
+        """Log the reputation ``m``'s current key starts with."""
+        raw = m.key.public.raw
+        rep = self.net.validator.ledger.reputation(raw)
+        self.log.write(
+            Reputation(
+                t=t,
+                run=self.run,
+                contributor=m.spec.id,
+                strategy=m.spec.strategy,
+                score=rep.score,
+                banned=rep.banned,
+                audit_rate=self.net.validator.ledger.audit_rate(raw),
+                key=fingerprint(raw),
+            )
+        )
+
+    def _audit_rate(self, key: bytes) -> float:
+        """The per-rollout rate ``key``'s next group is drawn at (a fixed network rate, or its
+        reputation's)."""
+        v = self.net.validator
+        fixed = v.cfg.rules.audit_rate
+        return fixed if fixed >= 0 else v.ledger.audit_rate(key)
+
+    def _deliver_all(self, ready: list[tuple[Member, bytes, bytes]]) -> None:
         """Deliver groups arriving together as one batch (``Validator.admit_many``: their spot
         checks share a forward pass, their verdicts one transaction), in arrival order.
 
@@ -230,12 +299,15 @@ class Simulation:
         after (``Validator.admit_in_turn``), so every outcome is the one of
         delivering one group at a time.
         """
-        results = self.net.validator.admit_in_turn([body for _, body in ready])
-        for (m, _), result in zip(ready, results, strict=True):
-            self._deliver(m, result)
+        results = self.net.validator.admit_in_turn([body for _, body, _ in ready])
+        for (m, body, key), result in zip(ready, results, strict=True):
+            self._deliver(m, result, key, body)
 
-    def _deliver(self, m: Member, result: SubmitResult | VerificationError) -> None:
-        v = self.net.validator
+    def _deliver(
+        self, m: Member, result: SubmitResult | VerificationError, key: bytes, body: bytes = b""
+    ) -> None:
+        """Log the verdict on a group ``m`` signed with ``key`` (and any slash and the key's
+        reputation), then tell its strategy what a contributor would see (``observe``)."""
         if not isinstance(result, SubmitResult):
             self.log.write(
                 VerdictEvent(
@@ -247,8 +319,10 @@ class Simulation:
                     reason=result.reason.value,
                     audited=False,
                     reward=None,
+                    key=fingerprint(key),
                 )
             )
+            self._feedback(m, key, _assignment_of(body), False, 0, 0, result.reason.value, None)
             return
         verdicts = result.verdicts
         accepted = all(x.accepted for x in verdicts)
@@ -267,6 +341,7 @@ class Simulation:
                 reason=reason,
                 audited=any(x.audited for x in verdicts),
                 reward=sum(x.reward for x in verdicts) / len(verdicts),
+                key=fingerprint(key),
             )
         )
         if reason and Reason(reason) in SLASHED:
@@ -277,9 +352,30 @@ class Simulation:
                     contributor=m.spec.id,
                     strategy=m.spec.strategy,
                     reason=reason,
+                    key=fingerprint(key),
                 )
             )
-        rep = v.ledger.reputation(m.key.public.raw)
+        audited = sum(x.audited for x in verdicts)
+        mean_reward = sum(x.reward for x in verdicts) / len(verdicts)
+        aid = verdicts[0].assignment_id if verdicts else b""
+        self._feedback(m, key, aid, accepted, audited, len(verdicts), reason, mean_reward)
+
+    def _feedback(
+        self,
+        m: Member,
+        key: bytes,
+        assignment_id: bytes,
+        accepted: bool,
+        audited: int,
+        members: int,
+        reason: str,
+        reward: float | None,
+    ) -> None:
+        """Log ``key``'s reputation and pass the strategy its :class:`Feedback`; a key banned
+        now comes back under a fresh one if the strategy rejoins."""
+        v = self.net.validator
+        rep = v.ledger.reputation(key)
+        rate = self._audit_rate(key)
         self.log.write(
             Reputation(
                 t=self.t,
@@ -288,9 +384,35 @@ class Simulation:
                 strategy=m.spec.strategy,
                 score=rep.score,
                 banned=rep.banned,
-                audit_rate=v.ledger.audit_rate(m.key.public.raw),
+                audit_rate=v.ledger.audit_rate(key),
+                key=fingerprint(key),
             )
         )
+        fb = Feedback(
+            assignment_id, accepted, audited, members, reason, reward, rep.score, rate, rep.banned
+        )
+        observe(m.strategy, m.ctx, fb)
+        if rep.banned and key == m.key.public.raw:
+            self._rejoin(m, self.t)
+
+
+def _by_key(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+    """``{fingerprint: value}`` of the metrics named ``<prefix><fingerprint>``."""
+    return {k.removeprefix(prefix): v for k, v in metrics.items() if k.startswith(prefix)}
+
+
+class _GroupHead(msgspec.Struct, array_like=True):
+    """The first field of a ``GroupSubmission`` (the rest is skipped unparsed)."""
+
+    assignment_id: bytes
+
+
+def _assignment_of(body: bytes) -> bytes:
+    """The assignment id a submission names (b"" when it cannot be read: garbage)."""
+    try:
+        return msgspec.msgpack.decode(body, type=_GroupHead).assignment_id
+    except (msgspec.DecodeError, msgspec.ValidationError, TypeError):
+        return b""
 
 
 def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
@@ -326,9 +448,11 @@ def run_variant(
     *,
     progress: bool = True,
     say: Callable[[str], None] = print,
+    label: str | None = None,
 ) -> dict:
-    """One run (``s.run`` names it); returns its summary figures."""
-    run = s.run
+    """One run; returns its summary figures. Its events carry ``label`` as their run
+    (default ``s.run``; ``harness.analysis.seed_label`` for seeds after the first)."""
+    run = label or s.run
     model_dir = s.model.ensure(s.task.name, progress=progress)
     cfg = trainer_config(s, model_dir)
     net = _local_network(s, model_dir, work)
@@ -459,8 +583,8 @@ def _train(
     come back. Returns the samples trained."""
     from tqdm import tqdm
 
-    run, log = s.run, sim.log
-    every_version = s.trainer.eval_every_version and run == "scenario"
+    run, log = sim.run, sim.log
+    every_version = s.trainer.eval_every_version and s.run == "scenario"
     budget = s.trainer.budget_s or float("inf")
     steps = s.trainer.steps or 1_000_000
     trained, evaluated = 0, 0
@@ -511,12 +635,44 @@ def _log_step(log: EventLog, run: str, t: float, version: int, metrics: dict[str
                 for k, val in metrics.items()
                 if k.startswith("aggregate/grad_norm/")
             },
+            samples_by={k: int(n) for k, n in _by_key(metrics, "damage/samples/").items()},
+            weight_share=_by_key(metrics, "damage/weight/"),
+            update_share=_by_key(metrics, "damage/update/"),
         )
     )
 
 
-def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True) -> Path:
-    """Run the scenario and its enabled baselines into ``out_dir``; returns ``out_dir``."""
+SEED_MAX = 2**63 - 1
+"""The largest scenario seed (``Scenario.seed``'s bound)."""
+
+
+def seeded(s: Scenario, i: int) -> Scenario:
+    """Seed index ``i`` of ``s``: its root seed and its task seed both moved up by ``i``, so
+    contributor keys, the network's draws, the train pool, the held-out set, torch and the
+    trainer's sampling all change with it while the base policy stays the same. Seed 0 is
+    ``s`` itself, so a one-seed run is the run ``s`` describes."""
+    if i == 0:
+        return s
+    if s.seed + i > SEED_MAX:
+        raise ConfigError(f"seed {s.seed} + {i} exceeds the largest scenario seed {SEED_MAX}")
+    task = s.task.model_copy(update={"seed": s.task.seed + i})
+    return s.model_copy(update={"seed": s.seed + i, "task": task})
+
+
+def run_scenario(
+    scenario: Scenario, out_dir: str | Path, progress: bool = True, seeds: int = 1
+) -> Path:
+    """Run the scenario and its enabled baselines into ``out_dir``, each at ``seeds`` seeds
+    (``seeded``); returns ``out_dir``.
+
+    Seeds run one after another, each with all its runs, so an interrupted run directory
+    holds whole seeds plus at most one partial one. Seed ``i``'s run ``r`` is labelled
+    ``harness.analysis.seed_label(r, i)`` in the log and works in ``out_dir/runs/<label>``:
+    seed 0 is ``scenario``, ``honest`` and ``no-defence`` in ``runs/<run>`` as a one-seed
+    run has always been; later seeds are ``<run>@s<i>``.
+    """
+    if seeds < 1:
+        raise ConfigError(f"seeds must be at least 1, got {seeds}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     events = out / EVENTS_FILE
@@ -526,6 +682,11 @@ def run_scenario(scenario: Scenario, out_dir: str | Path, progress: bool = True)
     # cannot continue a ledger that has published versions already.
     shutil.rmtree(out / "runs", ignore_errors=True)
     with EventLog(events) as log:
-        for run in scenario.runs():
-            run_variant(scenario.variant(run), out / "runs" / run, log, progress=progress)
+        for i in range(seeds):
+            s = seeded(scenario, i)
+            for run in s.runs():
+                label = seed_label(run, i)
+                run_variant(
+                    s.variant(run), out / "runs" / label, log, progress=progress, label=label
+                )
     return out

@@ -28,6 +28,13 @@ Invariants: a contributor's rows reach the optimizer only through its one
 gradient row, so a robust aggregator bounds what any one contributor does to
 the update; a non-finite contributor gradient is dropped (and counted) rather
 than poisoning the aggregate.
+
+Every step also reports, per contributor key, the rows it signed
+(``damage/samples/<fingerprint>``), its share of the aggregation weight
+(``damage/weight/<fingerprint>``: its coefficient in the aggregate over their
+sum) and of the update (``damage/update/<fingerprint>``: coefficient times
+gradient norm, over their sum), so a harness can account for what each
+identity put into training.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from trainer.groupgrad import GroupGradients
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
 from verify.aggregate import Aggregator, GramAggregator
-from verify.aggregate_blocks import all_finite
+from verify.aggregate_blocks import COLUMN_BLOCK, all_finite
 from verify.errors import ConfigError
 
 LrSchedule = Callable[[float], float]
@@ -80,6 +87,41 @@ def _params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     return [p for p in module.parameters() if p.requires_grad]
 
 
+def _tied_copies(module: torch.nn.Module) -> set[int]:
+    """Ids of a stage's tied copies (``Stage.tied_copies``: the last stage's ``lm_head`` when
+    S > 1). Stage 0 holds the same tensor, so norms leave the copy out (else S > 1 counts it
+    twice and clips differently from S = 1)."""
+    names = getattr(module, "tied_copies", {})
+    return {id(p) for n, p in module.named_parameters() if n in names}
+
+
+def _norm_spans(params: list[torch.nn.Parameter], skip: set[int]) -> list[tuple[int, int]]:
+    """Column spans of ``flat_grad(params)`` outside the parameters in ``skip``."""
+    spans: list[tuple[int, int]] = []
+    offset = 0
+    for p in params:
+        end = offset + p.numel()
+        if id(p) not in skip:
+            if spans and spans[-1][1] == offset:
+                spans[-1] = (spans[-1][0], end)
+            else:
+                spans.append((offset, end))
+        offset = end
+    return spans
+
+
+def _squared_norms(rows: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """Each row's squared l2 norm over the column ``spans`` (a tied copy left out), (n,)
+    float64: float32 over blocks of columns, summed in float64 (one float32 reduction over
+    the 10^8 entries of a 135M-parameter row is off by about 1%)."""
+    out = torch.zeros(rows.shape[0], dtype=torch.float64)
+    for a, b in spans:
+        for lo in range(a, b, COLUMN_BLOCK):
+            block = rows[:, lo : min(b, lo + COLUMN_BLOCK)]
+            out += torch.linalg.vector_norm(block, dim=1).double() ** 2
+    return out
+
+
 def flat_grad(params: list[torch.nn.Parameter], out: Tensor | None = None) -> Tensor:
     """This stage's gradient as one float32 vector (missing grads count as zero), written
     into ``out`` when given."""
@@ -104,6 +146,33 @@ def _all_stages(flags: list[bool]) -> list[bool]:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(local, op=dist.ReduceOp.MIN)
     return [bool(v >= 1) for v in local]
+
+
+def sample_counts(batch: TrainBatch) -> Metrics:
+    """``damage/samples/<fingerprint>``: how many of the batch's rows each contributor key
+    signed (the fingerprint is the key's first 8 hex digits, as in ``aggregate/grad_norm/``)."""
+    counts = torch.bincount(batch.contributor, minlength=len(batch.contributors)).tolist()
+    return {
+        f"damage/samples/{key.hex()[:8]}": float(n)
+        for key, n in zip(batch.contributors, counts, strict=True)
+        if n
+    }
+
+
+def weight_shares(alpha: Tensor, labels: list[str], norms: Tensor) -> Metrics:
+    """Each contributor's share of the aggregation: ``damage/weight/<fingerprint>``, its
+    coefficient over the sum of the coefficients, and ``damage/update/<fingerprint>``, its
+    coefficient times its gradient's norm (``norms``, this stage's) over the sum of those (the
+    part of the update's length it can account for). Zero for all when a sum is 0. Metrics
+    only: the step's math does not read them."""
+    a = alpha.detach().to(torch.float64).clamp(min=0.0)
+    mass = a * norms.detach().to(torch.float64).clamp(min=0.0)
+    total, total_mass = float(a.sum()), float(mass.sum())
+    out: Metrics = {}
+    for i, label in enumerate(labels):
+        out[f"damage/weight/{label}"] = float(a[i]) / total if total > 0 else 0.0
+        out[f"damage/update/{label}"] = float(mass[i]) / total_mass if total_mass > 0 else 0.0
+    return out
 
 
 class RLStep:
@@ -133,6 +202,10 @@ class RLStep:
         self.importance_sampling = importance_sampling
         self.proximal = proximal
         self.params = _params(runner.stage)
+        copies = _tied_copies(runner.stage)
+        self._counted = [p for p in self.params if id(p) not in copies]
+        """The parameters whose gradients count towards norms: all but a tied copy."""
+        self._spans = _norm_spans(self.params, copies)
         self.grouped = (
             GroupGradients.plan(runner.stage, self.params)
             if runner.num_microbatches == 1 and not runner.ties_across_stages
@@ -190,6 +263,7 @@ class RLStep:
             metrics["aggregate/dropped_nonfinite"] = float(dropped)
             for key in metric_rows[0] if metric_rows else {}:
                 metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
+            metrics.update(sample_counts(batch))
             return metrics
         rows_out = self._rows_buffer(len(batch.contributors))
         if self.grouped is not None:
@@ -201,6 +275,7 @@ class RLStep:
         metrics["aggregate/dropped_nonfinite"] = float(dropped)
         for key in metric_rows[0] if metric_rows else {}:
             metrics[key] = sum(r.get(key, 0.0) for r in metric_rows) / len(metric_rows)
+        metrics.update(sample_counts(batch))
         return metrics
 
     def _rows_buffer(self, n: int) -> Tensor:
@@ -279,6 +354,7 @@ class RLStep:
         labels = [batch.contributors[c].hex()[:8] for c in names]
         norms = torch.diagonal(gram)[keep].clamp(min=0.0).to(torch.float64)
         metrics = self._finish(norms, labels) if keep else {"aggregate/contributors": 0.0}
+        metrics.update(weight_shares(alpha[keep], labels, norms.sqrt()))
         per_contributor = self._split_metrics(result.metrics, len(present))
         return names, [per_contributor[i] for i in keep], len(present) - len(keep), metrics
 
@@ -340,15 +416,20 @@ class RLStep:
         w = None if weights is None else weights[torch.tensor(names)].to(torch.float64)
         agg = self.aggregator(stacked, w) if len(stacked) > 1 else stacked[0]
         write_grad(self.params, agg)
-        norms = torch.linalg.vector_norm(stacked, dim=1) ** 2  # per contributor, this stage
-        return self._finish(norms.double(), labels)
+        norms = _squared_norms(stacked, self._spans)
+        metrics = self._finish(norms, labels)
+        # No coefficients here (the aggregator returns a vector): the nominal share, each
+        # contributor's weight over the total.
+        nominal = torch.ones(len(labels), dtype=torch.float64) if w is None else w
+        metrics.update(weight_shares(nominal, labels, norms.sqrt()))
+        return metrics
 
     def _finish(self, norms: Tensor, labels: list[str]) -> Metrics:
         """Clip ``.grad`` (the aggregate) by the global norm and step. ``norms`` (n,): each
         contributor's squared gradient norm on this stage."""
         agg_sq = sum(
             float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
-            for p in self.params
+            for p in self._counted
             if p.grad is not None
         )
         local = torch.cat([norms.double(), torch.tensor([agg_sq], dtype=torch.float64)])

@@ -418,7 +418,7 @@ class Intermittent:
     expect: ClassVar[str] = "inner"
     plain_generation: ClassVar[bool] = True
 
-    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes | None:
         from harness.adversaries.base import make_strategy
 
         if ctx.rng.random() < self.f:

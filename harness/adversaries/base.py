@@ -1,16 +1,34 @@
-"""The strategy Protocol, the registry, and the context a strategy works in."""
+"""The strategy Protocol, the registry, and the context a strategy works in.
+
+A strategy answers each assignment with the bytes of a group submission, or
+``None`` to keep the group to itself (the assignment then expires unanswered
+and holds one of its ``assignment.max_outstanding`` places for a further
+``ttl_s``). An adaptive strategy also learns from what a contributor sees:
+after each answer the harness passes it a :class:`Feedback` (``observe``), and
+when its key is banned it may ask to come back under a fresh one (``rejoin``).
+Both hooks are optional methods, read with :func:`observe` and :func:`rejoins`.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, TypeVar
 
 import numpy as np
 
+from rewards.base import Problem
+from rewards.registry import reward
 from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
-from rollout.worker import Tokenizer, declared, honest_request, open_assignment, sign_completions
+from rollout.worker import (
+    Tokenizer,
+    declared,
+    honest_request,
+    now_ms,
+    open_assignment,
+    sign_completions,
+)
 from verify.errors import ConfigError, Reason
 from verify.keys import PublicKey, SigningKey
 from verify.spotcheck import LogprobOracle
@@ -33,7 +51,10 @@ class Context:
     identities (Sybils). ``prefetched`` holds groups the harness generated in
     advance, batched with other contributors' (see :func:`plain_generation`):
     :meth:`generate` hands one out for exactly its request and adds its share
-    of the batch's compute time to ``prefetch_s``.
+    of the batch's compute time to ``prefetch_s``. ``problems`` is the task's
+    public train pool by prompt id (the seeded generator anyone can run), so a
+    contributor may score its own completions before it decides what to submit
+    (:meth:`own_rewards`).
     """
 
     key: SigningKey
@@ -48,6 +69,9 @@ class Context:
         default_factory=dict
     )
     prefetch_s: float = 0.0
+    problems: Mapping[str, Problem] = field(default_factory=dict)
+    clock: Callable[[], int] = now_ms
+    """Milliseconds for the headers' ``created_at_ms`` (the harness passes simulated time)."""
 
     def assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_assignment(sealed, self.validator, self.key.public)
@@ -88,11 +112,44 @@ class Context:
     def sign(
         self, a: WorkAssignment, completions: list[GeneratedCompletion]
     ) -> list[RolloutEnvelope]:
-        return sign_completions(self.key, a, completions, **declared(self.backend))
+        return sign_completions(self.key, a, completions, self.clock, **declared(self.backend))
 
     def remember(self, group: GroupSubmission) -> bytes:
         self.memory.append(group)
         return canonical_bytes(group)
+
+    def own_rewards(
+        self, a: WorkAssignment, comps: list[GeneratedCompletion]
+    ) -> list[float] | None:
+        """The reward the validator will give each completion, computed by the contributor from
+        the public problem (None when ``problems`` does not hold it)."""
+        problem = self.problems.get(a.prompt_id)
+        if problem is None:
+            return None
+        texts = [self.tokenizer.decode(list(c.token_ids)) for c in comps]  # type: ignore[attr-defined]
+        return [reward(problem.task, text, problem) for text in texts]
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """validator → contributor: what a contributor learns about one of its groups, from the
+    signed verdicts it gets back and its key's public reputation (the ledger's replay).
+
+    ``audited`` is how many of the group's ``members`` were spot-checked; ``reason`` is "" when
+    accepted; ``reward`` the validator's mean reward (None when rejected before scoring);
+    ``audit_rate`` the per-rollout rate its next group is drawn at; ``banned`` whether its key
+    is now banned.
+    """
+
+    assignment_id: bytes
+    accepted: bool
+    audited: int
+    members: int
+    reason: str
+    reward: float | None
+    score: float
+    audit_rate: float
+    banned: bool
 
 
 class Strategy(Protocol):
@@ -106,7 +163,10 @@ class Strategy(Protocol):
         attribute (``frozenset[Reason]`` or ``str``) still satisfies the protocol."""
         ...
 
-    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes: ...
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes | None:
+        """The group submission's bytes, or None to keep the group (let the assignment
+        expire)."""
+        ...
 
 
 STRATEGIES: dict[str, type[Strategy]] = {}
@@ -143,6 +203,21 @@ def plain_generation(strategy: Strategy) -> bool:
     group generated for one that then asks for something else is wasted work.
     """
     return bool(getattr(type(strategy), "plain_generation", False))
+
+
+def observe(strategy: Strategy, ctx: Context, feedback: Feedback) -> None:
+    """Pass ``feedback`` to ``strategy`` if it learns from verdicts (an ``observe(ctx, feedback)``
+    method); the others ignore it."""
+    hook = getattr(strategy, "observe", None)
+    if hook is not None:
+        hook(ctx, feedback)
+
+
+def rejoins(strategy: Strategy) -> bool:
+    """Whether ``strategy``, its key banned, comes back under a fresh key (its ``rejoin()``
+    method says so; strategies without one stay out)."""
+    hook = getattr(strategy, "rejoin", None)
+    return bool(hook()) if hook is not None else False
 
 
 def completion(

@@ -194,12 +194,16 @@ def test_outcome_and_summary(run_dir: Path) -> None:
     runs = load_runs(run_dir)
     assert list(runs) == ["scenario", "honest", "no-defence"]
     o = outcome(runs)
-    assert o.gain == pytest.approx(0.20) and o.honest_gain == pytest.approx(0.25)
-    assert o.ratio == pytest.approx(0.8) and o.improved and o.no_defence_worse
+    # gains average the last evals after the first (steps 5 and 10) minus step 0's
+    assert o.window == (5, 10)
+    assert o.gain == pytest.approx(0.15) and o.honest_gain == pytest.approx(0.185)
+    assert o.ratio == pytest.approx(0.15 / 0.185) and o.improved and o.no_defence_worse
+    assert o.n_seeds == 1 and o.ratio_ci is None and o.ratio_call == "inconclusive"
     assert o.honest_slashed == 0 and o.audit_ok
     lines = summary_lines(runs)
     assert len(lines) == 3
-    assert "training improved: yes" in lines[0] and "0.80" in lines[0]
+    assert "training improved: yes" in lines[0] and "0.81" in lines[0]
+    assert "one seed, no intervals" in lines[0]
     assert "caught: 1/2" in lines[1] and "banned: 2/3" in lines[1]
     assert "honest contributors slashed: 0" in lines[2] and "ledger audit: ok" in lines[2]
 
@@ -220,7 +224,9 @@ def test_write_report_files(run_dir: Path) -> None:
     assert "# Harness report: synthetic" in text
     assert "| tampered-logprobs | 2 | 7 | 3 | 3 | 2 | 2/2 | 8.0 |" in text
     assert "| honest | 2 | 6 | 2 | 0 | 0 | 0/2 | n/a |" in text
-    assert "Improvement ratio (scenario / honest): 0.80" in text
+    assert "Improvement ratio (scenario / honest): 0.81" in text
+    assert "mean pass@1 at steps 5, 10 minus the first eval" in text
+    assert "- One seed: every figure above is that seed's, without an interval" in text
     assert "No-defence ablation worse than the defended run: yes" in text
     assert "- `scenario`: ok, 42 entries verified" in text
 
@@ -276,7 +282,7 @@ def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(
     text = write_report(d).read_text()
     assert "(scenario 7, honest 10, no-defence 10;" in text
     assert "read at step 5, the last step every run evaluated" in text
-    assert "| gains read at | step 5 (runs ended apart) |" in compare_markdown([d])
+    assert "| gains read at (mean of) | step 5 (runs ended apart) |" in compare_markdown([d])
     assert "| scenario | 0.200 | 0.340 [0.290, 0.390] | +0.140 | 0 |" in text  # its own end
 
 
@@ -345,8 +351,9 @@ def test_compare(run_dir: Path, tmp_path: Path) -> None:
         log.write_all(_common("scenario", [0.1, 0.15]))
     md = compare_markdown([run_dir, other])
     assert "| | synthetic | synthetic |" in md
-    assert "| ratio to honest | 0.80 | n/a |" in md
-    assert "| gains read at | each run's end | each run's end |" in md
+    assert "| ratio to honest [95% CI] | 0.81 | n/a |" in md
+    assert "| gains read at (mean of) | steps 5, 10 | step 5 |" in md
+    assert "| seeds | 1 | 1 |" in md
     assert "| adversarial groups caught / submitted | 3/8 | 0/0 |" in md
     out, png = write_comparison([run_dir, other], tmp_path / "cmp" / "compare.md")
     assert png == tmp_path / "cmp" / "compare.png"
@@ -428,8 +435,10 @@ def test_cli_run_calls_the_runner_then_writes_the_report(
 
     calls = []
 
-    def run_scenario(scenario: Scenario, out_dir: Path, progress: bool = False) -> None:
-        calls.append((scenario.name, out_dir, progress))
+    def run_scenario(
+        scenario: Scenario, out_dir: Path, progress: bool = False, seeds: int = 1
+    ) -> None:
+        calls.append((scenario.name, out_dir, progress, seeds))
         with EventLog(out_dir / EVENTS_FILE) as log:
             log.write_all(_scenario_events())
 
@@ -440,6 +449,6 @@ def test_cli_run_calls_the_runner_then_writes_the_report(
     assert (
         main(["harness", "run", str(ROOT / "configs/scenarios/demo.toml"), "--out", str(out)]) == 0
     )
-    assert calls == [("demo", out, True)]
+    assert calls == [("demo", out, True, 1)]
     assert (out / "report.md").is_file() and (out / "pass_at_1.png").is_file()
     assert "caught: 1/2" in capsys.readouterr().out

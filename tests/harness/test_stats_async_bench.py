@@ -1,0 +1,50 @@
+"""bench/async.py's figures over seeds: censoring, ratios and their calls, from made-up runs."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+bench = importlib.import_module("bench.async")  # ``async`` is a keyword: no import statement
+
+
+def _run(samples_per_s: float, sim_seconds: float, hit: float | None) -> dict:
+    return {"samples_per_s": samples_per_s, "sim_seconds": sim_seconds, "time_to_target_s": hit}
+
+
+def test_every_run_reaches_the_target() -> None:
+    a = [_run(6.0, 100.0, 40.0), _run(6.2, 100.0, 45.0), _run(5.8, 100.0, 35.0)]
+    s = [_run(2.0, 300.0, 120.0), _run(2.1, 300.0, 140.0), _run(1.9, 300.0, 100.0)]
+    out = bench.summarize(a, s, 0.3)
+    assert out["async_time_to_target_s"] == 40.0 and out["sync_time_to_target_s"] == 120.0
+    assert out["time_ratio"] == 3.0 and out["censoring"] == "none"
+    lo, hi = out["time_ratio_ci"]
+    assert 2.0 < lo <= 3.0 <= hi  # per-seed ratios 2.86, 3.11, 2.86
+    assert out["time_ratio_call"] == "yes"
+    assert out["throughput_ratio"] == 3.0 and out["async_reached"] == "3/3"
+    assert out["async_time_to_target_ci"] is not None
+
+
+def test_a_sync_run_that_never_reaches_the_target_is_censored_at_its_length() -> None:
+    a = [_run(6.0, 100.0, 40.0), _run(6.0, 100.0, 50.0), _run(6.0, 100.0, 45.0)]
+    s = [_run(2.0, 90.0, None), _run(2.0, 300.0, 80.0), _run(2.0, 300.0, 95.0)]
+    out = bench.summarize(a, s, 0.3)
+    assert out["sync_reached"] == "2/3" and out["sync_time_to_target_s"] == pytest.approx(88.333)
+    assert out["censoring"].startswith("sync only") and "lower bound" in out["censoring"]
+    # the ratio is below 2 but sync's true time may be longer: not a "no"
+    assert out["time_ratio"] < 2.0 and out["time_ratio_call"] == "inconclusive"
+
+
+def test_a_censored_async_run_cannot_make_a_yes() -> None:
+    a = [_run(6.0, 100.0, None), _run(6.0, 100.0, 20.0), _run(6.0, 100.0, 25.0)]
+    s = [_run(2.0, 900.0, 800.0), _run(2.0, 900.0, 700.0), _run(2.0, 900.0, 750.0)]
+    out = bench.summarize(a, s, 0.3)
+    assert out["time_ratio_ci"][0] > 2.0 and out["censoring"].startswith("async")
+    assert out["time_ratio_call"] == "inconclusive"
+
+
+def test_one_seed_has_no_interval() -> None:
+    out = bench.summarize([_run(6.0, 100.0, 40.0)], [_run(2.0, 300.0, 120.0)], 0.3)
+    assert out["time_ratio"] == 3.0 and out["time_ratio_ci"] is None
+    assert out["time_ratio_call"] == "inconclusive" and out["async_time_to_target_ci"] is None
