@@ -23,9 +23,11 @@ import torch
 from harness.tiny_model import build_tiny_model
 from ledger.log import Ledger
 from node.config import ValidatorConfig, load
+from node.validator.build import load_tolerance
 from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.state import StateStore
+from rewards import Problem
 from rewards.tasks.base import generate
 from rollout.backends import TransformersBackend
 from rollout.oracle import TransformersOracle
@@ -37,7 +39,7 @@ from trainer.release import build_release
 from trainer.stages import Stage, load_stage
 from verify.keys import SigningKey
 from verify.manifest import manifest_digest
-from verify.spotcheck import FLOAT32_TOLERANCE
+from verify.spotcheck import FLOAT32_TOLERANCE, Tolerance
 from verify.types import SignedManifest, canonical_bytes
 
 TRAINER = SigningKey.from_seed(b"\x91" * 32)
@@ -65,7 +67,9 @@ def base_model(root: Path) -> Path:
     return build_tiny_model(root / "tiny-model")
 
 
-class _Sink:
+class LedgerSink:
+    """Publication into a validator's ledger (blobs, then the signed manifest)."""
+
     def __init__(self, v: Validator) -> None:
         self.v = v
 
@@ -135,33 +139,45 @@ def train_step(stages: list[Stage], gen: torch.Generator, lr: float = 1e-3) -> N
                 p.add_(shared[key])
 
 
-def build_world(root: Path) -> World:
-    torch.set_num_threads(1)
-    model = base_model(root)
-    cfg = load(
-        ValidatorConfig,
-        None,
-        {
-            "assignment.max_tokens": 6,
-            "assignment.group_size": 2,
-            "rules.audit_rate": 0.0,
-            "audit.pit_min_tokens": 100_000,
-        },
-    )
-    ledger_path = root / "ledger.sqlite"
-    ledger = Ledger.open(ledger_path, signing_key=VALIDATOR, origin="test/release")
-    codec = HFTextCodec(model)
-    v = Validator(
+def make_validator(
+    root: Path,
+    model: Path,
+    settings: dict[str, Any],
+    *,
+    pool: list[Problem],
+    origin: str,
+    tolerance: Tolerance | None = None,
+) -> Validator:
+    """A validator over ``model`` with its ledger (``root/ledger.sqlite``) and state in
+    ``root``, the trainer key ``TRAINER``, ``settings`` over the defaults (no PIT test on
+    these short runs) and ``tolerance`` (default: the config's)."""
+    cfg = load(ValidatorConfig, None, {"audit.pit_min_tokens": 100_000, **settings})
+    ledger = Ledger.open(root / "ledger.sqlite", signing_key=VALIDATOR, origin=origin)
+    return Validator(
         cfg,
         VALIDATOR,
         ledger,
         StateStore(root / "state.sqlite"),
-        codec,
+        HFTextCodec(model),
         TransformersOracle({0: model}),
-        generate("arithmetic", "train", 64),
+        pool,
         PolicyVersions(model_dir_digest(model), TRAINER.public),
-        FLOAT32_TOLERANCE,
+        load_tolerance(cfg) if tolerance is None else tolerance,
     )
+
+
+def build_world(root: Path) -> World:
+    torch.set_num_threads(1)
+    model = base_model(root)
+    v = make_validator(
+        root,
+        model,
+        {"assignment.max_tokens": 6, "assignment.group_size": 2, "rules.audit_rate": 0.0},
+        pool=generate("arithmetic", "train", 64),
+        origin="test/release",
+        tolerance=FLOAT32_TOLERANCE,
+    )
+    ledger_path, codec = root / "ledger.sqlite", HFTextCodec(model)
     v.register(CONTRIBUTOR.public.raw, "c")
     backend = TransformersBackend(model)
     stages = [load_stage(model, s, STAGES) for s in range(STAGES)]
@@ -169,7 +185,7 @@ def build_world(root: Path) -> World:
         StagePublisher.for_stage(st, s, "int8-block", snapshot_every=2)
         for s, st in enumerate(stages)
     ]
-    sink, gen = _Sink(v), torch.Generator().manual_seed(0)
+    sink, gen = LedgerSink(v), torch.Generator().manual_seed(0)
     manifests: list[SignedManifest] = []
     sync = PolicySync(
         model, TRAINER.public, lambda x: manifests[x - 1], sink.v.ledger.blobs.get, STAGES

@@ -42,17 +42,13 @@ import torch
 from safetensors.torch import load_file
 from transformers import PreTrainedModel
 
-from ledger.log import Ledger
-from node.config import ValidatorConfig, load
-from node.validator.build import load_tolerance
 from node.validator.core import Validator
-from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
-from node.validator.state import StateStore
+from node.validator.policy import HFTextCodec, model_dir_digest
 from rewards.tasks import generate
 from rollout.backends import TransformersBackend
-from rollout.oracle import TransformersOracle
 from rollout.sync import PolicySync
 from rollout.worker import answer
+from tests.release_world import TRAINER, VALIDATOR, LedgerSink, make_validator
 from trainer.config import AggregatorSection, TrainerConfig
 from trainer.evals import eval_statement, evaluate
 from trainer.loop import TrainerLoop
@@ -83,8 +79,6 @@ GROUP_SIZE = 2
 GROUPS_EACH = 2
 STEPS = 2
 LR = 1e-5
-TRAINER = SigningKey.from_seed(b"\xb1" * 32)
-VALIDATOR = SigningKey.from_seed(b"\xb2" * 32)
 CONTRIBUTORS = (SigningKey.from_seed(b"\xb3" * 32), SigningKey.from_seed(b"\xb4" * 32))
 # name -> (codec, params); "topk" at 2% with int8 values is the size target, the rest the
 # registry's other encodings.
@@ -115,49 +109,23 @@ class World:
     figures: dict[str, Any]
 
 
-class _Sink:
-    """Publication through the validator: blobs to its store, manifests to its ledger."""
-
-    def __init__(self, v: Validator) -> None:
-        self.v = v
-
-    def put_blob(self, data: bytes) -> bytes:
-        assert self.v.ledger.blobs is not None
-        return self.v.ledger.blobs.put(data)
-
-    def publish(self, sealed: SignedManifest) -> int:
-        return self.v.publish_policy(sealed)
-
-
 @pytest.fixture(scope="module")
 def world(smollm2: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     torch.set_num_threads(2)
     root = tmp_path_factory.mktemp("smollm2-world")
-    cfg = load(
-        ValidatorConfig,
-        None,
+    v = make_validator(
+        root,
+        smollm2,
         {
             "assignment.max_tokens": MAX_TOKENS,
             "assignment.group_size": GROUP_SIZE,
             "assignment.chunk_size": 16,
             "rules.audit_rate": 1.0,
-            "audit.pit_min_tokens": 100_000,
         },
+        pool=generate(TASK, "train", 16),
+        origin="test/smollm2-pipeline",
     )
-    ledger_path = root / "ledger.sqlite"
-    ledger = Ledger.open(ledger_path, signing_key=VALIDATOR, origin="test/smollm2-pipeline")
-    codec = HFTextCodec(smollm2)
-    v = Validator(
-        cfg,
-        VALIDATOR,
-        ledger,
-        StateStore(root / "state.sqlite"),
-        codec,
-        TransformersOracle({0: smollm2}),
-        generate(TASK, "train", 16),
-        PolicyVersions(model_dir_digest(smollm2), TRAINER.public),
-        load_tolerance(cfg),
-    )
+    ledger_path, codec = root / "ledger.sqlite", HFTextCodec(smollm2)
     backend = TransformersBackend(smollm2)
     t0 = time.monotonic()
     for i, c in enumerate(CONTRIBUTORS):
@@ -476,7 +444,7 @@ def test_release_of_the_trained_version_verifies(
     sealed = publish_version(
         pubs,
         now,
-        _Sink(v),
+        LedgerSink(v),
         parent=None,
         base_digest=model_dir_digest(world.model),
         trainer_key=TRAINER,
