@@ -165,15 +165,16 @@ def phase_targets() -> list[Target]:
 
     import harness.adversaries.base as strategies
     import harness.run as hrun
+    import harness.simulation as sim
     import trainer.rl as rl
     from trainer.groupgrad import GroupGradients
     from trainer.pipeline import PipelineRunner
 
     return [
-        ("generation", hrun.Simulation, "_prefetch"),
-        ("generation", hrun.Simulation, "_answer"),
+        ("generation", sim.Simulation, "_prefetch"),
+        ("generation", sim.Simulation, "_answer"),
         ("signing", strategies, "sign_completions"),
-        ("admission_and_spot_checks", hrun.Simulation, "_deliver_all"),
+        ("admission_and_spot_checks", sim.Simulation, "_deliver_all"),
         ("rl_forward_backward", PipelineRunner, "forward_backward"),
         ("per_contributor_gradients", GroupGradients, "_linear"),
         ("per_contributor_gradients", GroupGradients, "_embedding"),

@@ -1,7 +1,7 @@
 """Adaptive adversaries against the real validator core on the demo model, in simulated time.
 
 Each test runs a small population (honest contributors and one adaptive
-strategy) through ``harness.run.Simulation`` and checks the outcome the
+strategy) through ``harness.simulation.Simulation`` and checks the outcome the
 strategy's docstring states: caught within a stated number of its cheating
 groups, or its influence bounded by a stated figure. Audit draws depend on the
 measured compute time (it sets the simulated clock and so the batches), so the
@@ -21,8 +21,9 @@ from harness.adversaries.adaptive import SPOT, Turn, identity_stats
 from harness.analysis import BENIGN_REASONS, group_runs
 from harness.damage import damage
 from harness.events import EventLog, read_events
-from harness.run import Member, Simulation, _local_network, _log_step, trainer_config
+from harness.run import _local_network, _log_step, trainer_config
 from harness.scenario import Scenario
+from harness.simulation import Member, Simulation
 from trainer.loop import TrainerLoop
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage

@@ -9,8 +9,8 @@ import numpy as np
 
 from harness.adversaries import make_strategy
 from harness.adversaries.base import Context, plain_generation
-from harness.run import Member, Simulation
 from harness.scenario import ContributorSpec
+from harness.simulation import Member, Simulation
 from rollout.backends import GeneratedCompletion, GenerationRequest
 from verify.keys import SigningKey
 

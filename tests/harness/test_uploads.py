@@ -7,8 +7,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness.network import DeliveryQueue
-from harness.run import Member, Simulation, free_after
 from harness.scenario import ContributorSpec, GroupSpec
+from harness.simulation import Member, Simulation, free_after
 
 
 def test_one_upload_waits_for_the_group_to_arrive() -> None:
