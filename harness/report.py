@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.adversaries.base import STRATEGIES
 from harness.analysis import (
     BENIGN_REASONS,
     SMOOTH_EVALS,
@@ -105,15 +106,28 @@ def _improvement_line(o: Outcome, main: RunData) -> str:
     )
 
 
+def _meant_to_pass(strategy: str) -> bool:
+    """Whether a strategy's documented outcome is to pass audits ("accepted") or to have its
+    influence bounded rather than be caught ("bounded")."""
+    cls = STRATEGIES.get(strategy)
+    return cls is not None and cls.expect in ("accepted", "bounded")
+
+
 def summary_lines(runs: dict[str, RunData]) -> list[str]:
     """Three lines for the terminal: improvement, detection, invariants."""
     o, main = outcome(runs), primary(runs)
     adv = [r for r in detection_table(main) if r.strategy != HONEST]
     caught = sum(r.contributors > 0 and (r.caught > 0 or r.slashed > 0) for r in adv)
+    passing = [
+        r.strategy
+        for r in adv
+        if r.contributors and not (r.caught or r.slashed) and _meant_to_pass(r.strategy)
+    ]
     return [
         _improvement_line(o, main),
-        f"adversarial strategies caught: {caught}/{len(adv)}; contributors banned: "
-        f"{sum(r.banned for r in adv)}/{sum(r.contributors for r in adv)}"
+        f"adversarial strategies caught: {caught}/{len(adv)}"
+        + (f" (not caught, as documented: {', '.join(passing)})" if passing else "")
+        + f"; contributors banned: {sum(r.banned for r in adv)}/{sum(r.contributors for r in adv)}"
         + (" (seed 0)" if o.n_seeds > 1 else ""),
         f"honest contributors slashed: {o.honest_slashed}; ledger audit: "
         f"{'n/a' if o.audit_ok is None else ('ok' if o.audit_ok else 'FAILED')}",

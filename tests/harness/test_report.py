@@ -452,3 +452,15 @@ def test_cli_run_calls_the_runner_then_writes_the_report(
     assert calls == [("demo", out, True, 1)]
     assert (out / "report.md").is_file() and (out / "pass_at_1.png").is_file()
     assert "caught: 1/2" in capsys.readouterr().out
+
+
+def test_the_summary_names_strategies_documented_to_pass_audits() -> None:
+    """A strategy documented as accepted or bounded that was not caught is named as such
+    in the summary, so "caught 6/7" does not read as a miss."""
+    from harness.report import _meant_to_pass
+
+    assert _meant_to_pass("selective-submission")  # expect "accepted"
+    assert _meant_to_pass("clip-aware-bias")  # expect "bounded"
+    assert not _meant_to_pass("tampered-logprobs")
+    assert not _meant_to_pass("reputation-farmer")
+    assert not _meant_to_pass("no-such-strategy")
