@@ -24,6 +24,7 @@ from harness.adversaries.base import (
     Context,
     Feedback,
     Strategy,
+    fingerprint,
     make_strategy,
     observe,
     plain_generation,
@@ -61,12 +62,6 @@ class Member:
     """When each of its groups still on the wire arrives (or is given up as lost)."""
     comebacks: int = 0
     """Fresh keys it has registered after a ban (whitewashing)."""
-
-
-def fingerprint(key: bytes) -> str:
-    """A contributor key's label in events: its first 8 hex digits, as the trainer's metrics
-    (``aggregate/grad_norm/``, ``damage/…``) name it."""
-    return key.hex()[:8]
 
 
 def free_after(uploading: list[float], ready: float, uploads: int) -> tuple[list[float], float]:
@@ -274,19 +269,7 @@ class Simulation:
         """Log the verdict on a group ``m`` signed with ``key`` (and any slash and the key's
         reputation), then tell its strategy what a contributor would see (``observe``)."""
         if not isinstance(result, SubmitResult):
-            self.log.write(
-                VerdictEvent(
-                    t=self.t,
-                    run=self.run,
-                    contributor=m.spec.id,
-                    strategy=m.spec.strategy,
-                    accepted=False,
-                    reason=result.reason.value,
-                    audited=False,
-                    reward=None,
-                    key=fingerprint(key),
-                )
-            )
+            self._log_verdict(m, key, False, result.reason.value, False, None)
             self._feedback(m, key, _assignment_of(body), False, 0, 0, result.reason.value, None)
             return
         verdicts = result.verdicts
@@ -296,19 +279,8 @@ class Simulation:
         ]
         reason = "" if accepted else (reasons[0] if reasons else Reason.GROUP_REJECTED.value)
         self.accepted_samples += sum(x.accepted for x in verdicts)
-        self.log.write(
-            VerdictEvent(
-                t=self.t,
-                run=self.run,
-                contributor=m.spec.id,
-                strategy=m.spec.strategy,
-                accepted=accepted,
-                reason=reason,
-                audited=any(x.audited for x in verdicts),
-                reward=sum(x.reward for x in verdicts) / len(verdicts),
-                key=fingerprint(key),
-            )
-        )
+        mean_reward = sum(x.reward for x in verdicts) / len(verdicts)
+        self._log_verdict(m, key, accepted, reason, any(x.audited for x in verdicts), mean_reward)
         if reason and Reason(reason) in SLASHED:
             self.log.write(
                 Slash(
@@ -321,9 +293,31 @@ class Simulation:
                 )
             )
         audited = sum(x.audited for x in verdicts)
-        mean_reward = sum(x.reward for x in verdicts) / len(verdicts)
         aid = verdicts[0].assignment_id if verdicts else b""
         self._feedback(m, key, aid, accepted, audited, len(verdicts), reason, mean_reward)
+
+    def _log_verdict(
+        self,
+        m: Member,
+        key: bytes,
+        accepted: bool,
+        reason: str,
+        audited: bool,
+        reward: float | None,
+    ) -> None:
+        self.log.write(
+            VerdictEvent(
+                t=self.t,
+                run=self.run,
+                contributor=m.spec.id,
+                strategy=m.spec.strategy,
+                accepted=accepted,
+                reason=reason,
+                audited=audited,
+                reward=reward,
+                key=fingerprint(key),
+            )
+        )
 
     def _feedback(
         self,

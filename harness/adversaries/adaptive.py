@@ -27,7 +27,13 @@ from typing import ClassVar
 import numpy as np
 
 from harness.adversaries.attacks import SPOT, FabricatedTokens
-from harness.adversaries.base import Context, Feedback, completion, register_strategy
+from harness.adversaries.base import (
+    Context,
+    Feedback,
+    completion,
+    fingerprint,
+    register_strategy,
+)
 from rollout.backends import GeneratedCompletion
 from verify.errors import Reason
 from verify.types import GroupSubmission, SignedAssignment, WorkAssignment
@@ -56,11 +62,6 @@ CHEATS: dict[str, Callable[[str], Cheat]] = {
     "planted": _plant,
 }
 """Cheat name -> (planted text -> what it does to one completion)."""
-
-
-def fingerprint(ctx: Context) -> str:
-    """The first 8 hex digits of the context's key (the trainer's label for it)."""
-    return ctx.key.public.raw.hex()[:8]
 
 
 @dataclass
@@ -144,7 +145,7 @@ class _Adaptive:
         """Sign ``comps`` with the first ``cheat_on`` of them cheated; record the turn."""
         cheat = self._cheat()
         out = [cheat(ctx, a, c) if i < cheat_on else c for i, c in enumerate(comps)]
-        self.turns.append(Turn(fingerprint(ctx), a.assignment_id, cheat_on, True))
+        self.turns.append(Turn(fingerprint(ctx.key.public.raw), a.assignment_id, cheat_on, True))
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
 
     def observe(self, ctx: Context, feedback: Feedback) -> None:
@@ -291,7 +292,7 @@ class SplitCheater(_Adaptive):
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)
         live = self._live(ctx)
-        live.add(fingerprint(ctx))
+        live.add(fingerprint(ctx.key.public.raw))
         comps = ctx.generate(a)
         share = self.f / max(1, len(live))
         cheat_on = self.members if self.rate <= self.floor and ctx.rng.random() < share else 0
@@ -300,7 +301,7 @@ class SplitCheater(_Adaptive):
     def observe(self, ctx: Context, feedback: Feedback) -> None:
         super().observe(ctx, feedback)
         if feedback.banned:
-            self._live(ctx).discard(fingerprint(ctx))
+            self._live(ctx).discard(fingerprint(ctx.key.public.raw))
 
 
 @register_strategy
@@ -376,7 +377,7 @@ class SelectiveSubmission(_Adaptive):
         liked = rewards is None or statistics.fmean(rewards) >= self.min_reward
         if not liked and len(self._held) < self.reserve:
             self._held.append(a.expires_at_ms + (a.expires_at_ms - a.issued_at_ms))
-            self.turns.append(Turn(fingerprint(ctx), a.assignment_id, 0, False))
+            self.turns.append(Turn(fingerprint(ctx.key.public.raw), a.assignment_id, 0, False))
             return None
         return self._submit(ctx, a, comps, 0)
 

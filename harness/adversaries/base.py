@@ -41,6 +41,12 @@ from verify.types import (
 )
 
 
+def fingerprint(key: bytes) -> str:
+    """A contributor key's label: its first 8 hex digits, as the trainer's metrics
+    (``aggregate/grad_norm/``, ``damage/...``) and the harness's events name it."""
+    return key.hex()[:8]
+
+
 @dataclass
 class Context:
     """What a contributor process holds: its key, a model, the tokenizer, the validator's key.
