@@ -80,6 +80,7 @@ class Run:
         self.sim = Simulation(
             self.scenario, self.net, self.scenario.network_model(), self.log, "scenario"
         )
+        self.loop: TrainerLoop | None = None
 
     @property
     def adversaries(self) -> list[Member]:
@@ -93,21 +94,25 @@ class Run:
         return most
 
     def train(self, steps: int) -> None:
+        """Trains ``steps`` more steps; later calls go on from where the last one stopped."""
         s, sim = self.scenario, self.sim
-        runner = PipelineRunner(load_stage(self.model, 0, 1), 0, 1, temperature=0.5, seed=s.seed)
-        loop = TrainerLoop(
-            trainer_config(s, self.model),
-            runner,
-            self.net,
-            publish=self.net.publish,
-            weights=self.net.weights,
-            wait=sim.pump,
-            progress=False,
-        )
+        if self.loop is None:
+            runner = PipelineRunner(
+                load_stage(self.model, 0, 1), 0, 1, temperature=0.5, seed=s.seed
+            )
+            self.loop = TrainerLoop(
+                trainer_config(s, self.model),
+                runner,
+                self.net,
+                publish=self.net.publish,
+                weights=self.net.weights,
+                wait=sim.pump,
+                progress=False,
+            )
         for _ in range(steps):
-            metrics = loop.train_step()
+            metrics = self.loop.train_step()
             sim.t += metrics.get("perf/step_s", 0.0)
-            _log_step(self.log, "scenario", sim.t, loop.version, metrics)
+            _log_step(self.log, "scenario", sim.t, self.loop.version, metrics)
 
     def events(self):  # type: ignore[no-untyped-def]
         return group_runs(read_events(self.path))["scenario"]

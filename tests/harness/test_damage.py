@@ -133,13 +133,27 @@ def test_weight_shares_sum_to_one_and_weigh_norms() -> None:
 
 
 def test_the_trainer_reports_who_it_trained_on_and_clipping_shows(tmp_path: Path) -> None:
-    # Gradient inflation, unaudited: centered clipping cuts its share of the update far below
-    # the share a plain mean would give it (its gradient norm over the sum of the norms), and
-    # the account shows it.
+    # Gradient inflation, unaudited. Under a plain mean its share of the update would be its
+    # gradient norm over the sum of the norms; centered clipping bounds every contributor's
+    # share near 1/n whatever its norm, so in every step where the inflated gradient is the
+    # longest its update share is below its norm share, and the account shows it. Whether the
+    # filler inflates a given step depends on a sampled member being right, so the run trains
+    # until such a step has been seen (at most 16 steps).
     r = Run(tmp_path, "gradient-inflation", count=1, honest=3, audit_rate=0.0)
     try:
-        r.train(6)
-        run = r.events()
+        for trained in range(1, 17):
+            r.train(1)
+            run = r.events()
+            (inflated,) = damage(run).identities
+            key = inflated.key
+            longest = [
+                s
+                for s in run.steps
+                if s.grad_norms.get(key, 0.0)
+                > max((v for k, v in s.grad_norms.items() if k != key), default=float("inf"))
+            ]
+            if trained >= 6 and longest:
+                break
     finally:
         r.close()
     for step in run.steps:
@@ -148,10 +162,12 @@ def test_the_trainer_reports_who_it_trained_on_and_clipping_shows(tmp_path: Path
         assert sum(step.update_share.values()) == pytest.approx(1.0)
         assert set(step.weight_share) <= set(step.samples_by)
     d = damage(run)
-    (inflated,) = d.identities
     assert inflated.samples_trained > 0 and d.cheater_fraction is not None
-    as_mean = sum(
-        s.grad_norms.get(inflated.key, 0.0) / sum(s.grad_norms.values()) for s in run.steps
-    ) / len(run.steps)
-    print(inflated, f"samples {d.cheater_fraction:.3f} under a mean {as_mean:.3f}")
-    assert inflated.update_share < as_mean
+    assert longest, "the inflated gradient was never the longest in 16 steps"
+    for s in run.steps:
+        if key in s.update_share:
+            assert s.update_share[key] <= 1 / len(s.grad_norms) + 0.05
+    for s in longest:
+        as_mean = s.grad_norms[key] / sum(s.grad_norms.values())
+        print(f"step {s.step}: update share {s.update_share[key]:.3f}, under a mean {as_mean:.3f}")
+        assert s.update_share[key] < as_mean
