@@ -48,3 +48,13 @@ def test_one_seed_has_no_interval() -> None:
     out = bench.summarize([_run(6.0, 100.0, 40.0)], [_run(2.0, 300.0, 120.0)], 0.3)
     assert out["time_ratio"] == 3.0 and out["time_ratio_ci"] is None
     assert out["time_ratio_call"] == "inconclusive" and out["async_time_to_target_ci"] is None
+
+
+def test_time_to_target_needs_a_sustained_crossing() -> None:
+    # One lucky eval (0.31 at t=10, then back down) is not reaching the target; the trailing
+    # mean of three evals first reaches 0.30 at t=50.
+    curve = [(0.0, 0.25), (10.0, 0.31), (20.0, 0.27), (30.0, 0.29), (40.0, 0.30), (50.0, 0.32)]
+    assert bench.sustained_crossing(curve, 0.30, 1) == 10.0
+    assert bench.sustained_crossing(curve, 0.30, 3) == 50.0
+    assert bench.sustained_crossing(curve[:5], 0.30, 3) is None
+    assert bench.sustained_crossing(curve[:2], 0.30, 3) is None  # the window is never full
