@@ -1,7 +1,7 @@
 """What the trust layer costs: prooftrain's whole system against TRL's ``GRPOTrainer``.
 
 Both sides train the demo base model (``trainer.base_model.ensure_base_model``)
-on the arithmetic task with the same batch (``groups`` prompts x ``group_size``
+on the reverse-text task (``--task``) with the same batch (``groups`` prompts x ``group_size``
 completions per optimizer step), the same completion length, sampling
 (temperature 1, no top-k / top-p), learning rate, AdamW betas, gradient clip
 and reward function (``rewards.reward``), the same prompt tokens (a model whose
@@ -64,6 +64,14 @@ peak memory on (n, d) rows at two contributor counts (``bench/_phases.py``).
 Its JSON line holds ``sizes`` (each size's figures as above, plus ``params``),
 ``ratios``, ``ratio_holds_with_size`` and ``aggregation_memory``.
 
+The task is reverse-text because its reward is partial credit (edit-distance
+similarity to the reversed string): every model, a random-init one included,
+earns rewards that differ inside a group, so every advantage and every gradient
+is real and both sides do the full work of an RL step at every size. On a task
+that only a trained model can score (``--task arithmetic``) a random-init model
+earns 0 everywhere, its gradients are 0 and prooftrain skips its per-contributor
+aggregation, which flatters the trust layer at the larger sizes.
+
 TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
 TRL figures and the ratio are null and ``skipped`` says why.
 
@@ -98,7 +106,7 @@ from bench._phases import PhaseClock, Target, aggregation_peak, peak_rss_mib, pe
 from bench._util import emit  # noqa: E402
 
 RATIO_TARGET = 0.8
-TASK = "arithmetic"
+TASK = "reverse_text"
 SEED = 0
 TRL_MISSING = "trl not installed (pip install '.[bench]')"
 
@@ -221,7 +229,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     path.write_text(
         SCENARIO.format(
             seed=SEED,
-            task=TASK,
+            task=args.task,
             pool=pool_size(args),
             contributors=args.contributors,
             group_size=args.group_size,
@@ -274,14 +282,19 @@ def _text(x: str | list[dict[str, str]]) -> str:
 
 
 def reward_fn(
-    prompts: list[Any], completions: list[Any], problem_id: list[str], answer: list[str], **_: Any
+    prompts: list[Any],
+    completions: list[Any],
+    problem_id: list[str],
+    answer: list[str],
+    task: list[str],
+    **_: Any,
 ) -> list[float | None]:
     """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
     from rewards import Problem, reward
 
     return [
-        reward(TASK, _text(c), Problem(id=i, task=TASK, prompt=_text(p), answer=a))
-        for p, c, i, a in zip(prompts, completions, problem_id, answer, strict=True)
+        reward(t, _text(c), Problem(id=i, task=t, prompt=_text(p), answer=a))
+        for p, c, i, a, t in zip(prompts, completions, problem_id, answer, task, strict=True)
     ]
 
 
@@ -305,13 +318,18 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
-    model_dir = args.model_dir or ensure_base_model(TASK, SEED, progress=args.progress)
-    problems = generate_problems(TASK, "train", pool_size(args), seed=SEED)
+    model_dir = args.model_dir or ensure_base_model(args.task, SEED, progress=args.progress)
+    problems = generate_problems(args.task, "train", pool_size(args), seed=SEED)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     dataset = Dataset.from_list(
         [
-            {"prompt": trl_prompt(p.prompt, tokenizer), "answer": p.answer, "problem_id": p.id}
+            {
+                "prompt": trl_prompt(p.prompt, tokenizer),
+                "answer": p.answer,
+                "problem_id": p.id,
+                "task": p.task,
+            }
             for p in problems
         ]
     )
@@ -378,8 +396,9 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 SIDES = {"prooftrain": run_prooftrain, "trl": run_trl}
 
 
-def build_wide_model(width: int, layers: int, out: Path) -> Path:
-    """A random-init Llama of ``width`` x ``layers`` sharing the demo base model's tokenizer."""
+def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Path:
+    """A random-init Llama of ``width`` x ``layers`` sharing the ``task`` demo base model's
+    tokenizer."""
     import shutil
 
     import torch
@@ -387,7 +406,7 @@ def build_wide_model(width: int, layers: int, out: Path) -> Path:
 
     from trainer.base_model import ensure_base_model
 
-    base = ensure_base_model(TASK, SEED, progress=False)
+    base = ensure_base_model(task, SEED, progress=False)
     cfg = LlamaConfig.from_pretrained(base)
     heads = max(1, width // 32)
     cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = width, 4 * width, layers
@@ -420,6 +439,8 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
         str(args.contributors),
         "--lr",
         str(args.lr),
+        "--task",
+        args.task,
     ]
     if args.model_dir:
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
@@ -456,6 +477,7 @@ def summarise(
         "contributors": args.contributors,
         "threads": 1,
         "model": args.model_dir or "demo base model",
+        "task": args.task,
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
         "ledger_audit_ok": all(p["audit_ok"] for p in pts),
@@ -547,9 +569,9 @@ def size_model(size: str, args: argparse.Namespace, tmp: Path) -> tuple[Path | N
     if size == "demo":
         from trainer.base_model import ensure_base_model
 
-        return ensure_base_model(TASK, SEED, progress=False), None
+        return ensure_base_model(args.task, SEED, progress=False), None
     if size == "14m":
-        return build_wide_model(384, 6, tmp / "14m"), None
+        return build_wide_model(384, 6, tmp / "14m", args.task), None
     return smollm2_dir(args.smollm2_dir)
 
 
@@ -620,6 +642,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
     parser.add_argument("--contributors", type=int, default=8, help="honest contributors")
     parser.add_argument("--lr", type=float, default=1e-4, help="learning rate of both sides")
+    parser.add_argument(
+        "--task",
+        default=TASK,
+        help=f"task of both sides (default {TASK}: partial credit, so every gradient is real)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,

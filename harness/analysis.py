@@ -191,22 +191,28 @@ class DetectionRow:
     time_to_ban_s: float | None
 
 
-def detection_table(run: RunData) -> list[DetectionRow]:
-    """One row per strategy, honest first, then adversaries by name."""
-    who = run.strategies()
-    by: dict[str, list[str]] = defaultdict(list)
-    for c, s in who.items():
-        by[s].append(c)
-    ban_t: dict[str, float] = {}
-    for r in run.reputation:
-        if r.banned and r.contributor not in ban_t:
-            ban_t[r.contributor] = r.t
-    slashed = {s.contributor for s in run.slashes}
+def detection_table(*runs: RunData) -> list[DetectionRow]:
+    """One row per strategy, honest first, then adversaries by name, pooled over ``runs``
+    (the seeds of one run): counts add up, the time to ban is the median over every ban."""
+    by: dict[str, list[tuple[int, str]]] = defaultdict(list)
+    for i, run in enumerate(runs):
+        for c, s in run.strategies().items():
+            by[s].append((i, c))
+    ban_t: dict[tuple[int, str], float] = {}
+    slashed: set[tuple[int, str]] = set()
+    verdicts: dict[tuple[int, str], list[Verdict]] = defaultdict(list)
+    for i, run in enumerate(runs):
+        for r in run.reputation:
+            if r.banned and (i, r.contributor) not in ban_t:
+                ban_t[(i, r.contributor)] = r.t
+        slashed |= {(i, s.contributor) for s in run.slashes}
+        for v in run.verdicts:
+            verdicts[(i, v.contributor)].append(v)
     rows = []
     for strategy in sorted(by, key=lambda s: (s != HONEST, s)):
         members = set(by[strategy])
-        vs = [v for v in run.verdicts if v.contributor in members]
-        bans = [ban_t[c] for c in members if c in ban_t]
+        vs = [v for m in members for v in verdicts[m]]
+        bans = [ban_t[m] for m in members if m in ban_t]
         rows.append(
             DetectionRow(
                 strategy=strategy,
@@ -220,6 +226,11 @@ def detection_table(run: RunData) -> list[DetectionRow]:
             )
         )
     return rows
+
+
+def seeds_of(runs: dict[str, RunData], name: str) -> list[RunData]:
+    """The runs of every seed of run ``name`` (``name`` itself first)."""
+    return [r for label, r in runs.items() if split_label(label)[0] == name]
 
 
 def honest_slashed(run: RunData) -> int:

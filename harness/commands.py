@@ -31,7 +31,7 @@ def register_harness(subparsers: argparse._SubParsersAction) -> None:
         description="Run SCENARIO.toml, its all-honest baseline and its no-defence "
         "ablation (as the scenario's [baselines] asks), then write report.md and "
         "PNG plots into the output directory. With --seeds N every run is repeated at "
-        "N seeds, paired by seed, and the report gives 95%% intervals over seeds.",
+        "N seeds, paired by seed, and the report gives 95% intervals over seeds.",
     )
     r.add_argument("scenario", help="scenario TOML file (see configs/scenarios/)")
     r.add_argument("--out", help="output directory (default: runs/<scenario name>)")

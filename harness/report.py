@@ -30,6 +30,7 @@ from harness.analysis import (
     honest_slashed,
     load_runs,
     primary,
+    seeds_of,
 )
 from harness.damage import damage_lines
 from harness.events import HONEST
@@ -116,7 +117,7 @@ def _meant_to_pass(strategy: str) -> bool:
 def summary_lines(runs: dict[str, RunData]) -> list[str]:
     """Three lines for the terminal: improvement, detection, invariants."""
     o, main = outcome(runs), primary(runs)
-    adv = [r for r in detection_table(main) if r.strategy != HONEST]
+    adv = [r for r in detection_table(*seeds_of(runs, main.name)) if r.strategy != HONEST]
     caught = sum(r.contributors > 0 and (r.caught > 0 or r.slashed > 0) for r in adv)
     passing = [
         r.strategy
@@ -128,7 +129,7 @@ def summary_lines(runs: dict[str, RunData]) -> list[str]:
         f"adversarial strategies caught: {caught}/{len(adv)}"
         + (f" (not caught, as documented: {', '.join(passing)})" if passing else "")
         + f"; contributors banned: {sum(r.banned for r in adv)}/{sum(r.contributors for r in adv)}"
-        + (" (seed 0)" if o.n_seeds > 1 else ""),
+        + (f" (over {o.n_seeds} seeds)" if o.n_seeds > 1 else ""),
         f"honest contributors slashed: {o.honest_slashed}; ledger audit: "
         f"{'n/a' if o.audit_ok is None else ('ok' if o.audit_ok else 'FAILED')}",
     ]
@@ -177,7 +178,7 @@ def _runs_table(runs: dict[str, RunData]) -> list[str]:
     )
 
 
-def _detection(run: RunData) -> list[str]:
+def _detection(runs: list[RunData]) -> list[str]:
     rows = [
         [
             r.strategy,
@@ -189,7 +190,7 @@ def _detection(run: RunData) -> list[str]:
             f"{r.banned}/{r.contributors}",
             "n/a" if r.time_to_ban_s is None else f"{r.time_to_ban_s:.1f}",
         ]
-        for r in detection_table(run)
+        for r in detection_table(*runs)
     ]
     return _table(
         [
@@ -350,13 +351,14 @@ def render_markdown(runs: dict[str, RunData], plots: dict[str, Path]) -> str:
     lines += _seeds_section(o)
     lines += ["## Runs", "", *_runs_table(runs), ""]
     lines += [
-        f"## Detection by strategy (`{main.name}` run" + (", seed 0)" if o.n_seeds > 1 else ")"),
+        f"## Detection by strategy (`{main.name}` run"
+        + (f", its {o.n_seeds} seeds pooled)" if o.n_seeds > 1 else ")"),
         "",
         "caught: rejections for anything but benign network causes "
         f"({', '.join(sorted(BENIGN_REASONS))}); time to ban: simulated seconds from the "
         "run's start.",
         "",
-        *_detection(main),
+        *_detection(seeds_of(runs, main.name)),
         "",
     ]
     lines += damage_lines(main)

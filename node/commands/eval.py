@@ -11,7 +11,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "eval",
         help="evaluate a model directory on a task split",
         description="Report pass@1 (greedy), pass@k (sampled, unbiased estimator), mean reward "
-        "and mean length with 95%% confidence intervals, for any Hugging Face model "
+        "and mean length with 95% confidence intervals, for any Hugging Face model "
         "directory (base models and trainer checkpoints alike).",
     )
     p.add_argument("model_dir", help="directory saved with save_pretrained")

@@ -25,6 +25,7 @@ def _args(**kw: object) -> argparse.Namespace:
         rounds=2,
         model_dir=None,
         pass_per_contributor=False,
+        task="reverse_text",
     )
     base.update(kw)
     return argparse.Namespace(**base)
@@ -64,9 +65,29 @@ def test_summary_without_trl_is_null_and_says_why() -> None:
 
 def test_reward_fn_is_the_validators_reward() -> None:
     got = bench.reward_fn(
-        ["47-85=", "1+2="], ["-38", "4"], problem_id=["a", "b"], answer=["-38", "3"]
+        ["47-85=", "1+2="],
+        ["-38", "4"],
+        problem_id=["a", "b"],
+        answer=["-38", "3"],
+        task=["arithmetic"] * 2,
     )
     assert got == [1.0, 0.0]
+
+
+def test_the_default_task_gives_partial_credit_inside_a_group() -> None:
+    # The bench's task must give rewards that differ inside a group even for a model that
+    # writes nothing like the answer, or every gradient is 0 and the trust layer's
+    # aggregation is skipped on one side only.
+    assert bench.TASK == "reverse_text"
+    answers = ["abcdef"] * 4
+    got = bench.reward_fn(
+        ["reverse fedcba:"] * 4,
+        ["abcdef", "abcxyz", "qqqqqf", "zzzzzz"],
+        problem_id=list("abcd"),
+        answer=answers,
+        task=[bench.TASK] * 4,
+    )
+    assert got[0] == 1.0 and 0.0 < got[2] < got[1] < 1.0 and got[3] == 0.0
 
 
 def test_tiny_run_prints_json_last() -> None:
@@ -85,11 +106,13 @@ def test_tiny_run_prints_json_last() -> None:
         "2",
         "--contributors",
         "1",
+        "--task",
+        "arithmetic",
         "--quiet",
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["bench"] == "trust_overhead"
+    assert result["bench"] == "trust_overhead" and result["task"] == "arithmetic"
     assert result["prooftrain_samples_per_s"] > 0
     assert result["ledger_audit_ok"] is True
     if result["trl_samples_per_s"] is None:
@@ -143,6 +166,8 @@ def test_tiny_scaling_run_prints_every_figure() -> None:
         "1",
         "--memory-params",
         "4096",
+        "--task",
+        "arithmetic",
         "--quiet",
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -199,6 +224,5 @@ def test_trl_gets_the_prompt_tokens_prooftrains_nodes_encode(template: str | Non
         )["input_ids"][0]
         assert len(trl_ids) > len(tok(text)["input_ids"])  # the template's tokens are there
     assert list(trl_ids) == encode_prompt(tok, text)
-    assert bench.reward_fn([prompt], [[{"role": "assistant", "content": "-7"}]], ["p"], ["-7"]) == [
-        1.0
-    ]
+    completion = [{"role": "assistant", "content": "-7"}]
+    assert bench.reward_fn([prompt], [completion], ["p"], ["-7"], ["arithmetic"]) == [1.0]

@@ -183,3 +183,52 @@ def test_compare_shows_intervals(tmp_path) -> None:  # noqa: ANN001
         in md
     )
     assert "| gains read at (mean of) | steps 10, 15, 20 |" in md
+
+
+def test_detection_pools_the_seeds_of_the_run() -> None:
+    # The tamperer is caught and banned at t=2 in seed 0 and at t=6 in seed 1: the report's
+    # detection counts both seeds' contributors and the median time to ban is over both bans.
+    from harness.analysis import detection_table, seeds_of
+    from harness.events import Reputation, Verdict
+
+    ev = _seeds({"scenario": [0.1, 0.1]})
+    for seed, ban_t in ((0, 2.0), (1, 6.0)):
+        label = seed_label("scenario", seed)
+        ev += [
+            Verdict(
+                t=1.0,
+                run=label,
+                contributor="h0",
+                strategy="honest",
+                accepted=True,
+                reason="",
+                audited=True,
+            ),
+            Verdict(
+                t=ban_t,
+                run=label,
+                contributor="t0",
+                strategy="tampered-logprobs",
+                accepted=False,
+                reason="logprob_mismatch",
+                audited=True,
+            ),
+            Reputation(
+                t=ban_t,
+                run=label,
+                contributor="t0",
+                strategy="tampered-logprobs",
+                score=0.0,
+                banned=True,
+                audit_rate=1.0,
+            ),
+        ]
+    runs = group_runs(ev)
+    (honest, cheat) = detection_table(*seeds_of(runs, "scenario"))
+    assert (honest.contributors, honest.submitted, honest.banned) == (2, 2, 0)
+    assert (cheat.contributors, cheat.caught, cheat.banned, cheat.time_to_ban_s) == (2, 2, 2, 4.0)
+    (alone,) = [r for r in detection_table(runs["scenario"]) if r.strategy != "honest"]
+    assert (alone.contributors, alone.time_to_ban_s) == (1, 2.0)
+    md = render_markdown(runs, {})
+    assert "## Detection by strategy (`scenario` run, its 2 seeds pooled)" in md
+    assert "contributors banned: 2/2 (over 2 seeds)" in summary_lines(runs)[1]

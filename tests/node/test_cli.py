@@ -26,6 +26,7 @@ def test_every_subcommand_has_help() -> None:
         result = subprocess.run([*CLI, *path, "--help"], capture_output=True, text=True)
         assert result.returncode == 0, (path, result.stderr)
         assert "usage: prooftrain" in result.stdout
+        assert "%%" not in result.stdout, path  # a description is printed as written
 
 
 def test_top_level_help_and_bad_command() -> None:
