@@ -35,7 +35,9 @@ one least disturbed by other load on a shared machine).
   TRL does, so both sides put the same completions through every optimizer step.
 * TRL: ``GRPOTrainer`` without vLLM, ``num_generations = group_size``,
   ``per_device_train_batch_size = groups * group_size``, one gradient
-  accumulation step, ``beta = 0``, ``num_iterations = 1``. Timed: from the end
+  accumulation step, ``beta = 0``, ``num_iterations = 1``, and no activation
+  (gradient) checkpointing, which ``GRPOConfig`` turns on by default and which
+  prooftrain does not do: with it TRL would run every forward pass twice. Timed: from the end
   of one optimizer step to the end of the next (generation, rewards, the step).
 
 On both sides the first step is a warm-up and is not counted; the figure is
@@ -335,9 +337,12 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     )
     ends: list[float] = []
 
+    checkpointed: list[bool] = []
+
     class StepClock(TrainerCallback):
         def on_step_end(self, *_: Any, **__: Any) -> None:
             ends.append(time.perf_counter())
+            checkpointed.append(bool(getattr(model, "is_gradient_checkpointing", False)))
 
     cfg = GRPOConfig(
         output_dir=str(work / "trl"),
@@ -359,6 +364,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         max_grad_norm=1.0,
         beta=0.0,
         num_iterations=1,
+        activation_checkpointing=False,
         scale_rewards="group",
         use_vllm=False,
         use_cpu=True,
@@ -388,6 +394,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         "total_wall_s": time.perf_counter() - start,
         "steps": steps,
         "peak_rss_mib": peak_rss_mib(),
+        "activation_checkpointing": any(checkpointed),
     }
 
 
@@ -493,6 +500,9 @@ def summarise(
         "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
         "trl_peak_rss_mib": None if trl is None else trl.get("peak_rss_mib"),
+        "trl_activation_checkpointing": None
+        if trl is None
+        else trl.get("activation_checkpointing"),
         "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
         "ratio_target": RATIO_TARGET,
         "contributor_gradients": (

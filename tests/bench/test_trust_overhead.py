@@ -119,6 +119,7 @@ def test_tiny_run_prints_json_last() -> None:
         assert result["skipped"] == bench.TRL_MISSING
     else:
         assert result["ratio"] > 0
+        assert result["trl_activation_checkpointing"] is False  # GRPOConfig's default is on
 
 
 def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
