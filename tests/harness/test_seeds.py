@@ -196,23 +196,20 @@ def test_detection_pools_the_seeds_of_the_run() -> None:
         label = seed_label("scenario", seed)
         ev += [
             Verdict(
-                t=1.0,
+                t=t,
                 run=label,
-                contributor="h0",
-                strategy="honest",
-                accepted=True,
-                reason="",
+                contributor=who,
+                strategy=strategy,
+                accepted=ok,
+                reason="" if ok else "logprob_mismatch",
                 audited=True,
-            ),
-            Verdict(
-                t=ban_t,
-                run=label,
-                contributor="t0",
-                strategy="tampered-logprobs",
-                accepted=False,
-                reason="logprob_mismatch",
-                audited=True,
-            ),
+            )
+            for who, strategy, t, ok in (
+                ("h0", "honest", 1.0, True),
+                ("t0", "tampered-logprobs", ban_t, False),
+            )
+        ]
+        ev.append(
             Reputation(
                 t=ban_t,
                 run=label,
@@ -221,8 +218,8 @@ def test_detection_pools_the_seeds_of_the_run() -> None:
                 score=0.0,
                 banned=True,
                 audit_rate=1.0,
-            ),
-        ]
+            )
+        )
     runs = group_runs(ev)
     (honest, cheat) = detection_table(*seeds_of(runs, "scenario"))
     assert (honest.contributors, honest.submitted, honest.banned) == (2, 2, 0)
