@@ -134,14 +134,14 @@ def test_weight_shares_sum_to_one_and_weigh_norms() -> None:
 
 def test_the_trainer_reports_who_it_trained_on_and_clipping_shows(tmp_path: Path) -> None:
     # Gradient inflation, unaudited. Under a plain mean its share of the update would be its
-    # gradient norm over the sum of the norms; centered clipping bounds every contributor's
-    # share near 1/n whatever its norm, so in every step where the inflated gradient is the
-    # longest its update share is below its norm share, and the account shows it. Whether the
-    # filler inflates a given step depends on a sampled member being right, so the run trains
-    # until such a step has been seen (at most 16 steps).
+    # gradient norm over the sum of the norms; centered clipping cuts every gradient longer
+    # than its radius down to it, so in every step where the inflated gradient is the longest
+    # its update share is below its norm share, and the account shows it. Whether the filler
+    # inflates a given step depends on a sampled member being right (about one step in five
+    # here), so the run trains until such a step has been seen, at most 40 steps.
     r = Run(tmp_path, "gradient-inflation", count=1, honest=3, audit_rate=0.0)
     try:
-        for trained in range(1, 17):
+        for trained in range(1, 41):
             r.train(1)
             run = r.events()
             (inflated,) = damage(run).identities
@@ -163,10 +163,7 @@ def test_the_trainer_reports_who_it_trained_on_and_clipping_shows(tmp_path: Path
         assert set(step.weight_share) <= set(step.samples_by)
     d = damage(run)
     assert inflated.samples_trained > 0 and d.cheater_fraction is not None
-    assert longest, "the inflated gradient was never the longest in 16 steps"
-    for s in run.steps:
-        if key in s.update_share:
-            assert s.update_share[key] <= 1 / len(s.grad_norms) + 0.05
+    assert longest, "the inflated gradient was never the longest in 40 steps"
     for s in longest:
         as_mean = s.grad_norms[key] / sum(s.grad_norms.values())
         print(f"step {s.step}: update share {s.update_share[key]:.3f}, under a mean {as_mean:.3f}")
