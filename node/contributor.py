@@ -34,10 +34,14 @@ and ``run`` returns only once no submission is in flight.
 Transient failures (connection errors, 429) are retried with exponential
 backoff by the client; a group the validator is still too busy to take is sent
 again after a pause, until it is answered (its assignment's expiry ends this);
-a refused submission is counted, reported and dropped; a refused key (unknown
-or banned) stops the loop. Setting ``stop`` (SIGTERM or SIGINT in
+a validator still unreachable after the client's retries (restarting, or a
+link down) is tried again after a pause, for an assignment as for a group; a
+refused submission is counted, reported and dropped; a refused key (unknown or
+banned) stops the loop. Setting ``stop`` (SIGTERM or SIGINT in
 ``prooftrain contributor``) ends it cleanly: no new assignment is taken, the
-uploads in flight are answered, and ``run`` returns.
+uploads in flight are answered, and ``run`` returns. An upload whose validator
+cannot be reached once ``stop`` is set leaves its group pending in the state
+directory, sent again on the next start.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ from concurrent.futures import FIRST_COMPLETED, Executor, Future, ThreadPoolExec
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import httpx
 
 from node.client import ServiceError, ValidatorClient
 from node.contributor_state import PendingFile, lock_state_dir
@@ -199,9 +205,11 @@ class Contributor:
     def _submit(self, raw: bytes, idle_s: float = 1.0) -> list[Verdict]:
         """Submit one pending group and drop it once answered. A busy validator (still
         busy after the client's retries) gets the same bytes again after ``idle_s``,
-        until it answers; the assignment's expiry bounds this. A refusal is counted
-        and returns no verdicts; a refused key is re-raised. Any other exception
-        leaves the group pending, to be resubmitted after a restart."""
+        until it answers; the assignment's expiry bounds this. So does an unreachable
+        one, until ``stop`` is set: then :class:`LeftPending` is raised and the group
+        stays pending. A refusal is counted and returns no verdicts; a refused key is
+        re-raised. Any other exception leaves the group pending, to be resubmitted
+        after a restart."""
         while True:
             try:
                 signed = self.client.submit(raw)
@@ -211,6 +219,17 @@ class Contributor:
                     return self._refused(raw, exc)
                 self.log(f"validator busy: {exc}; sending the group again in {idle_s:g} s")
                 time.sleep(idle_s)
+            except httpx.TransportError as exc:  # still failing after the client's retries
+                if not self.stop.is_set():
+                    self.log(
+                        f"validator unreachable ({exc}); sending the group again in {idle_s:g} s"
+                    )
+                if self.stop.is_set() or self.stop.wait(idle_s):
+                    self.log(
+                        f"validator unreachable ({exc}) while stopping: the group stays "
+                        "pending and is sent again on the next start"
+                    )
+                    raise LeftPending from exc
         verdicts = open_group_verdict(signed, self.validator, group_digest(raw))
         self._drop_pending(raw.hex())
         with self._stats_lock:
@@ -270,6 +289,10 @@ class Contributor:
                     self.log(f"validator busy: {exc}; waiting {idle_s:.0f} s")
                     time.sleep(idle_s)
                     continue
+                except httpx.TransportError as exc:  # still failing after the client's retries
+                    self.log(f"validator unreachable ({exc}); asking again in {idle_s:g} s")
+                    self.stop.wait(idle_s)
+                    continue
                 inflight.add(pool.submit(self._submit, raw, idle_s))
                 finished = {f for f in inflight if f.done()}
                 inflight -= finished
@@ -314,7 +337,9 @@ class Contributor:
         then raise the first failed upload's exception."""
         error: BaseException | None = None
         for f in finished:
-            if (exc := f.exception()) is not None:
+            if isinstance(exc := f.exception(), LeftPending):
+                continue  # not answered, and not a failure: it is sent again on the next start
+            if exc is not None:
                 error = error or exc
                 continue
             verdicts = f.result()
@@ -330,6 +355,11 @@ class Contributor:
             )
         if error is not None:
             raise error
+
+
+class LeftPending(Exception):
+    """An upload ended without an answer because the validator could not be reached once
+    the contributor was stopping; its group stays pending in the state directory."""
 
 
 class _Inline(Executor):

@@ -424,3 +424,66 @@ def test_a_busy_validator_gets_the_group_again_not_a_drop(
     assert v.ledger.size() > size and json.loads(_state(tmp_path).read_text())["pending"] == []
     recorded = [r for _, r in v.ledger.entries(size) if type(r).__name__ == "VerdictRecorded"]
     assert len(recorded) == 4  # judged once
+
+
+@pytest.mark.parametrize("uploads", [1, 2])
+def test_an_unreachable_validator_is_tried_again_not_a_crash(
+    node, tmp_path: Path, tiny_model: Path, uploads: int
+) -> None:  # type: ignore[no-untyped-def]
+    # The validator restarts while the first group's answer is on its way back: the link fails
+    # past the client's own retries. The contributor sends the same group again after a pause
+    # and goes on; it does not die with the group half-done.
+    import httpx
+
+    _, url = node
+
+    def drop_first(n: int, raw: bytes, answer: object) -> None:
+        if n == 0:
+            raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    client = Probe(url, _state(tmp_path), on_submit=drop_first, max_assigns=1)
+    client.register("alice")
+    log: list[str] = []
+    stats = _contributor(client, tmp_path, tiny_model, uploads=uploads, log=log).run(
+        groups=1, idle_s=0.01
+    )
+    assert client.assigns == 1 and client.submits == 2  # the same group, sent again
+    assert stats.submitted == 1 and stats.accepted == 4
+    assert any(line.startswith("validator unreachable") for line in log)
+    assert json.loads(_state(tmp_path).read_text())["pending"] == []
+
+
+@pytest.mark.parametrize("uploads", [1, 2])
+def test_a_stop_with_the_validator_gone_keeps_the_group_for_the_next_start(
+    node, tmp_path: Path, tiny_model: Path, uploads: int
+) -> None:  # type: ignore[no-untyped-def]
+    # `kill` reaches the validator and the contributor together: the contributor's upload in
+    # flight can no longer be answered. It stops cleanly with the group pending, and the next
+    # start sends it (the validator answers with the verdicts it recorded, once).
+    import httpx
+
+    v, url = node
+    worker: list[Contributor] = []
+
+    def stop_and_lose_the_validator(n: int, raw: bytes, answer: object) -> None:
+        worker[0].stop.set()  # what SIGTERM does in `prooftrain contributor`
+        raise httpx.ConnectError("[Errno 111] Connection refused")
+
+    client = Probe(
+        url, _state(tmp_path), on_submit=stop_and_lose_the_validator, max_assigns=uploads
+    )
+    client.register("alice")
+    log: list[str] = []
+    worker.append(_contributor(client, tmp_path, tiny_model, uploads=uploads, log=log))
+    stats = worker[0].run()  # no group limit: only the stop ends it
+    kept = [bytes.fromhex(p["group"]) for p in worker[0].pending()]
+    assert stats.submitted == 0 and 1 <= len(kept) == client.submits <= uploads
+    assert set(kept) <= set(client.answers)  # each reached the validator; its answer was lost
+    assert any("stays pending" in line for line in log)
+    assert not _upload_threads()
+
+    size = v.ledger.size()
+    fresh = Probe(url, _state(tmp_path))
+    again = _contributor(fresh, tmp_path, tiny_model, uploads=uploads).run(groups=len(kept))
+    assert fresh.assigns == 0 and again.submitted == len(kept) and again.accepted == 4 * len(kept)
+    assert v.ledger.size() == size  # judged once
