@@ -205,9 +205,10 @@ class Contributor:
     def _submit(self, raw: bytes, idle_s: float = 1.0) -> list[Verdict]:
         """Submit one pending group and drop it once answered. A busy validator (still
         busy after the client's retries) gets the same bytes again after ``idle_s``,
-        until it answers; the assignment's expiry bounds this. So does an unreachable
-        one, until ``stop`` is set: then :class:`LeftPending` is raised and the group
-        stays pending. A refusal is counted and returns no verdicts; a refused key is
+        until it answers; the assignment's expiry bounds this. An unreachable one
+        (still, after the client's retries) gets them again too, until it answers or
+        ``stop`` is set: then :class:`LeftPending` is raised and the group stays
+        pending. A refusal is counted and returns no verdicts; a refused key is
         re-raised. Any other exception leaves the group pending, to be resubmitted
         after a restart."""
         while True:
