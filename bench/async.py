@@ -5,8 +5,12 @@ generate 20x slower than this one, over heavy-tailed lognormal wide-area
 links, median 0.8 s, each uploading one group while it generates the next:
 ``uploads = 2``, ``prooftrain contributor --uploads 2``), the same seeds and
 the same number of optimizer steps and the demo's learning recipe (rollouts at
-temperature 0.5, truncated IS capped at 2, a cosine schedule from 1.2e-4); only
-``trainer.mode`` differs. A step takes eight groups: sync trains only on
+temperature 0.5, truncated IS capped at 2, a cosine schedule); only
+``trainer.mode`` differs. A step takes eight groups, half the demo's sixteen, so
+the peak learning rate is the demo's 1.2e-4 scaled by the square root of the
+batch, 8.5e-5 (at 1.2e-4 with eight groups pass@1 first falls from 0.25 to
+0.16-0.20 for tens of steps, in both modes, and where it recovers decides the
+time to target more than the mode does). Sync trains only on
 rollouts of the current version, so after each publication it waits for fresh
 generations while work started under the older version is wasted and the
 trainer idles; async trains on whatever arrived within the staleness bound
@@ -17,13 +21,15 @@ root and task seeds by i (``harness.run.seeded``: keys, network draws, train
 pool, held-out set, sampling). Time to target is the simulated time of the first
 held-out eval at which the mean pass@1 of the last ``--window`` evals (that one
 and those before it) reaches ``--target``: a sustained crossing, so one lucky
-eval does not count (each eval's pass@1 on 500 problems is within about +-0.04
-of the policy's). A run that never reaches it is
-censored at its run length: its time counts as the whole run, which understates
-it. Sync censored only makes the sync/async ratio a lower bound; async censored
-makes the ratio overstate async's advantage, and ``censoring`` says which
-happened. Intervals are 95%: Student t over seeds for each mode's mean, paired
-bootstrap over seeds (expanded percentile, ``harness.stats``) for the ratios.
+eval does not count. Each run evaluates ``--evals`` times on ``--eval-problems``
+held-out problems (defaults 24 and 1000: an eval's pass@1 is within about
++-0.03 of the policy's, and the crossing is placed to within 5 of 120 steps).
+A run that never reaches it is censored at its run length: its time counts as
+the whole run, which understates it. Sync censored only makes the sync/async
+ratio a lower bound; async censored makes the ratio overstate async's
+advantage, and ``censoring`` says which happened. Intervals are 95%: Student t
+over seeds for each mode's mean, paired bootstrap over seeds (expanded
+percentile, ``harness.stats``) for the ratios.
 
 Prints progress on stderr and one JSON object on the last line of stdout:
 
@@ -39,7 +45,8 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                                              the target (``first_crossing_s``) and every
                                              eval [sim s, pass@1]
 
-    python bench/async.py [--steps 120] [--target 0.30] [--window 3] [--uploads 2] [--seeds 3]
+    python bench/async.py [--steps 120] [--target 0.30] [--window 3] [--evals 24]
+                          [--eval-problems 1000] [--max-staleness 4] [--uploads 2] [--seeds 3]
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ name = "async-bench"
 seed = 3
 [task]
 train_pool = 2048
-heldout = 500
+heldout = {eval_problems}
 [[population.groups]]
 strategy = "honest"
 count = 16
@@ -69,7 +76,7 @@ latency = {{ model = "lognormal", params = {{ median_ms = 800, sigma = 1.0 }} }}
 jitter_ms = 100
 compute_speed = 0.05
 [rules]
-max_staleness = 4
+max_staleness = {max_staleness}
 [validator]
 group_size = 8
 max_tokens = 8
@@ -83,12 +90,25 @@ warmup_steps = 10
 min_lr_ratio = 0.1
 loss = {{ name = "tis", params = {{ cap = 2.0 }} }}
 eval_every = {eval_every}
-eval_problems = 500
+eval_problems = {eval_problems}
 mode = "{mode}"
 [baselines]
 run_honest_baseline = false
 run_no_defence = false
 """
+
+
+def scenario_text(mode: str, args: argparse.Namespace) -> str:
+    """The scenario TOML of one ``mode`` run under the command line's ``args``."""
+    return SCENARIO.format(
+        steps=args.steps,
+        mode=mode,
+        lr=args.lr,
+        uploads=args.uploads,
+        eval_every=max(1, args.steps // args.evals),
+        eval_problems=args.eval_problems,
+        max_staleness=args.max_staleness,
+    )
 
 
 def run(mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
@@ -98,15 +118,7 @@ def run(mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     from harness.scenario import load_scenario
 
     path = work / f"{mode}.toml"
-    path.write_text(
-        SCENARIO.format(
-            steps=args.steps,
-            mode=mode,
-            lr=args.lr,
-            uploads=args.uploads,
-            eval_every=max(1, args.steps // 12),
-        )
-    )
+    path.write_text(scenario_text(mode, args))
     scenario = seeded(load_scenario(path), seed)
     log_path = work / f"{mode}-s{seed}" / EVENTS_FILE
     log_path.parent.mkdir(parents=True)
@@ -226,7 +238,19 @@ def main() -> None:
         help="evals averaged for the sustained crossing (1: the first single eval; default 3)",
     )
     parser.add_argument(
-        "--lr", type=float, default=1.2e-4, help="peak learning rate (cosine schedule)"
+        "--evals", type=int, default=24, help="held-out evals per run, evenly spaced (default 24)"
+    )
+    parser.add_argument(
+        "--eval-problems",
+        type=int,
+        default=1000,
+        help="held-out problems per eval (default 1000: pass@1 within about +-0.03)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=8.5e-5,
+        help="peak learning rate (cosine schedule; default 8.5e-5, see above)",
     )
     parser.add_argument(
         "--uploads",
@@ -236,6 +260,12 @@ def main() -> None:
         "(1: it waits for each verdict)",
     )
     parser.add_argument(
+        "--max-staleness",
+        type=int,
+        default=4,
+        help="versions an async step may train behind (the network rule; default 4)",
+    )
+    parser.add_argument(
         "--seeds", type=int, default=3, help="seeds, each running both modes (default 3)"
     )
     args = parser.parse_args()
@@ -243,6 +273,10 @@ def main() -> None:
         parser.error("--seeds must be at least 1")
     if args.window < 1:
         parser.error("--window must be at least 1")
+    if args.evals < 1 or args.eval_problems < 1:
+        parser.error("--evals and --eval-problems must be at least 1")
+    if args.max_staleness < 0:
+        parser.error("--max-staleness must be at least 0")
     a, s = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -256,6 +290,9 @@ def main() -> None:
             "seeds": args.seeds,
             "uploads": args.uploads,
             "window": args.window,
+            "evals": args.evals,
+            "max_staleness": args.max_staleness,
+            "eval_problems": args.eval_problems,
             **summarize(a, s, args.target),
             "per_seed": [
                 {

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +60,18 @@ def test_time_to_target_needs_a_sustained_crossing() -> None:
     assert bench.sustained_crossing(curve, 0.30, 3) == 50.0
     assert bench.sustained_crossing(curve[:5], 0.30, 3) is None
     assert bench.sustained_crossing(curve[:2], 0.30, 3) is None  # the window is never full
+
+
+def test_the_command_line_reaches_the_scenario(tmp_path: Path) -> None:
+    from harness.scenario import load_scenario
+
+    args = argparse.Namespace(
+        steps=120, lr=8e-5, uploads=2, evals=24, eval_problems=700, max_staleness=2
+    )
+    for mode in ("async", "sync"):
+        path = tmp_path / f"{mode}.toml"
+        path.write_text(bench.scenario_text(mode, args))
+        s = load_scenario(path)
+        assert (s.trainer.mode, s.trainer.steps, s.trainer.eval_every) == (mode, 120, 5)
+        assert s.trainer.eval_problems == s.task.heldout == 700
+        assert s.rules.max_staleness == 2 and s.trainer.learning_rate == 8e-5
