@@ -13,8 +13,12 @@ Per step, on every stage (every rank makes the same calls in the same order):
    (up to float rounding): rows never interact, and loss_c sees only c's rows
    either way;
 3. aggregate the n rows with the configured ``Aggregator`` (each stage
-   aggregates its own shard; weights e.g. from reputation) and write the
-   result back into ``.grad``. With the one-pass plan and an aggregator that
+   aggregates its own shard, from that shard's norms and distances alone;
+   weights e.g. from reputation) and write the result back into ``.grad``.
+   So a norm-based aggregator such as centered clipping clips each of the S
+   shards on its own: where it clips, its update with S stages differs from
+   S = 1's, and it bounds a contributor's influence on every shard rather
+   than on the whole vector. With the one-pass plan and an aggregator that
    works from the rows' Gram matrix (``verify.aggregate.GramAggregator``, the
    default centered clipping among them) the rows are never formed: the pass
    keeps each module's inputs and output gradients, ``GroupGradients.gram``
