@@ -66,6 +66,7 @@ class Reason(enum.StrEnum):
     TOKEN_OUTSIDE_SUPPORT = "token_outside_support"
     SAMPLER_REPLAY_MISMATCH = "sampler_replay_mismatch"
     SAMPLING_DISTRIBUTION = "sampling_distribution"
+    DIVERGENCE = "divergence"
     UNKNOWN_SAMPLER = "unknown_sampler"
     # -- ledger
     LEDGER_CORRUPT = "ledger_corrupt"

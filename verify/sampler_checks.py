@@ -25,7 +25,7 @@ Pure: tensors in, a result or an exception out.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NoReturn
 
 import numpy as np
@@ -159,6 +159,9 @@ class ReplayStats:
     """Positions where the claimed token is exactly the replayed argmax."""
     max_gap: float
     """Largest score gap accepted as numerical noise (0 when every token was exact)."""
+    gaps: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    """float64 ``(tokens,)``: how far the replay missed each claimed token (0 where it drew
+    it), the replay channel of ``verify.divergence``."""
 
 
 def replay_check(
@@ -230,4 +233,5 @@ def replay_check(
         tokens=len(tokens),
         exact=int(exact.sum()),
         max_gap=float(near.max()) if near.numel() else 0.0,
+        gaps=torch.where(exact, torch.zeros_like(gap), gap.clamp(min=0.0)),
     )

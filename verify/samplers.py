@@ -202,6 +202,7 @@ class InverseCdfSampler:
             tokens=len(tokens),
             exact=int(exact.sum()),
             max_gap=float(near.max()) if near.numel() else 0.0,
+            gaps=gaps,
         )
 
 
