@@ -29,11 +29,14 @@ from typing import Any
 from ledger import merkle
 from ledger.blobs import FileBlobStore
 from ledger.checkpoint import Checkpoint
+from ledger.divergence import replay as replay_divergence
 from ledger.note import Verifier, parse_note, verify_note
 from ledger.records import (
+    DivergenceRecorded,
     EpochCommitted,
     EpochRevealed,
     LogCreated,
+    Record,
     Slashed,
     decode_record,
     epoch_commitment,
@@ -120,7 +123,8 @@ def _audit(
     blobs: FileBlobStore | None,
     progress: Callable[[int], None] | None,
 ) -> None:
-    leaves, replay, genesis = _check_entries(store, report, blobs, progress)
+    divergence: list[tuple[int, Record]] = []
+    leaves, replay, genesis = _check_entries(store, report, blobs, progress, divergence)
     report.size = size = len(leaves)
     levels = _check_nodes(store, report, leaves)
     if genesis is None:
@@ -150,6 +154,7 @@ def _audit(
         log_key = trusted
     _check_checkpoints(store, report, levels, size, genesis.origin, log_key, witnesses)
     _check_reputation(store, report, replay)
+    _check_divergence(report, divergence)
     meta = store.meta()
     want_meta = {"origin": genesis.origin, "vkey": trusted.vkey()}
     if meta != want_meta:
@@ -172,7 +177,10 @@ def _check_entries(
     report: AuditReport,
     blobs: FileBlobStore | None,
     progress: Callable[[int], None] | None,
+    divergence: list[tuple[int, Record]],
 ) -> tuple[list[bytes], Replay, LogCreated | None]:
+    """Check every entry; collect the divergence entries and divergence slashes into
+    ``divergence``."""
     leaves: list[bytes] = []
     replay = Replay()
     genesis: LogCreated | None = None
@@ -260,9 +268,37 @@ def _check_entries(
                 blobs.get(record.evidence_digest)
             except VerificationError as exc:
                 report.add(Finding(where, f"slash evidence: {exc}", exc.reason, idx))
+        if isinstance(record, DivergenceRecorded) or (
+            isinstance(record, Slashed) and record.reason == Reason.DIVERGENCE.value
+        ):
+            divergence.append((idx, record))
         if genesis is not None:
             replay.feed(idx, record)
     return leaves, replay, genesis
+
+
+def _check_divergence(report: AuditReport, entries: list[tuple[int, Record]]) -> None:
+    """Every divergence slash follows an entry at which the replayed detectors of that
+    contributor reached their threshold (``ledger.divergence.replay``)."""
+    _, alarms = replay_divergence(entries)
+    alarmed: dict[bytes, int] = {}
+    for index, (contributor, _), _alarm in alarms:
+        alarmed.setdefault(contributor, index)
+    for idx, record in entries:
+        if not isinstance(record, Slashed):
+            continue
+        first = alarmed.get(record.contributor)
+        if first is None or first > idx:
+            report.add(
+                Finding(
+                    f"entry {idx}",
+                    "divergence slash without a replayed detector at its threshold before it",
+                    Reason.INCONSISTENT,
+                    idx,
+                    "a divergence entry at or over its threshold",
+                    first,
+                )
+            )
 
 
 def _check_nodes(store: LedgerStore, report: AuditReport, leaves: list[bytes]) -> list[list[bytes]]:

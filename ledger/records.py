@@ -94,6 +94,28 @@ class VerdictRecorded(_Record, tag="verdict", frozen=True):
     at_ms: U64
 
 
+Increment = Annotated[float, Meta(ge=-1e12, le=1e12)]
+
+
+class DivergenceRecorded(_Record, tag="divergence", frozen=True):
+    """What one audited rollout adds to its contributor's divergence detector at the precision
+    its header declares (``verify.divergence``): folding these in ``seq`` order, per contributor
+    and precision, rebuilds every detector and shows where one reached its threshold."""
+
+    contributor: Key
+    envelope_digest: Digest
+    precision: Short
+    seq: U64  # the detector's fold count before this rollout: the order the validator folded in
+    test_digest: Digest  # verify.divergence.DivergenceTest.digest of the test that scored it
+    threshold: Weight
+    tokens: U32
+    logprob_sum: Weight
+    replayed: U32
+    replay_sum: Weight
+    increments: Annotated[list[Increment], Meta(max_length=64)]  # (C, K) row-major
+    at_ms: U64
+
+
 class Slashed(_Record, tag="slash", frozen=True):
     """A proven offence. Evidence is inline, or in the blob store under ``evidence_digest``."""
 
@@ -150,6 +172,7 @@ Record = (
     | ContributorRegistered
     | AssignmentIssued
     | VerdictRecorded
+    | DivergenceRecorded
     | Slashed
     | PolicyPublished
     | EpochCommitted
@@ -220,6 +243,8 @@ def evidence_digest(evidence: bytes) -> bytes:
 
 def subject_digests(record: Record) -> tuple[bytes, ...]:
     """Digests a person may use to name this record (``audit prove``)."""
+    if isinstance(record, DivergenceRecorded):
+        return (record.envelope_digest,)
     if isinstance(record, VerdictRecorded):
         return (record.envelope_digest,) + (
             (record.evidence_digest,) if record.evidence_digest else ()
