@@ -39,7 +39,14 @@ def describe(cfg: ValidatorConfig, key: SigningKey | None = None) -> list[str]:
     size, version = _ledger_summary(cfg, key)
     tolerances = load_tolerance(cfg)
     bounds = ", ".join(
-        f"{p}: token {t.token_abs:g}, chunk mean {t.chunk_mean_abs:g}"
+        f"{p}: token {t.token_abs:g}, chunk mean {t.chunk_mean_abs:g}, slack {t.cdf_slack:g}"
+        + (
+            f", divergence nulls {t.divergence.logprob_null:g}/{t.divergence.replay_null:g} "
+            f"(false alarm <= {t.divergence.false_alarm:g} in {t.divergence.horizon_tokens:,} "
+            "audited tokens)"
+            if t.divergence
+            else ""
+        )
         for p, t in sorted(tolerances.by_precision.items())
     )
     trainer = trainer_key(cfg)

@@ -23,7 +23,14 @@ checks run in this order and stop at the first failing member:
    keyed by this assignment's nonce and this contributor's key, while an honest
    repeat (a short answer, the same text under two prompt ids, a version with
    unchanged weights) passes it;
-7. the pooled PIT uniformity test over the contributor's audited tokens. A
+7. the divergence detectors of the contributor at the declared precision
+   (``verify.divergence``): each audited member that passed the per-token
+   bounds adds its evidence, in group order. A detector that reaches its
+   threshold rejects that member (DIVERGENCE, slashed and banned: its
+   calibrated false-alarm bound is ``false_alarm`` over ``horizon_tokens``
+   audited tokens); the ledger's ``DivergenceRecorded`` entries are the evidence
+   and rebuild the detectors when the node starts;
+8. the pooled PIT uniformity test over the contributor's audited tokens. A
    failure is a recorded, audited rejection (SAMPLING_DISTRIBUTION, with its
    statistics as evidence) that counts against reputation; it is not slashed,
    since an honest contributor fails it with probability ``audit.pit_alpha``.
@@ -50,6 +57,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ledger.divergence import DetectorKey, replay
 from ledger.log import Ledger
 from node.config import ValidatorConfig
 from node.validator.affinity import Placement, spread
@@ -67,6 +75,7 @@ from node.validator.spot import (
 from node.validator.state import StateStore
 from rewards.base import Problem
 from verify.challenge import should_audit
+from verify.divergence import Detector, DivergenceTest, RolloutEvidence
 from verify.envelope import VerifiedRollout, check_stopping_rule, completion_digest
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.sampling import ks_uniform
@@ -98,9 +107,15 @@ class Member:
     reason: Reason | None = None
     evidence: bytes = b""
     pit: np.ndarray | None = None
+    divergence_evidence: RolloutEvidence | None = None
+    """The spot check's evidence for the divergence detector (None: not audited, or its
+    precision runs no sequential test)."""
     completion: bytes = b""
     prescored: float | None = None
     """The reward computed before admission (``node.validator.precheck``), if it was."""
+    divergence: tuple[RolloutEvidence, DivergenceTest, int] | None = None
+    """What this audited member added to its contributor's divergence detector, the test that
+    scored it and the detector's sequence number (recorded as ``DivergenceRecorded``)."""
 
     @property
     def raw(self) -> bytes:
@@ -145,6 +160,7 @@ class GroupChecks:
         )
         self._pending_completions: set[bytes] = set()
         self._pit: dict[bytes, list[np.ndarray]] = {}
+        self._detectors: dict[DetectorKey, Detector] = replay(ledger.entries())[0]
         self.placement: Placement | None = None
         """Where the node's threads run while serving; a spot check's forward pass spreads
         over all of its CPUs (``node.validator.affinity.spread``)."""
@@ -277,7 +293,43 @@ class GroupChecks:
                     )
                     return fail(m, result.reason)
                 m.pit = result.pit
+                m.divergence_evidence = result.evidence
+            failed = self._divergence_check(issued, audited)
+            if failed is not None:
+                return failed
         return self._pit_check(issued, members)
+
+    def _divergence_check(self, issued: Issued, audited: list[Member]) -> Member | None:
+        """Fold each audited member's evidence into its contributor's detector at its declared
+        precision, in group order; the member at which a detector alarms fails."""
+        for m in audited:
+            precision = m.rollout.header.precision
+            test = self.tolerances.of(precision).divergence
+            evidence = m.divergence_evidence
+            if test is None or evidence is None:
+                continue
+            key = (issued.wire.contributor_key, precision)
+            with self._lock:
+                detector = self._detectors.setdefault(key, Detector())
+                m.divergence = (evidence, test, detector.updates)
+                alarm = detector.update(evidence.increments, evidence.tokens, test.threshold)
+                self.metrics["verify/divergence_peak"] = max(
+                    self.metrics.get("verify/divergence_peak", 0.0), detector.peak
+                )
+            if alarm is not None:
+                m.evidence = build_evidence(
+                    Reason.DIVERGENCE,
+                    m.raw,
+                    issued.sealed,
+                    issued.prompt_ids,
+                    [],
+                    None,
+                    self._tolerance(m),
+                    f"{alarm.describe()}; test {test.digest().hex()} at {precision}: the "
+                    "ledger's divergence entries of this contributor are the evidence",
+                )
+                return fail(m, Reason.DIVERGENCE)
+        return None
 
     def _spot_batch(self, jobs: list[SpotJob]) -> list[AuditResults]:
         with spread(self.placement):

@@ -33,7 +33,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from ledger.log import Ledger
-from ledger.records import Record, Slashed, VerdictRecorded, check_record, evidence_digest
+from ledger.records import (
+    DivergenceRecorded,
+    Record,
+    Slashed,
+    VerdictRecorded,
+    check_record,
+    evidence_digest,
+)
 from node.config import ValidatorConfig
 from node.validator.checks import Issued, Member
 from node.validator.commit import GroupCommitter, Steps
@@ -59,12 +66,16 @@ SLASHED = frozenset(
         Reason.LOGPROB_MISMATCH,
         Reason.TOKEN_OUTSIDE_SUPPORT,
         Reason.SAMPLER_REPLAY_MISMATCH,
+        Reason.DIVERGENCE,
     }
 )
 """Offences an honest contributor cannot commit, each proven by its evidence: slashed (and
 banned). A copied completion is no offence of its own: it is always audited and fails the
-sampler replay. SAMPLING_DISTRIBUTION, a statistical test an honest contributor fails with
-probability ``audit.pit_alpha``, is a recorded failure against reputation instead."""
+sampler replay. DIVERGENCE is a sequential test whose calibrated false-alarm bound for an honest
+contributor is ``false_alarm`` (1e-6 built in) over ``horizon_tokens`` audited tokens
+(``verify.divergence``); its evidence is the ledger's ``DivergenceRecorded`` entries.
+SAMPLING_DISTRIBUTION, a statistical test an honest contributor fails with probability
+``audit.pit_alpha``, is a recorded failure against reputation instead."""
 _U32 = np.dtype("<u4")
 
 
@@ -133,6 +144,8 @@ class Recorder:
                     now,
                 )
             )
+            if m.divergence is not None:
+                records.append(divergence_record(a.contributor_key, m, now))
             if m.reason in SLASHED:
                 records.append(slash_record(self.ledger, a.contributor_key, m, now))
             elif m.evidence and self.ledger.blobs is not None:
@@ -237,4 +250,23 @@ def accepted_sample(m: Member, prompt_ids: bytes) -> AcceptedSample:
         top_p=h.sampling.top_p,
         reward=m.reward,
         audited=m.audited,
+    )
+
+
+def divergence_record(contributor: bytes, m: Member, now: int) -> DivergenceRecorded:
+    """What ``m`` added to its contributor's divergence detector (``m.divergence`` is set)."""
+    evidence, test, seq = m.divergence  # type: ignore[misc]
+    return DivergenceRecorded(
+        contributor,
+        m.rollout.digest,
+        m.rollout.header.precision,
+        seq,
+        test.digest(),
+        test.threshold,
+        evidence.tokens,
+        evidence.logprob_sum,
+        evidence.replayed,
+        evidence.replay_sum,
+        [float(v) for v in evidence.increments.ravel()],
+        now,
     )

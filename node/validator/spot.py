@@ -30,9 +30,11 @@ import torch
 
 from verify.challenge import chunks_to_open
 from verify.commitment import n_chunks
+from verify.divergence import RolloutEvidence
 from verify.envelope import Limits, VerifiedRollout, check_stopping_rule, verify_envelope
 from verify.errors import Reason, SpotCheckError, VerificationError
 from verify.keys import PublicKey
+from verify.sampler_checks import ReplayStats
 from verify.samplers import sampler_named
 from verify.sampling import NoiseSpec, pit_randomizer, pit_values, process_logits, support_check
 from verify.signed import open_sealed
@@ -56,6 +58,9 @@ class SpotCheckResult:
     recomputed: np.ndarray  # (T,) float32 processed logprobs of the completion tokens
     pit: np.ndarray  # (T,) float64 randomised PIT values
     max_abs_diff: float
+    evidence: RolloutEvidence | None = None
+    """What this rollout adds to its contributor's divergence detector at its declared
+    precision (``verify.divergence``); None when that precision runs no sequential test."""
 
 
 class SpotCheckFailed(SpotCheckError):
@@ -78,7 +83,8 @@ def _check(
     chunks: list[int],
     tolerance: Tolerance,
     processed: torch.Tensor | None = None,
-) -> tuple[np.ndarray, float]:
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """(recomputed logprobs, largest |diff|, replay gaps of the replayed tokens in order)."""
     h = rollout.header
     s = h.sampling
     tokens = rollout.token_ids.astype(np.int64)
@@ -96,6 +102,7 @@ def _check(
         worst = max(worst, stats.max_abs_diff)
     vocab = logits.shape[-1]
     sampler = sampler_named(s.sampler)
+    gaps: list[np.ndarray] = []
     for c in chunks:
         lo, hi = c * h.chunk_size, min((c + 1) * h.chunk_size, h.token_count)
         support_check(
@@ -104,7 +111,7 @@ def _check(
         randomness = sampler.randomness(
             [(h.contributor_key, h.nonce, s.seed, h.group_index, range(lo, hi))], vocab
         )
-        sampler.replay(
+        replayed = sampler.replay(
             tokens[lo:hi],
             logits[lo:hi],
             s.temperature,
@@ -115,7 +122,22 @@ def _check(
             position_offset=lo,
             processed=processed[lo:hi],
         )
-    return recomputed, worst
+        gaps.append(_gaps(replayed))
+    return recomputed, worst, np.concatenate(gaps) if gaps else np.zeros(0)
+
+
+def _gaps(stats: ReplayStats) -> np.ndarray:
+    """The replay gaps of a passing replay as float64 ``(n,)``."""
+    if stats.gaps is None:
+        return np.zeros(stats.tokens)
+    return stats.gaps.detach().to("cpu", torch.float64).numpy()
+
+
+def _evidence(
+    r: VerifiedRollout, recomputed: np.ndarray, gaps: np.ndarray, tolerance: Tolerance
+) -> RolloutEvidence | None:
+    test = tolerance.divergence
+    return None if test is None else test.evidence(r.logprobs, recomputed, gaps)
 
 
 def spot_check(
@@ -235,7 +257,7 @@ def _one(
     s = r.header.sampling
     processed = process_logits(torch.from_numpy(logits), s.temperature, s.top_k, s.top_p)
     try:
-        recomputed, worst = _check(r, logits, chunks, tolerance, processed)
+        recomputed, worst, gaps = _check(r, logits, chunks, tolerance, processed)
     except SpotCheckError as exc:
         return SpotCheckFailed(exc, chunks, _token_logprobs(processed, r.token_ids))
     pit = pit_values(
@@ -243,7 +265,8 @@ def _one(
         processed,
         pit_randomizer(secret, r.digest, r.header.token_count),
     )
-    return SpotCheckResult(chunks, recomputed, pit, worst)
+    evidence = _evidence(r, recomputed, gaps, tolerance)
+    return SpotCheckResult(chunks, recomputed, pit, worst, evidence)
 
 
 def _stacked(
@@ -265,6 +288,7 @@ def _stacked(
         return None
     rows: list[int] = []
     specs: list[NoiseSpec] = []
+    replayed = [0]  # where each rollout's replayed rows start in ``rows``
     for k, r in enumerate(rollouts):
         h, base = r.header, int(starts[k])
         for c in drawn[k]:
@@ -273,12 +297,14 @@ def _stacked(
             specs.append(
                 (h.contributor_key, h.nonce, h.sampling.seed, h.group_index, range(lo, hi))
             )
+        replayed.append(len(rows))
+    gaps = np.zeros(0)
     try:
         if rows:
             sel = np.asarray(rows)
             sampler = sampler_named(s.sampler)
             support_check(tokens[sel], stacked[sel], s.temperature, s.top_k, s.top_p)
-            sampler.replay(
+            stats = sampler.replay(
                 tokens[sel],
                 stacked[sel],
                 s.temperature,
@@ -288,21 +314,21 @@ def _stacked(
                 slack=sampler.slack(tolerance),
                 processed=processed if len(rows) == len(tokens) else processed[sel],
             )
+            gaps = _gaps(stats)
     except SpotCheckError:
         return None
     randomizer = np.concatenate(
         [pit_randomizer(secret, r.digest, r.header.token_count) for r in rollouts]
     )
     pit = pit_values(tokens, processed, randomizer)
-    return [
-        SpotCheckResult(
-            drawn[k],
-            recomputed[starts[k] : starts[k + 1]],
-            pit[starts[k] : starts[k + 1]],
-            worst[k],
+    out: list[SpotCheckResult | SpotCheckFailed] = []
+    for k, r in enumerate(rollouts):
+        mine = recomputed[starts[k] : starts[k + 1]]
+        evidence = _evidence(r, mine, gaps[replayed[k] : replayed[k + 1]], tolerance)
+        out.append(
+            SpotCheckResult(drawn[k], mine, pit[starts[k] : starts[k + 1]], worst[k], evidence)
         )
-        for k in range(len(rollouts))
-    ]
+    return out
 
 
 def _chunk_worst(
@@ -383,6 +409,9 @@ def recheck_evidence(
     3. for spot-check offences, recomputation with ``oracle`` (the claimed
        policy version's weights) reproduces the failure at the stated tolerance.
 
+    A DIVERGENCE slash is not re-checked here: its proof is the contributor's
+    ``DivergenceRecorded`` entries, which ``ledger.audit`` replays.
+
     Raises :class:`VerificationError` when the evidence does not prove its claim.
     """
     # Its bytes are fixed by the digest the ledger holds; evidence written before
@@ -403,6 +432,13 @@ def recheck_evidence(
                 return reason
         raise VerificationError(
             "evidence does not show the claimed header offence",
+            reason=Reason.INCONSISTENT,
+            expected=reason.value,
+        )
+    if reason is Reason.DIVERGENCE:
+        raise VerificationError(
+            "a divergence alarm is proven by the contributor's divergence entries in the ledger, "
+            "not by one rollout: `prooftrain audit verify` replays them",
             reason=Reason.INCONSISTENT,
             expected=reason.value,
         )
