@@ -46,7 +46,13 @@ import torch  # noqa: E402
 
 from bench._util import emit  # noqa: E402
 from harness.adversaries.attacks import cheaper_copy  # noqa: E402
-from node.validator.calibration import Layout, SettingStats, _by_precision, layout_oracles  # noqa: E402
+from node.validator.calibration import (  # noqa: E402
+    Layout,
+    SettingStats,
+    _by_precision,
+    _tolerance,
+    layout_oracles,
+)
 from node.validator.policy import HFTextCodec  # noqa: E402
 from node.validator.spot import _check  # noqa: E402
 from rewards.tasks import generate  # noqa: E402
@@ -286,15 +292,12 @@ def _calibrate(diffs: list[tuple[str, np.ndarray]]) -> Tolerances:
                 float(max(means)),
                 "mixed",
                 0.0,
+                token_mean_abs=float(allv.mean()),
+                replay_gap_mean=0.0,
             )
         )
-    table = _by_precision(stats, 2.0)
-    return Tolerances(
-        {
-            p: Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
-            for p, v in table.items()
-        }
-    )
+    table = _by_precision(stats, 2.0, 1.25)
+    return Tolerances({p: _tolerance(v) for p, v in table.items()})
 
 
 def detection(

@@ -132,6 +132,9 @@ class AuditSection(_Section):
     tolerance_file: Path | None = None
     """Calibrated tolerances written by `prooftrain calibrate`; None uses the built-in
     float32 tolerance."""
+    min_calibration_tokens: int = Field(default=2_000, ge=1)
+    """Honest tokens each setting of the tolerance file must have measured for its divergence
+    nulls to be trusted; a file measured on fewer is refused at start."""
     epoch_groups: int = Field(default=256, ge=1)
     """Submissions per audit epoch (the epoch secret is revealed when it ends)."""
     pit_alpha: float = Field(default=1e-4, gt=0.0, lt=0.5)

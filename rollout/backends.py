@@ -373,3 +373,30 @@ class TransformersBackend:
         logprobs.setflags(write=False)
         stopped = bool(ids) and ids[-1] in set(request.stop_token_ids)
         return GeneratedCompletion(g, ids, logprobs, "stop" if stopped else "length")
+
+
+@register_backend("transformers-uncached")
+class UncachedTransformersBackend(TransformersBackend):
+    """:class:`TransformersBackend` without a KV cache: every step runs the model over each
+    row's whole sequence, as a plain ``transformers`` forward does. Other kernels and shapes
+    than the cached path, so other rounding: the honest noise a calibration must also cover.
+    O(T^2) work per completion; for calibration and tests, not for serving."""
+
+    name = "transformers-uncached"
+
+    @torch.inference_mode()
+    def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
+        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        state = {"ids": prompt.expand(request.group_size, -1)}
+        logits = self.model(input_ids=prompt, use_cache=False).logits[:, -1, :].float()
+
+        def step(nxt: torch.Tensor) -> torch.Tensor:
+            state["ids"] = torch.cat([state["ids"], nxt[:, None]], dim=1)
+            return self.model(input_ids=state["ids"], use_cache=False).logits[:, -1, :].float()
+
+        return self._decode(logits.expand(request.group_size, -1), step, [request])[0]
+
+    def generate_batch(
+        self, requests: Sequence[GenerationRequest]
+    ) -> list[list[GeneratedCompletion]]:
+        return [self.generate(r) for r in requests]

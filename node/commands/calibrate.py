@@ -11,11 +11,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
         help="measure honest generation-vs-recomputation noise and write a tolerance file",
-        description="Generate honest rollouts in each generation precision, recompute them in the "
-        "validator's precision with several batch sizes, groups packed and unpacked, and write the "
-        "per-token and per-chunk thresholds (margin x the largest honest difference) for each "
-        "generation precision, with the statistics behind them: a rollout is held to the bound of "
-        "the precision its header declares. Point audit.tolerance_file at the result.",
+        description="Generate honest rollouts in each generation precision, through the KV-cached "
+        "backend and a plain uncached forward, recompute them in the validator's precision with "
+        "several batch sizes, groups packed and unpacked, and write for each generation precision "
+        "the per-token limits (margin x the largest honest difference, never below the built-in "
+        "ones) and the divergence test's nulls (null margin x the mean honest difference and "
+        "replay gap), with the statistics behind them: a rollout is held to the bounds and the "
+        "test of the precision its header declares. Every setting must measure at least 2,000 "
+        "tokens (else it says how many --prompts would). Point audit.tolerance_file at the result.",
     )
     p.add_argument("model_dir", type=Path, help="local Hugging Face model directory")
     p.add_argument("--out", type=Path, required=True, help="tolerance file to write (JSON)")
@@ -36,6 +39,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--margin", type=float, default=2.0, help="threshold = margin x worst honest diff"
     )
+    p.add_argument(
+        "--null-margin",
+        type=float,
+        default=1.25,
+        help="divergence nulls = null margin x the largest mean honest score of any setting",
+    )
+    p.add_argument(
+        "--backends",
+        default="transformers,transformers-uncached",
+        help="comma-separated honest generation paths to measure",
+    )
+    p.add_argument(
+        "--min-tokens",
+        type=int,
+        default=2_000,
+        help="fewest honest tokens per setting (a node refuses a file measured on fewer than "
+        "its audit.min_calibration_tokens, 2,000 by default)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -44,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
     from node.validator.calibration import calibrate, write_tolerance_file
     from node.validator.policy import HFTextCodec
     from rewards.tasks.base import generate
+    from verify.divergence import DivergenceTest
 
     codec = HFTextCodec(args.model_dir)
     prompts = [
@@ -60,18 +82,22 @@ def run(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens,
         temperature=args.temperature,
         margin=args.margin,
+        null_margin=args.null_margin,
+        backends=args.backends.split(","),
+        min_tokens=args.min_tokens,
         seed=args.seed,
         progress=True,
     )
     write_tolerance_file(cal, args.out)
     print(
-        f"{'generation':>10} {'recompute':>9} {'batch':>5} {'layout':>8} {'tokens':>7} {'max|diff|':>10} "
-        f"{'chunk mean':>10}"
+        f"{'generation':>10} {'backend':>21} {'recompute':>9} {'batch':>5} {'layout':>8} "
+        f"{'tokens':>7} {'max|diff|':>10} {'mean|diff|':>10} {'mean gap':>10}"
     )
     for s in cal.settings:
         print(
-            f"{s.generation_dtype:>10} {s.recompute_dtype:>9} {s.batch_size:>5} {s.layout:>8} {s.tokens:>7} "
-            f"{s.token_max_abs:>10.3g} {s.chunk_mean_max:>10.3g}"
+            f"{s.generation_dtype:>10} {s.backend:>21} {s.recompute_dtype:>9} {s.batch_size:>5} "
+            f"{s.layout:>8} {s.tokens:>7} {s.token_max_abs:>10.3g} {s.token_mean_abs:>10.3g} "
+            f"{s.replay_gap_mean:>10.3g}"
         )
     print(
         json.dumps(
@@ -79,10 +105,23 @@ def run(args: argparse.Namespace) -> int:
                 "token_abs": cal.token_abs,
                 "chunk_mean_abs": cal.chunk_mean_abs,
                 "by_precision": {
-                    d: {k: v[k] for k in ("token_abs", "chunk_mean_abs")}
+                    d: {
+                        k: v[k]
+                        for k in (
+                            "token_abs",
+                            "chunk_mean_abs",
+                            "replay_slack",
+                            "logprob_scale",
+                            "logprob_null",
+                            "replay_null",
+                        )
+                    }
                     for d, v in cal.by_precision().items()
                 },
-                "false_positive_rate_95ub": cal.false_positive_bound(),
+                "false_alarm_bound": cal.false_positive_bound(),
+                "false_alarm_horizon_tokens": DivergenceTest.__dataclass_fields__[
+                    "horizon_tokens"
+                ].default,
                 "out": str(args.out),
             }
         )

@@ -47,7 +47,9 @@ def load_tolerance(cfg: ValidatorConfig) -> Tolerances:
         return Tolerances({"float32": FLOAT32_TOLERANCE})
     from node.validator.calibration import load_tolerance_file
 
-    return load_tolerance_file(cfg.audit.tolerance_file)
+    return load_tolerance_file(
+        cfg.audit.tolerance_file, min_tokens=cfg.audit.min_calibration_tokens
+    )
 
 
 def load_key(path: Path) -> SigningKey:

@@ -7,17 +7,35 @@ measures that difference for every (generation dtype, recomputation dtype,
 recomputation batch size, forward layout) setting on prompts from the task,
 and chooses
 
-    token_abs      = margin * (largest honest |diff| at any token)
-    chunk_mean_abs = margin * (largest honest mean |diff| over a chunk)
+    token_abs      = max(margin * (largest honest |diff| at any token), built-in bound)
+    chunk_mean_abs = max(margin * (largest honest mean |diff| over a chunk), built-in bound)
+    replay_slack   = max(margin * (largest honest replay gap), built-in slack)
 
-(with small floors so a bit-exact setting still gets a usable threshold),
-overall and for each generation precision on its own (``by_precision``): a
-contributor is held to the bound of the precision its headers declare, so a
-float32 contributor cannot hide a substituted model in bfloat16's noise.
-The file records the observations, so a node can refuse a tolerance that
-would flag its own honest calibration runs (:func:`load_tolerance_file`).
-The implied false-positive rate is stated as the observed exceedance count
-and its 95% upper bound (3/N when none exceed).
+for each generation precision on its own (``by_precision``): a contributor is
+held to the bound of the precision its headers declare, so a float32
+contributor cannot hide a substituted model in bfloat16's noise. The per-token
+bounds only refuse what honest noise cannot produce, so a calibration never
+tightens them below the built-in table (``verify.spotcheck``): a short run
+that saw no chunk or no boundary shift cannot leave a degenerate bound.
+
+The tight part is the divergence test (``verify.divergence``): for each
+precision, with m the largest mean honest |diff| and g the largest mean honest
+replay gap over the settings (generation backends, recomputation batch sizes,
+layouts)::
+
+    logprob_scale = LOGPROB_SCALE_MEANS * m        logprob_null = null_margin * m / logprob_scale
+    replay_scale  = replay_slack                    replay_null  = null_margin * g / replay_scale
+
+(each mean taken as an upper confidence bound, ``mean + UPPER_SDS sd / sqrt(n)``, and
+floored per precision; the unclipped mean bounds the clipped score's). Replay gaps are
+scored against the slack itself: an honest gap is a small fraction of it, a steered token
+anywhere in it. Each precision needs
+at least ``MIN_TOKENS`` measured tokens per setting, or ``calibrate`` refuses
+and says what to run. The file records every observation, so a node refuses a
+tolerance that would flag its own honest calibration runs, or that lacks the
+statistics the test needs (:func:`load_tolerance_file`). The stated
+false-positive rate is the divergence test's bound (``false_alarm`` over
+``horizon_tokens`` audited tokens), a probability.
 """
 
 from __future__ import annotations
@@ -33,18 +51,49 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rollout.backends import TransformersBackend
+from rollout.backends import TransformersBackend, UncachedTransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
+from verify.divergence import DivergenceTest
 from verify.errors import ConfigError
 from verify.icdf import icdf_gaps, icdf_uniforms
 from verify.logprobs import process_logits
 from verify.sampling import SAMPLER_KEY_SIZE
-from verify.spotcheck import MIN_MEAN_TOKENS, OracleRequest, Tolerance, Tolerances
+from verify.spotcheck import (
+    DEFAULT_TOLERANCES,
+    MIN_MEAN_TOKENS,
+    OracleRequest,
+    Tolerance,
+    Tolerances,
+)
 
-TOKEN_FLOOR = 1e-4
-CHUNK_FLOOR = 1e-5
-REPLAY_FLOOR = 1e-4
+MIN_TOKENS = 2_000
+"""Fewest honest tokens each setting of a precision must measure (its means set the test's
+nulls)."""
+LOGPROB_SCALE_MEANS = 10.0
+"""The logprob score saturates at this many times the honest mean |diff|."""
+NULL_FLOOR = 1e-3
+MEAN_FLOOR = {"float32": 1e-5, "bfloat16": 1e-3, "float16": 1e-4}
+"""Least mean honest |diff| a precision's null allows: other hardware's kernels round
+differently than the machine that calibrated (float32 most of all, relative to its noise)."""
+GAP_MEAN_FLOOR = {"float32": 1e-7, "bfloat16": 1e-5, "float16": 1e-6}
+"""Least mean honest replay gap a precision's null allows, likewise."""
+UPPER_SDS = 4.0
+"""A setting's mean enters the nulls as ``mean + UPPER_SDS x sd / sqrt(tokens)``: honest replay
+gaps are rare events (most tokens reproduce exactly), so a measured mean is itself noisy."""
+
+
+def _upper(mean: float, sd: float, n: int) -> float:
+    """An upper confidence bound on a setting's mean (``-1`` where it was not measured)."""
+    return mean if mean < 0 else mean + UPPER_SDS * sd / max(n, 1) ** 0.5
+
+
+GENERATION_BACKENDS = {
+    "transformers": TransformersBackend,
+    "transformers-uncached": UncachedTransformersBackend,
+}
+"""Honest generation paths a calibration measures: KV-cached batches (the project's backend)
+and a plain uncached forward, each its own rounding."""
 Layout = Literal["packed", "unpacked"]
 LAYOUTS: tuple[Layout, ...] = ("packed", "unpacked")
 
@@ -63,6 +112,16 @@ class SettingStats:
     replay_gap_max: float = 0.0
     """Largest probability mass by which an honest token's keyed uniform fell outside its
     recomputed inverse-CDF interval (``verify.icdf.icdf_gaps``)."""
+    token_mean_abs: float = -1.0
+    """Mean honest |diff| per token (-1: not measured, a file too old for the test)."""
+    replay_gap_mean: float = -1.0
+    """Mean honest replay gap per token (0 where the replay drew the token)."""
+    token_sd_abs: float = 0.0
+    """Standard deviation of the honest |diff| per token."""
+    replay_gap_sd: float = 0.0
+    """Standard deviation of the honest replay gap per token."""
+    backend: str = "transformers"
+    """The generation path (:data:`GENERATION_BACKENDS`)."""
 
 
 @dataclass
@@ -70,6 +129,7 @@ class Calibration:
     token_abs: float
     chunk_mean_abs: float
     margin: float
+    null_margin: float
     observed_token_max: float
     observed_chunk_mean_max: float
     tokens: int
@@ -84,50 +144,66 @@ class Calibration:
     @property
     def tolerances(self) -> Tolerances:
         """Each generation precision's own bound, from its settings alone."""
-        return Tolerances(
-            {
-                d: Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
-                for d, v in self.by_precision().items()
-            }
-        )
+        return Tolerances({d: _tolerance(v) for d, v in self.by_precision().items()})
 
     def by_precision(self) -> dict[str, dict[str, float]]:
-        return _by_precision(self.settings, self.margin)
+        return _by_precision(self.settings, self.margin, self.null_margin)
 
     def false_positive_bound(self) -> float:
-        """95% upper bound on the per-chunk false-positive rate (none of the chunks exceeded)."""
-        return 3.0 / max(self.chunks, 1)
+        """The divergence test's bound on an honest contributor's probability of an alarm
+        within ``horizon_tokens`` audited tokens (the same for every precision)."""
+        tests = [t.divergence for t in self.tolerances.by_precision.values()]
+        return max(t.false_alarm for t in tests if t is not None)
 
     def to_json(self) -> dict:
         out = asdict(self)
-        out["false_positive_rate_95ub"] = self.false_positive_bound()
+        out["false_positive_bound"] = self.false_positive_bound()
         out["by_precision"] = self.by_precision()
         return out
 
 
-def _thresholds(tok_max: float, chunk_max: float, margin: float) -> tuple[float, float]:
-    token_abs = max(margin * tok_max, TOKEN_FLOOR)
-    return token_abs, min(max(margin * chunk_max, CHUNK_FLOOR), token_abs)
+def _tolerance(v: dict[str, float]) -> Tolerance:
+    """A precision's row of ``by_precision`` as a :class:`Tolerance`."""
+    return Tolerance(
+        v["token_abs"],
+        v["chunk_mean_abs"],
+        v["replay_slack"],
+        DivergenceTest(v["logprob_scale"], v["logprob_null"], v["replay_scale"], v["replay_null"]),
+    )
 
 
-def _by_precision(settings: Sequence[SettingStats], margin: float) -> dict[str, dict[str, float]]:
+def _by_precision(
+    settings: Sequence[SettingStats], margin: float, null_margin: float
+) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for dtype in sorted({s.generation_dtype for s in settings}):
         mine = [s for s in settings if s.generation_dtype == dtype]
+        built_in = DEFAULT_TOLERANCES.by_precision.get(dtype, DEFAULT_TOLERANCES.of("bfloat16"))
         tok = max(s.token_max_abs for s in mine)
         chunk = max(s.chunk_mean_max for s in mine)
-        token_abs, chunk_abs = _thresholds(tok, chunk, margin)
         gap = max(s.replay_gap_max for s in mine)
+        token_abs = max(margin * tok, built_in.token_abs)
+        chunk_abs = min(max(margin * chunk, built_in.chunk_mean_abs), token_abs)
+        slack = min(max(margin * gap, built_in.cdf_slack), 0.5)
+        mean_abs = max(_upper(s.token_mean_abs, s.token_sd_abs, s.tokens) for s in mine)
+        mean_gap = max(_upper(s.replay_gap_mean, s.replay_gap_sd, s.tokens) for s in mine)
+        lp_mean = max(mean_abs, MEAN_FLOOR.get(dtype, 1e-3))
+        lp_scale = LOGPROB_SCALE_MEANS * lp_mean
+        gap_mean = max(mean_gap, GAP_MEAN_FLOOR.get(dtype, 1e-5))
         out[dtype] = {
             "token_abs": token_abs,
             "chunk_mean_abs": chunk_abs,
-            # A calibration run sees few near-boundary draws, so its largest
-            # shift understates the tail: never below the mean |diff| bound, which
-            # bounds the L1 distance that moves every boundary.
-            "replay_slack": min(max(margin * gap, chunk_abs, REPLAY_FLOOR), 0.5),
+            "replay_slack": slack,
+            "logprob_scale": lp_scale,
+            "logprob_null": min(max(null_margin * lp_mean / lp_scale, NULL_FLOOR), 0.5),
+            "replay_scale": slack,
+            "replay_null": min(max(null_margin * gap_mean / slack, NULL_FLOOR), 0.5),
             "observed_token_max": tok,
             "observed_chunk_mean_max": chunk,
             "observed_replay_gap_max": gap,
+            "observed_token_mean_abs": max(s.token_mean_abs for s in mine),
+            "observed_replay_gap_mean": max(s.replay_gap_mean for s in mine),
+            "min_setting_tokens": min(s.tokens for s in mine),
         }
     return out
 
@@ -160,11 +236,20 @@ def calibrate(
     top_p: float = 1.0,
     chunk_size: int = DEFAULT_CHUNK_SIZE,
     margin: float = 2.0,
+    null_margin: float = 1.25,
     seed: int = 0,
     layouts: Sequence[Layout] = LAYOUTS,
+    backends: Sequence[str] = tuple(GENERATION_BACKENDS),
+    min_tokens: int = MIN_TOKENS,
     progress: bool = False,
 ) -> Calibration:
-    """Measure honest discrepancies for every setting and choose thresholds."""
+    """Measure honest discrepancies for every setting and choose thresholds.
+
+    Settings: generation precision x generation backend x recomputation batch size x
+    forward layout. Raises ConfigError when a setting measured fewer than ``min_tokens``
+    tokens (the message says how many prompts would do)."""
+    if temperature <= 0.0:
+        raise ConfigError("calibrate: the divergence test needs sampled tokens (temperature > 0)")
     oracles = layout_oracles(model_dir, recompute_dtype)
     used = [layout for layout in layouts if layout in oracles]
     if not used:  # thresholds from no observations would be the floors
@@ -172,102 +257,129 @@ def calibrate(
             f"calibrate: {model_dir} runs none of the layouts {list(layouts)} "
             f"(it runs {sorted(oracles)})"
         )
-    settings: list[SettingStats] = []
-    all_tok: list[np.ndarray] = []
-    all_chunk: list[np.ndarray] = []
     rng = np.random.default_rng(seed)
-    bar = _bar(len(generation_dtypes) * len(batch_sizes) * len(used), progress)
+    settings: list[SettingStats] = []
+    sampling = (temperature, top_k, top_p)
+    bar = _bar(len(generation_dtypes) * len(backends) * len(batch_sizes) * len(used), progress)
     for gen_dtype in generation_dtypes:
-        backend = TransformersBackend(model_dir, dtype=gen_dtype)
-        requests: list[OracleRequest] = []
-        claimed: list[np.ndarray] = []
-        uniforms: list[torch.Tensor] = []
-        from rollout.backends import GenerationRequest
-
-        for i, prompt in enumerate(prompts):
-            req = GenerationRequest(
-                tuple(prompt),
-                group_size,
-                temperature,
-                top_k,
-                top_p,
-                max_tokens,
-                rng.bytes(SAMPLER_KEY_SIZE),
-                rng.bytes(32),
-                seed * 100_003 + i,
-                tuple(stop_token_ids),
+        for name in backends:
+            backend = GENERATION_BACKENDS[name](model_dir, dtype=gen_dtype)
+            honest = _honest_rollouts(
+                backend, prompts, rng, group_size, max_tokens, sampling, stop_token_ids, seed
             )
-            for c in backend.generate(req):
-                requests.append(
-                    OracleRequest(
-                        tuple(prompt) + c.token_ids, len(prompt), temperature, top_k, top_p
+            for b in batch_sizes:
+                for layout in used:
+                    stats = _measure(honest, oracles[layout], b, sampling, chunk_size)
+                    settings.append(
+                        SettingStats(
+                            gen_dtype, recompute_dtype, b, **stats, layout=layout, backend=name
+                        )
                     )
-                )
-                claimed.append(np.asarray(c.logprobs))
-                uniforms.append(
-                    icdf_uniforms(
-                        [
-                            (
-                                req.sampler_key,
-                                req.nonce,
-                                req.seed,
-                                c.group_index,
-                                range(len(c.token_ids)),
-                            )
-                        ]
-                    )
-                )
-        for b in batch_sizes:
-            for layout in used:
-                tok, chk, gaps = [], [], [0.0]
-                for start in range(0, len(requests), b):
-                    batch = requests[start : start + b]
-                    logits = oracles[layout].logits_batch(
-                        0, [(r.input_ids, r.prompt_len) for r in batch]
-                    )
-                    for j, (r, lg) in enumerate(zip(batch, logits, strict=True)):
-                        lp = process_logits(
-                            torch.as_tensor(lg), temperature, top_k, top_p
-                        )  # (T, V)
-                        ids = torch.tensor(r.input_ids[r.prompt_len :], dtype=torch.long)
-                        rc = lp.gather(-1, ids[:, None])[:, 0].numpy().astype(np.float32)
-                        d, m = _diffs(claimed[start + j], rc, chunk_size)
-                        tok.append(d)
-                        chk.append(m)
-                        if temperature > 0 and len(ids):
-                            gaps.append(float(icdf_gaps(ids, lp, uniforms[start + j]).max()))
-                t, ch = np.concatenate(tok), np.concatenate(chk)
-                settings.append(
-                    SettingStats(
-                        gen_dtype,
-                        recompute_dtype,
-                        b,
-                        int(t.size),
-                        int(ch.size),
-                        float(t.max(initial=0.0)),
-                        float(np.quantile(t, 0.999)) if t.size else 0.0,
-                        float(ch.max(initial=0.0)),
-                        layout,
-                        max(gaps),
-                    )
-                )
-                all_tok.append(t)
-                all_chunk.append(ch)
-                bar.update(1)
+                    bar.update(1)
     bar.close()
+    short = [s for s in settings if s.tokens < min_tokens]
+    if short:
+        worst = min(s.tokens for s in short)
+        need = int(np.ceil(len(prompts) * min_tokens / max(worst, 1)))
+        raise ConfigError(
+            f"calibrate: {worst} honest tokens measured per setting, fewer than the {min_tokens} "
+            f"the divergence test's nulls need; run it again with --prompts {need} (or more "
+            "--max-tokens)"
+        )
     tok_max = float(max((s.token_max_abs for s in settings), default=0.0))
     chunk_max = float(max((s.chunk_mean_max for s in settings), default=0.0))
-    token_abs, chunk_abs = _thresholds(tok_max, chunk_max, margin)
     return Calibration(
-        token_abs,
-        chunk_abs,
+        max(margin * tok_max, FLOAT32_FLOOR.token_abs),
+        max(margin * chunk_max, FLOAT32_FLOOR.chunk_mean_abs),
         margin,
+        null_margin,
         tok_max,
         chunk_max,
-        int(sum(t.size for t in all_tok)),
-        int(sum(c.size for c in all_chunk)),
+        int(sum(s.tokens for s in settings)),
+        int(sum(s.chunks for s in settings)),
         settings,
     )
+
+
+FLOAT32_FLOOR = DEFAULT_TOLERANCES.of("float32")
+
+
+def _honest_rollouts(
+    backend: TransformersBackend,
+    prompts: Sequence[Sequence[int]],
+    rng: np.random.Generator,
+    group_size: int,
+    max_tokens: int,
+    sampling: tuple[float, int, float],
+    stop_token_ids: Sequence[int],
+    seed: int,
+) -> list[tuple[OracleRequest, np.ndarray, torch.Tensor]]:
+    """Every prompt's group from ``backend``: (recomputation request, committed logprobs,
+    keyed uniforms) per completion."""
+    from rollout.backends import GenerationRequest
+
+    temperature, top_k, top_p = sampling
+    out = []
+    for i, prompt in enumerate(prompts):
+        req = GenerationRequest(
+            tuple(prompt),
+            group_size,
+            temperature,
+            top_k,
+            top_p,
+            max_tokens,
+            rng.bytes(SAMPLER_KEY_SIZE),
+            rng.bytes(32),
+            seed * 100_003 + i,
+            tuple(stop_token_ids),
+        )
+        for c in backend.generate(req):
+            spec = (req.sampler_key, req.nonce, req.seed, c.group_index, range(len(c.token_ids)))
+            out.append(
+                (
+                    OracleRequest(tuple(prompt) + c.token_ids, len(prompt), *sampling),
+                    np.asarray(c.logprobs),
+                    icdf_uniforms([spec]),
+                )
+            )
+    return out
+
+
+def _measure(
+    honest: list[tuple[OracleRequest, np.ndarray, torch.Tensor]],
+    oracle: TransformersOracle,
+    batch: int,
+    sampling: tuple[float, int, float],
+    chunk_size: int,
+) -> dict:
+    """Recompute ``honest`` in batches of ``batch``: SettingStats' measured fields."""
+    tok, chk, gaps = [], [], []
+    for start in range(0, len(honest), batch):
+        part = honest[start : start + batch]
+        logits = oracle.logits_batch(0, [(r.input_ids, r.prompt_len) for r, _, _ in part])
+        for (r, claimed, uniforms), lg in zip(part, logits, strict=True):
+            lp = process_logits(torch.as_tensor(lg), *sampling)  # (T, V)
+            ids = torch.tensor(r.input_ids[r.prompt_len :], dtype=torch.long)
+            rc = lp.gather(-1, ids[:, None])[:, 0].numpy().astype(np.float32)
+            d, m = _diffs(claimed, rc, chunk_size)
+            tok.append(d)
+            chk.append(m)
+            if len(ids):
+                gaps.append(icdf_gaps(ids, lp, uniforms).numpy())
+    t, ch = np.concatenate(tok), np.concatenate(chk)
+    g = np.concatenate(gaps) if gaps else np.zeros(0)
+    return {
+        "tokens": int(t.size),
+        "chunks": int(ch.size),
+        "token_max_abs": float(t.max(initial=0.0)),
+        "token_p999_abs": float(np.quantile(t, 0.999)) if t.size else 0.0,
+        "chunk_mean_max": float(ch.max(initial=0.0)),
+        "replay_gap_max": float(g.max(initial=0.0)),
+        "token_mean_abs": float(t.mean()) if t.size else 0.0,
+        "replay_gap_mean": float(g.mean()) if g.size else 0.0,
+        "token_sd_abs": float(t.std()) if t.size else 0.0,
+        "replay_gap_sd": float(g.std()) if g.size else 0.0,
+    }
 
 
 def layout_oracles(model_dir: str | Path, dtype: str) -> dict[Layout, TransformersOracle]:
@@ -297,22 +409,20 @@ def write_tolerance_file(cal: Calibration, path: str | Path) -> Path:
     return target
 
 
-def load_tolerance_file(path: str | Path) -> Tolerances:
-    """Read a tolerance file: each generation precision's bound (``by_precision``, or rebuilt
-    from the recorded settings of a file written before it had one); refuse thresholds that
-    its own honest runs would exceed."""
+def load_tolerance_file(path: str | Path, *, min_tokens: int = MIN_TOKENS) -> Tolerances:
+    """Read a tolerance file: each generation precision's bounds and divergence test; refuse
+    thresholds that its own honest runs would exceed, and a file without the statistics the
+    divergence test needs (written before it existed, or by hand)."""
     p = Path(path)
     try:
         data = json.loads(p.read_text())
-        if "by_precision" in data:
-            table = {
-                str(d): {k: float(v.get(k, 0.0)) for k in _FIELDS}
-                for d, v in data["by_precision"].items()
-            }
-        else:
-            settings = [SettingStats(**s) for s in data["settings"]]
-            table = _by_precision(settings, float(data["margin"]))
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        table = {str(d): {k: float(v[k]) for k in _FIELDS} for d, v in data["by_precision"].items()}
+    except KeyError as exc:
+        raise ConfigError(
+            f"tolerance file {p} lacks {exc} that the divergence test needs; measure it again "
+            f"with `prooftrain calibrate MODEL_DIR --out {p}`"
+        ) from None
+    except (OSError, ValueError, TypeError, AttributeError) as exc:
         raise ConfigError(f"tolerance file {p} is unreadable: {exc}") from None
     if not table:
         raise ConfigError(f"tolerance file {p} holds no calibrated precision")
@@ -322,14 +432,21 @@ def load_tolerance_file(path: str | Path) -> Tolerances:
             v["token_abs"] < v["observed_token_max"]
             or v["chunk_mean_abs"] < v["observed_chunk_mean_max"]
             or 0 < v["replay_slack"] < v["observed_replay_gap_max"]
+            or v["logprob_null"] * v["logprob_scale"] < v["observed_token_mean_abs"]
+            or v["replay_null"] * v["replay_scale"] < v["observed_replay_gap_mean"]
         ):
             raise ConfigError(
-                f"tolerance file {p} would flag its own honest calibration runs ({dtype}): token_abs "
-                f"{v['token_abs']:g} < observed {v['observed_token_max']:g} or chunk_mean_abs "
-                f"{v['chunk_mean_abs']:g} < observed {v['observed_chunk_mean_max']:g}"
+                f"tolerance file {p} would flag its own honest calibration runs ({dtype}): a "
+                "bound or a divergence null is below what its honest runs measured"
+            )
+        if v["observed_token_mean_abs"] < 0 or v["min_setting_tokens"] < min_tokens:
+            raise ConfigError(
+                f"tolerance file {p} ({dtype}) measured {int(v['min_setting_tokens'])} tokens per "
+                f"setting, fewer than the {min_tokens} its divergence nulls need; measure it "
+                f"again with `prooftrain calibrate MODEL_DIR --out {p}` and more --prompts"
             )
         try:
-            out[dtype] = Tolerance(v["token_abs"], v["chunk_mean_abs"], v["replay_slack"])
+            out[dtype] = _tolerance(v)
         except ValueError as exc:
             raise ConfigError(f"tolerance file {p} ({dtype}): {exc}") from None
     try:
@@ -342,9 +459,16 @@ _FIELDS = (
     "token_abs",
     "chunk_mean_abs",
     "replay_slack",
+    "logprob_scale",
+    "logprob_null",
+    "replay_scale",
+    "replay_null",
     "observed_token_max",
     "observed_chunk_mean_max",
     "observed_replay_gap_max",
+    "observed_token_mean_abs",
+    "observed_replay_gap_mean",
+    "min_setting_tokens",
 )
 
 

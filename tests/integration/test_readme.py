@@ -158,6 +158,7 @@ def _prepare(work: Path, port: int, real_port: int) -> None:
         ("task", "pool", "32"),
         ("assignment", "max_tokens", "8"),
         ("audit", "queue", "32"),
+        ("audit", "min_calibration_tokens", "8"),
     ):
         real = _set(real, section, key, value)
     (work / "configs" / "validator_smollm2.toml").write_text(real)
@@ -173,7 +174,7 @@ SMALLER = {"--steps 10": "--steps 3", "batch_groups=4": "batch_groups=1"}  # the
 REAL_MODEL = {
     "-n 100 -k 1": "-n 2 -k 1 --max-new-tokens 8",
     "--prompts 16 --max-tokens 128": "--prompts 1 --max-tokens 8 --batch-sizes 1 "
-    "--generation-dtypes float32",
+    "--generation-dtypes float32 --backends transformers --min-tokens 8",
 }
 
 

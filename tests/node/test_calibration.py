@@ -15,6 +15,7 @@ from node.validator.calibration import (
 )
 from rewards.tasks.base import generate
 from verify.errors import ConfigError
+from verify.spotcheck import DEFAULT_TOLERANCES
 
 
 @pytest.fixture(scope="module")
@@ -24,14 +25,17 @@ def prompts(codec) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def mixed(tiny_model, codec, prompts):
-    return calibrate(tiny_model, prompts[:10], stop_token_ids=[codec.eos_token_id], max_tokens=12)
+    return calibrate(
+        tiny_model, prompts[:10], stop_token_ids=[codec.eos_token_id], max_tokens=12, min_tokens=0
+    )
 
 
 def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> None:
-    seen = {(s.generation_dtype, s.batch_size, s.layout) for s in mixed.settings}
+    seen = {(s.generation_dtype, s.backend, s.batch_size, s.layout) for s in mixed.settings}
     assert seen == {
-        (d, b, layout)
+        (d, backend, b, layout)
         for d in ("float32", "bfloat16")
+        for backend in ("transformers", "transformers-uncached")
         for b in (1, 4, 16)
         for layout in ("packed", "unpacked")
     }
@@ -90,6 +94,7 @@ def test_same_precision_catches_a_005_nat_shift(tiny_model, codec, prompts) -> N
         stop_token_ids=[codec.eos_token_id],
         max_tokens=12,
         generation_dtypes=("float32",),
+        min_tokens=0,
     )
     assert same.token_abs < 0.01
     result = honest_audit(
@@ -126,15 +131,51 @@ def test_mixed_precision_catches_any_shift_beyond_its_tolerance(
 
 def test_tolerance_file_round_trip_and_refusal(tmp_path: Path, mixed) -> None:
     path = write_tolerance_file(mixed, tmp_path / "tol.json")
-    tol = load_tolerance_file(path)
-    assert max(t.token_abs for t in tol.by_precision.values()) == pytest.approx(mixed.token_abs)
+    tol = load_tolerance_file(path, min_tokens=0)
+    for dtype in ("float32", "bfloat16"):
+        row = mixed.by_precision()[dtype]
+        loaded = tol.of(dtype)
+        assert loaded.token_abs == pytest.approx(row["token_abs"])
+        assert loaded.divergence is not None
+        assert loaded.divergence.logprob_null == pytest.approx(row["logprob_null"])
+        # the per-token bounds never go below the built-in table's
+        assert loaded.token_abs >= DEFAULT_TOLERANCES.of(dtype).token_abs
+        assert loaded.cdf_slack >= DEFAULT_TOLERANCES.of(dtype).cdf_slack
     assert (
         tol.of("float32").token_abs < tol.of("bfloat16").token_abs
     )  # each precision its own bound
+    with pytest.raises(ConfigError, match="fewer than the 2000"):
+        load_tolerance_file(path)  # too few tokens for a node
     data = json.loads(path.read_text())
     bf16 = data["by_precision"]["bfloat16"]
     bf16["token_abs"] = bf16["observed_token_max"] / 2
     bf16["chunk_mean_abs"] = min(bf16["chunk_mean_abs"], bf16["token_abs"])
     path.write_text(json.dumps(data))
     with pytest.raises(ConfigError, match="would flag its own honest calibration runs"):
-        load_tolerance_file(path)
+        load_tolerance_file(path, min_tokens=0)
+
+
+def test_a_tolerance_file_without_the_divergence_statistics_is_refused(
+    tmp_path: Path, mixed
+) -> None:
+    path = write_tolerance_file(mixed, tmp_path / "tol.json")
+    data = json.loads(path.read_text())
+    for row in data["by_precision"].values():
+        del row["logprob_null"]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match="lacks 'logprob_null'.*prooftrain calibrate"):
+        load_tolerance_file(path, min_tokens=0)
+
+
+def test_a_calibration_on_too_few_tokens_is_refused_with_what_to_run(
+    tiny_model, codec, prompts
+) -> None:
+    with pytest.raises(ConfigError, match=r"run it again with --prompts \d+"):
+        calibrate(
+            tiny_model,
+            prompts[:2],
+            stop_token_ids=[codec.eos_token_id],
+            max_tokens=4,
+            batch_sizes=(1,),
+            backends=("transformers",),
+        )
