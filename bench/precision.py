@@ -370,13 +370,13 @@ def model_figures(args: argparse.Namespace, label: str, model_dir: Path, task: s
     for i, (name, make, forge) in enumerate(attack_specs):
         pool = rollouts(name, make(), bf16, prompts, args.max_tokens, stops, 1000 + i, forge)  # type: ignore[arg-type]
         attacks[name] = trials(audit(pool, oracle, tables), tables, bf16, args.trials, rng)
-    for table in tables:
-        name = f"steer-slack@{table}"
+    attacks["steer-slack"] = {}
+    for table in tables:  # each table's own slack
         backend = ForgingBackend(own(base), dtype=bf16, steer_slack=slack[table])
+        name = f"steer-slack@{table}"
         pool = rollouts(name, backend, bf16, prompts, args.max_tokens, stops, 2000)
-        attacks[name] = trials(
-            audit(pool, oracle, {table: tables[table]}), tables, bf16, args.trials, rng
-        )
+        audited = audit(pool, oracle, {table: tables[table]})
+        attacks["steer-slack"].update(trials(audited, tables, bf16, args.trials, rng))
     return {
         "model": str(model_dir),
         "calibration": {
@@ -471,9 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
     for label, fig in out["models"].items():
         for name, per_table in fig["attacks"].items():
             for table, f in per_table.items():
-                summary["attacks"][
-                    f"{label}/{name}@{table}".replace("@" + table + "@" + table, "@" + table)
-                ] = {
+                summary["attacks"][f"{label}/{name}@{table}"] = {
                     "detected": f["detected_trials"] == f["trials"],
                     "tokens_to_detect_p95": f["tokens_to_detect_p95"],
                     "tokens_to_detect_median": f["tokens_to_detect_median"],

@@ -107,9 +107,6 @@ class Member:
     reason: Reason | None = None
     evidence: bytes = b""
     pit: np.ndarray | None = None
-    divergence_evidence: RolloutEvidence | None = None
-    """The spot check's evidence for the divergence detector (None: not audited, or its
-    precision runs no sequential test)."""
     completion: bytes = b""
     prescored: float | None = None
     """The reward computed before admission (``node.validator.precheck``), if it was."""
@@ -278,6 +275,7 @@ class GroupChecks:
                 m.reward = r
         if audited:
             results = yield SpotJob([m.rollout for m in audited], issued.prompt_ids, secret)
+            evidence: list[RolloutEvidence | None] = []
             for m, result in zip(audited, results, strict=True):
                 m.audited = True
                 if isinstance(result, SpotCheckFailed):
@@ -293,26 +291,27 @@ class GroupChecks:
                     )
                     return fail(m, result.reason)
                 m.pit = result.pit
-                m.divergence_evidence = result.evidence
-            failed = self._divergence_check(issued, audited)
+                evidence.append(result.evidence)
+            failed = self._divergence_check(issued, audited, evidence)
             if failed is not None:
                 return failed
         return self._pit_check(issued, members)
 
-    def _divergence_check(self, issued: Issued, audited: list[Member]) -> Member | None:
-        """Fold each audited member's evidence into its contributor's detector at its declared
-        precision, in group order; the member at which a detector alarms fails."""
-        for m in audited:
+    def _divergence_check(
+        self, issued: Issued, audited: list[Member], evidence: list[RolloutEvidence | None]
+    ) -> Member | None:
+        """Fold each audited member's spot-check evidence into its contributor's detector at
+        its declared precision, in group order; the member at which a detector alarms fails."""
+        for m, ev in zip(audited, evidence, strict=True):
             precision = m.rollout.header.precision
             test = self.tolerances.of(precision).divergence
-            evidence = m.divergence_evidence
-            if test is None or evidence is None:
+            if test is None or ev is None:
                 continue
             key = (issued.wire.contributor_key, precision)
             with self._lock:
                 detector = self._detectors.setdefault(key, Detector())
-                m.divergence = (evidence, test, detector.updates)
-                alarm = detector.update(evidence.increments, evidence.tokens, test.threshold)
+                m.divergence = (ev, test, detector.updates)
+                alarm = detector.update(ev.increments, ev.tokens, test.threshold)
                 self.metrics["verify/divergence_peak"] = max(
                     self.metrics.get("verify/divergence_peak", 0.0), detector.peak
                 )
