@@ -3,10 +3,12 @@
 The validator holds a 32-byte epoch secret whose commitment
 ``blake3(EPOCH_COMMITMENT || 0x00 || u64be(epoch) || secret)`` is published in the ledger when
 the epoch starts, and reveals the secret when it ends. Every draw is a blake3
-keyed hash of the envelope digest under that secret:
+keyed hash under that secret:
 
-* ``should_audit``: the first 8 output bytes, read as a u64, divided by 2**64,
-  is below the audit rate p;
+* ``should_audit``: of a rollout's :func:`audit_subject` (its assignment, group
+  index and completion, so a copy re-signed with other header bytes draws the
+  same); the first 8 output bytes, read as a u64, divided by 2**64, is below
+  the audit rate p;
 * ``chunks_to_open``: k distinct chunk indices, drawn by rejection sampling
   from a keyed XOF stream (no modulo bias).
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from verify.errors import ProofTrainError
 from verify.hashing import (
+    AUDIT_SUBJECT,
     CHALLENGE_AUDIT,
     CHALLENGE_CHUNKS,
     EPOCH_COMMITMENT,
@@ -38,6 +41,15 @@ def epoch_commitment(epoch: int, secret: bytes) -> bytes:
     """
     _check_secret(secret)
     return blake3_digest(EPOCH_COMMITMENT, epoch.to_bytes(8, "big"), secret)
+
+
+def audit_subject(assignment_id: bytes, group_index: int, completion: bytes) -> bytes:
+    """What a rollout's audit draw is keyed by: ``blake3(AUDIT_SUBJECT, assignment_id,
+    u32le(group_index), completion digest)``; nothing the contributor can vary without
+    changing the tokens it answers with."""
+    return blake3_digest(
+        AUDIT_SUBJECT, assignment_id, group_index.to_bytes(4, "little"), completion
+    )
 
 
 def audit_uniform(secret: bytes, envelope_digest: bytes) -> float:

@@ -38,6 +38,7 @@ RELEASE_VERDICTS = b"prooftrain/v1/release/verdicts"
 RELEASE_SAMPLE = b"prooftrain/v1/release/verdict-sample"
 # -- challenges and epochs
 CHALLENGE_AUDIT = b"prooftrain/v1/challenge/audit"
+AUDIT_SUBJECT = b"prooftrain/v1/challenge/subject"
 CHALLENGE_CHUNKS = b"prooftrain/v1/challenge/chunks"
 EPOCH_COMMITMENT = b"prooftrain/v1/epoch-commitment"
 # -- signatures: the signed message is SIG_* || 0x00 || canonical bytes

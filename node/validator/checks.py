@@ -42,9 +42,13 @@ Invariants:
   read for repeats, and stay reserved until :meth:`GroupChecks.release`,
   which the caller runs only after the group is recorded or abandoned: of two
   concurrent copies of one completion, at least one is audited.
-- At most ``audit.queue`` groups wait for spot checks at once; one more is
-  refused with BACKPRESSURE: nothing about it is recorded and its assignment
-  stays open.
+- At most ``audit.queue`` groups are scored and audited at once; one more is
+  refused with BACKPRESSURE before its audit draw (a refusal depends on load
+  alone, never on which members the draw picks): nothing about it is recorded
+  and its assignment stays open.
+- The draw is keyed by the epoch secret and each member's assignment, group
+  index and completion (``verify.challenge.audit_subject``): a copy re-signed
+  with other header bytes draws the same.
 - PIT values are pooled per contributor in non-overlapping windows of at least
   ``audit.pit_min_tokens`` tokens: one test per window.
 """
@@ -74,7 +78,7 @@ from node.validator.spot import (
 )
 from node.validator.state import StateStore
 from rewards.base import Problem
-from verify.challenge import should_audit
+from verify.challenge import audit_subject, should_audit
 from verify.divergence import Detector, DivergenceTest, RolloutEvidence
 from verify.envelope import VerifiedRollout, check_stopping_rule, completion_digest
 from verify.errors import AdmissionError, Reason, VerificationError
@@ -169,25 +173,34 @@ class GroupChecks:
 
         Steps: yields the group's ``SpotJob`` when members are drawn for audit and
         is sent its results (:meth:`spot`). Raises AdmissionError(BACKPRESSURE)
-        when the group needs an audit slot and none is free. A member repeating a
+        when no audit slot is free, before anything is drawn, so a refusal tells nothing
+        about the draw. A member repeating a
         completion recorded, or being recorded, for the same prompt text is audited
         whatever the draw.
         """
         failed, repeats = self._group_checks(issued, members, reserved)
-        audit_rate = self._audit_rate(issued.wire.contributor_key)
-        drawn = [
-            m
-            for m in members
-            if m.completion in repeats or should_audit(secret, m.rollout.digest, audit_rate)
-        ]
-        needs_audit = failed is None and bool(drawn)
-        if needs_audit and not self._audit_slots.acquire(blocking=False):
+        # The slot is taken before the draw, drawn or not: a refusal must say nothing about
+        # which members would have been audited.
+        holds_slot = failed is None
+        if holds_slot and not self._audit_slots.acquire(blocking=False):
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
         try:
             if failed is None:
+                audit_rate = self._audit_rate(issued.wire.contributor_key)
+                a = issued.wire
+                drawn = [
+                    m
+                    for m in members
+                    if m.completion in repeats
+                    or should_audit(
+                        secret,
+                        audit_subject(a.assignment_id, m.rollout.header.group_index, m.completion),
+                        audit_rate,
+                    )
+                ]
                 failed = yield from self._score_and_audit(issued, members, drawn, secret)
         finally:
-            if needs_audit:
+            if holds_slot:
                 self._audit_slots.release()
         if failed is not None:
             for m in members:
