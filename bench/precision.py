@@ -1,7 +1,7 @@
 """Honest noise against cheating at a declared precision: the divergence test's figures.
 
 For each model (the demo policy; SmolLM2-135M unless ``--quick``), honest contributors
-generate through the project's KV-cached backend and a plain uncached forward, in float32
+generate through the project's backend and plain ``model.generate``, in float32
 and in bfloat16, and attacks generate while declaring bfloat16 (each forges what an audited
 rollout would carry). Every rollout is spot-checked by the validator's float32 recomputation
 (per-token bounds, the sampler replayed on every token) and its evidence folded into its
@@ -22,7 +22,8 @@ contributor's divergence detector (``verify.divergence``), under two tables: the
 
 Prints progress on stderr and one JSON object on its last line.
 
-    python bench/precision.py [--quick] [--models demo,smollm2] [--prompts N] [--trials 20]
+    python bench/precision.py [--quick] [--models demo,smollm2] [--prompts N]
+                              [--honest-prompts N] [--trials 20]
 """
 
 from __future__ import annotations
@@ -47,10 +48,10 @@ from node.validator.policy import HFTextCodec  # noqa: E402
 from node.validator.spot import _check  # noqa: E402
 from rewards.tasks import generate  # noqa: E402
 from rollout.backends import (  # noqa: E402
+    GenerateBackend,
     GeneratedCompletion,
     GenerationRequest,
     TransformersBackend,
-    UncachedTransformersBackend,
 )
 from verify.commitment import n_chunks  # noqa: E402
 from verify.divergence import Detector  # noqa: E402
@@ -282,20 +283,31 @@ def run_stream(rows: list, threshold: float) -> tuple[int | None, float, int]:
     return None, peak, hard
 
 
-def model_figures(args: argparse.Namespace, label: str, model_dir: Path, task: str) -> dict:
+SIZES = {
+    "demo": {"prompts": 600, "honest_prompts": 3000, "cal_prompts": 160, "max_tokens": 16},
+    "demo-quick": {"prompts": 60, "honest_prompts": 150, "cal_prompts": 40, "max_tokens": 16},
+    "smollm2": {"prompts": 30, "honest_prompts": 84, "cal_prompts": 40, "max_tokens": 32},
+}
+"""Prompts (G = 4 completions each) per attack, per honest stream and for the calibration."""
+
+
+def model_figures(args: argparse.Namespace, label: str, model_dir: Path, size: dict) -> dict:
     codec = HFTextCodec(model_dir)
     stops = [codec.eos_token_id] if codec.eos_token_id is not None else []
-    problems = generate(task, "train", args.prompts + args.cal_prompts, seed=args.seed)
-    prompts = [codec.encode(p.prompt) for p in problems]
-    cal_prompts, prompts = prompts[: args.cal_prompts], prompts[args.cal_prompts :]
+    n_cal, n_attack, n_honest = size["cal_prompts"], size["prompts"], size["honest_prompts"]
+    problems = generate("arithmetic", "train", n_cal + max(n_attack, n_honest), seed=args.seed)
+    encoded = [codec.encode(p.prompt) for p in problems]
+    cal_prompts, rest = encoded[:n_cal], encoded[n_cal:]
+    prompts, honest_prompts = rest[:n_attack], rest[:n_honest]
+    max_tokens = size["max_tokens"]
     log(f"{label}: calibrating on {len(cal_prompts)} prompts")
     cal = calibrate(
         model_dir,
         cal_prompts,
         stop_token_ids=stops,
-        max_tokens=args.max_tokens,
-        batch_sizes=args.batch_sizes,
-        min_tokens=args.min_cal_tokens,
+        max_tokens=max_tokens,
+        batch_sizes=(1, 8),
+        min_tokens=100 if args.quick else 2_000,
         seed=args.seed + 7,
     )
     tables = {"built_in": DEFAULT_TOLERANCES, "calibrated": cal.tolerances}
@@ -314,8 +326,8 @@ def model_figures(args: argparse.Namespace, label: str, model_dir: Path, task: s
         ),
         ("bfloat16/transformers", lambda: TransformersBackend(own(base), dtype=bf16), bf16),
         (
-            "bfloat16/transformers-uncached",
-            lambda: UncachedTransformersBackend(own(base), dtype=bf16),
+            "bfloat16/transformers-generate",
+            lambda: GenerateBackend(own(base), dtype=bf16),
             bf16,
         ),
     ]
@@ -345,16 +357,18 @@ def model_figures(args: argparse.Namespace, label: str, model_dir: Path, task: s
         ),
         ("top-k-50", lambda: ForgingBackend(own(base), dtype=bf16, reshape=top_k(50)), None),
     ]
-    honest: dict = {"tokens": 0, "slashes": 0, "alarms": 0, "by_stream": {}}
+    honest: dict = {"tokens": 0, "bfloat16_tokens": 0, "slashes": 0, "alarms": 0, "by_stream": {}}
     for i, (name, make_honest, precision) in enumerate(honest_specs):
         pool = rollouts(
-            name, make_honest(), precision, prompts, args.max_tokens, stops, args.seed + i
+            name, make_honest(), precision, honest_prompts, max_tokens, stops, args.seed + i
         )
         audited = audit(pool, oracle, tables)
+        tokens = sum(r.header.token_count for r, _ in pool.items)  # type: ignore[attr-defined]
+        honest["tokens"] += tokens  # each audited once, judged under both tables
+        honest["bfloat16_tokens"] += tokens if precision == bf16 else 0
         for table, rows in audited.items():
             thr = tables[table].of(precision).divergence.threshold  # type: ignore[union-attr]
             at, peak, hard = run_stream(rows, thr)
-            tokens = sum(r[0] for r in rows)
             honest["by_stream"][f"{name}@{table}"] = {
                 "tokens": tokens,
                 "slashes": sum(1 for r in rows if r[1]),
@@ -362,19 +376,18 @@ def model_figures(args: argparse.Namespace, label: str, model_dir: Path, task: s
                 "peak_log_wealth": round(peak, 2),
                 "threshold": round(thr, 2),
             }
-            honest["tokens"] += tokens
             honest["slashes"] += sum(1 for r in rows if r[1])
             honest["alarms"] += int(at is not None and not hard)
     attacks: dict = {}
     rng = np.random.default_rng(args.seed)
     for i, (name, make, forge) in enumerate(attack_specs):
-        pool = rollouts(name, make(), bf16, prompts, args.max_tokens, stops, 1000 + i, forge)  # type: ignore[arg-type]
+        pool = rollouts(name, make(), bf16, prompts, max_tokens, stops, 1000 + i, forge)  # type: ignore[arg-type]
         attacks[name] = trials(audit(pool, oracle, tables), tables, bf16, args.trials, rng)
     attacks["steer-slack"] = {}
     for table in tables:  # each table's own slack
         backend = ForgingBackend(own(base), dtype=bf16, steer_slack=slack[table])
         name = f"steer-slack@{table}"
-        pool = rollouts(name, backend, bf16, prompts, args.max_tokens, stops, 2000)
+        pool = rollouts(name, backend, bf16, prompts, max_tokens, stops, 2000)
         audited = audit(pool, oracle, {table: tables[table]})
         attacks["steer-slack"].update(trials(audited, tables, bf16, args.trials, rng))
     return {
@@ -426,8 +439,8 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--quick", action="store_true", help="demo model only, few prompts")
     ap.add_argument("--models", default="demo,smollm2", help="comma-separated: demo, smollm2")
-    ap.add_argument("--prompts", type=int, default=0, help="audited prompts per contributor (G=4)")
-    ap.add_argument("--max-tokens", type=int, default=0)
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per attack (G = 4)")
+    ap.add_argument("--honest-prompts", type=int, default=0, help="prompts per honest stream")
     ap.add_argument("--trials", type=int, default=20, help="shuffled orders per attack")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -436,30 +449,23 @@ def main(argv: list[str] | None = None) -> dict:
     out: dict = {"bench": "precision", "quick": args.quick, "models": {}}
     t0 = time.perf_counter()
     for m in models:
+        size = dict(SIZES["demo-quick" if args.quick else m])
+        size["prompts"] = args.prompts or size["prompts"]
+        size["honest_prompts"] = args.honest_prompts or size["honest_prompts"]
         if m == "demo":
             from trainer.base_model import ensure_base_model
 
-            args.prompts = args.prompts or (60 if args.quick else 600)
-            args.cal_prompts = 40 if args.quick else 160
-            args.min_cal_tokens = 100 if args.quick else 2_000
-            args.max_tokens = args.max_tokens or 16
-            args.batch_sizes = (1, 16)
-            out["models"]["demo"] = model_figures(
-                args, "demo", ensure_base_model("arithmetic"), "arithmetic"
-            )
-        elif m == "smollm2":
+            model_dir = ensure_base_model("arithmetic")
+        else:
             from rollout.pretrained import ensure_model
 
-            args.prompts = args.prompts or 40
-            args.cal_prompts = 64
-            args.min_cal_tokens = 2_000
-            args.max_tokens = 32
-            args.batch_sizes = (1, 8)
-            out["models"]["smollm2"] = model_figures(
-                args, "smollm2", ensure_model("smollm2-135m"), "arithmetic"
-            )
+            model_dir = ensure_model("smollm2-135m")
+        out["models"][m] = model_figures(args, m, model_dir, size)
     summary = {
         "honest_tokens": sum(v["honest"]["tokens"] for v in out["models"].values()),
+        "honest_bfloat16_tokens": sum(
+            v["honest"]["bfloat16_tokens"] for v in out["models"].values()
+        ),
         "honest_alarms": sum(v["honest"]["alarms"] for v in out["models"].values()),
         "honest_slashes": sum(v["honest"]["slashes"] for v in out["models"].values()),
         "false_alarm_bound": DEFAULT_TOLERANCES.of("bfloat16").divergence.false_alarm,  # type: ignore[union-attr]

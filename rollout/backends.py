@@ -375,28 +375,71 @@ class TransformersBackend:
         return GeneratedCompletion(g, ids, logprobs, "stop" if stopped else "length")
 
 
-@register_backend("transformers-uncached")
-class UncachedTransformersBackend(TransformersBackend):
-    """:class:`TransformersBackend` without a KV cache: every step runs the model over each
-    row's whole sequence, as a plain ``transformers`` forward does. Other kernels and shapes
-    than the cached path, so other rounding: the honest noise a calibration must also cover.
-    O(T^2) work per completion; for calibration and tests, not for serving."""
+@register_backend("transformers-generate")
+class GenerateBackend(TransformersBackend):
+    """Plain ``transformers``: ``model.generate`` with its own KV cache, each of the G
+    completions its own row (the prompt encoded G times), the keyed sampler applied as a
+    logits processor that leaves only the drawn token. Other kernels, shapes and cache
+    handling than :class:`TransformersBackend`'s shared-prompt path, so other rounding: the
+    honest noise a calibration must also cover."""
 
-    name = "transformers-uncached"
+    name = "transformers-generate"
 
     @torch.inference_mode()
     def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
-        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
-        state = {"ids": prompt.expand(request.group_size, -1)}
-        logits = self.model(input_ids=prompt, use_cache=False).logits[:, -1, :].float()
+        from transformers import GenerationConfig, LogitsProcessorList
 
-        def step(nxt: torch.Tensor) -> torch.Tensor:
-            state["ids"] = torch.cat([state["ids"], nxt[:, None]], dim=1)
-            return self.model(input_ids=state["ids"], use_cache=False).logits[:, -1, :].float()
-
-        return self._decode(logits.expand(request.group_size, -1), step, [request])[0]
+        g_size, start = request.group_size, len(request.prompt_ids)
+        ids = torch.tensor([request.prompt_ids] * g_size, dtype=torch.long, device=self.device)
+        draw = _KeyedDraw(request, start)
+        stops = list(request.stop_token_ids)
+        config = GenerationConfig(
+            max_new_tokens=request.max_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            eos_token_id=stops or None,
+            pad_token_id=stops[0] if stops else 0,
+        )
+        out = self.model.generate(  # type: ignore[operator]
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            logits_processor=LogitsProcessorList([draw]),
+        )
+        tokens = out[:, start:]
+        chosen = torch.stack(draw.chosen, dim=1)  # (G, steps)
+        completions = []
+        for g in range(g_size):
+            row = tokens[g].tolist()
+            hits = [t for t, x in enumerate(row) if x in request.stop_token_ids]
+            length = hits[0] + 1 if hits else len(row)
+            completions.append(self._completion(g, tokens[g], chosen[g], length, request))
+        return completions
 
     def generate_batch(
         self, requests: Sequence[GenerationRequest]
     ) -> list[list[GeneratedCompletion]]:
         return [self.generate(r) for r in requests]
+
+
+class _KeyedDraw:
+    """A logits processor: the request's keyed sample of the processed distribution at each
+    step, every other token masked; records each drawn token's committed logprob."""
+
+    def __init__(self, request: GenerationRequest, prompt_len: int) -> None:
+        self.request, self.prompt_len = request, prompt_len
+        self.chosen: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        r = self.request
+        t = input_ids.shape[1] - self.prompt_len
+        lp = process_logits(scores.float(), r.temperature, r.top_k, r.top_p)
+        if r.temperature == 0.0:
+            nxt = lp.argmax(dim=-1)
+        else:
+            sampler = sampler_named(r.sampler)
+            spec = [(r.sampler_key, r.nonce, r.seed, g, [t]) for g in range(lp.shape[0])]
+            nxt = sampler.draw(lp, sampler.randomness(spec, lp.shape[-1])).to(lp.device)
+        self.chosen.append(lp.gather(-1, nxt[:, None])[:, 0])
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter(-1, nxt[:, None], 0.0)

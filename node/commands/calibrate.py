@@ -11,8 +11,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
         help="measure honest generation-vs-recomputation noise and write a tolerance file",
-        description="Generate honest rollouts in each generation precision, through the KV-cached "
-        "backend and a plain uncached forward, recompute them in the validator's precision with "
+        description="Generate honest rollouts in each generation precision, through the project's "
+        "backend and plain transformers generate, recompute them in the validator's precision with "
         "several batch sizes, groups packed and unpacked, and write for each generation precision "
         "the per-token limits (margin x the largest honest difference, never below the built-in "
         "ones) and the divergence test's nulls (null margin x the mean honest difference and "
@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--backends",
-        default="transformers,transformers-uncached",
+        default="transformers,transformers-generate",
         help="comma-separated honest generation paths to measure",
     )
     p.add_argument(

@@ -51,7 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rollout.backends import TransformersBackend, UncachedTransformersBackend
+from rollout.backends import GenerateBackend, TransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.divergence import DivergenceTest
@@ -90,10 +90,11 @@ def _upper(mean: float, sd: float, n: int) -> float:
 
 GENERATION_BACKENDS = {
     "transformers": TransformersBackend,
-    "transformers-uncached": UncachedTransformersBackend,
+    "transformers-generate": GenerateBackend,
 }
-"""Honest generation paths a calibration measures: KV-cached batches (the project's backend)
-and a plain uncached forward, each its own rounding."""
+"""Honest generation paths a calibration measures: the project's backend (one prompt pass, its
+cache shared by the group) and plain ``model.generate`` (a row per completion), each its own
+rounding."""
 Layout = Literal["packed", "unpacked"]
 LAYOUTS: tuple[Layout, ...] = ("packed", "unpacked")
 

@@ -47,6 +47,6 @@ def test_quick_run_keeps_honest_streams_quiet_and_catches_gross_attacks() -> Non
     assert {k.split("@")[0] for k in honest} == {
         "float32/transformers",
         "bfloat16/transformers",
-        "bfloat16/transformers-uncached",
+        "bfloat16/transformers-generate",
     }
     assert all(s["peak_log_wealth"] < s["threshold"] / 2 for s in honest.values())

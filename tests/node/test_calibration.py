@@ -35,7 +35,7 @@ def test_calibration_measures_every_layout_a_node_may_recompute_in(mixed) -> Non
     assert seen == {
         (d, backend, b, layout)
         for d in ("float32", "bfloat16")
-        for backend in ("transformers", "transformers-uncached")
+        for backend in ("transformers", "transformers-generate")
         for b in (1, 4, 16)
         for layout in ("packed", "unpacked")
     }

@@ -47,7 +47,22 @@ def _node_dir(tmp_path: Path, tiny_model: Path) -> Path:
     work.mkdir()
     assert _cli("keys", "new", "--out", "keys/validator.key", cwd=work).returncode == 0
     (work / "trainer.pub").write_text(TRAINER.public.hex() + "\n")
-    tolerance = {"by_precision": {"float32": {"token_abs": 0.01, "chunk_mean_abs": 0.001}}}
+    row = {
+        "token_abs": 0.01,
+        "chunk_mean_abs": 0.001,
+        "replay_slack": 0.002,
+        "logprob_scale": 1e-3,
+        "logprob_null": 0.125,
+        "replay_scale": 0.002,
+        "replay_null": 0.01,
+        "observed_token_max": 1e-5,
+        "observed_chunk_mean_max": 1e-6,
+        "observed_replay_gap_max": 0.0,
+        "observed_token_mean_abs": 1e-6,
+        "observed_replay_gap_mean": 0.0,
+        "min_setting_tokens": 2_000,
+    }  # what `prooftrain calibrate` writes for one precision
+    tolerance = {"by_precision": {"float32": row}}
     (work / "tolerance.json").write_text(json.dumps(tolerance))
     (work / "validator.toml").write_text(
         f'[node]\nledger = "ledger.sqlite"\ntrainer_key = "trainer.pub"\nadmission_processes = 0\n'
