@@ -43,7 +43,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench._util import emit  # noqa: E402
-from node.validator.calibration import calibrate, layout_oracles  # noqa: E402
+from node.validator.calibration import calibrate, layout_oracles, unassigned_fields  # noqa: E402
 from node.validator.policy import HFTextCodec  # noqa: E402
 from node.validator.spot import _check  # noqa: E402
 from rewards.tasks import generate  # noqa: E402
@@ -61,7 +61,6 @@ from verify.icdf import _blocks, _within  # noqa: E402
 from verify.keys import SigningKey  # noqa: E402
 from verify.samplers import sampler_named  # noqa: E402
 from verify.spotcheck import DEFAULT_TOLERANCES, Tolerances  # noqa: E402
-from verify.types import SamplingParams  # noqa: E402
 
 GROUP = 4
 
@@ -223,21 +222,7 @@ def rollouts(
 
 
 def envelope(key, req, c: GeneratedCompletion, precision: str, forge=None):  # type: ignore[no-untyped-def]
-    fields = dict(
-        policy_version=0,
-        manifest_digest=b"\0" * 32,
-        task_id="t",
-        prompt_id="p",
-        prompt_digest=b"\0" * 32,
-        assignment_id=b"\0" * 16,
-        nonce=req.nonce,
-        sampling=SamplingParams(1.0, 1.0, 0, req.max_tokens, req.seed),
-        group_index=c.group_index,
-        group_size=req.group_size,
-        created_at_ms=0,
-        precision=precision,
-        backend="transformers",
-    )
+    fields = unassigned_fields(req, c.group_index, precision)
     lps = np.asarray(c.logprobs) if forge is None else forge(np.asarray(c.logprobs))
     return verify_envelope(build_envelope(key, fields, c.token_ids, lps.astype(np.float32)))
 

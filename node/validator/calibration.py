@@ -51,7 +51,7 @@ from typing import Literal
 import numpy as np
 import torch
 
-from rollout.backends import GenerateBackend, TransformersBackend
+from rollout.backends import GenerateBackend, GenerationRequest, TransformersBackend
 from rollout.oracle import TransformersOracle
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.divergence import DivergenceTest
@@ -317,8 +317,6 @@ def _honest_rollouts(
 ) -> list[tuple[OracleRequest, np.ndarray, torch.Tensor]]:
     """Every prompt's group from ``backend``: (recomputation request, committed logprobs,
     keyed uniforms) per completion."""
-    from rollout.backends import GenerationRequest
-
     temperature, top_k, top_p = sampling
     out = []
     for i, prompt in enumerate(prompts):
@@ -496,11 +494,9 @@ def honest_audit(
     caught when 3 of their committed logprobs are moved by that many nats.
     """
     from node.validator.spot import _check
-    from rollout.backends import GenerationRequest
     from verify.envelope import build_envelope, verify_envelope
     from verify.errors import SpotCheckError
     from verify.keys import SigningKey
-    from verify.types import SamplingParams
 
     oracles = list(layout_oracles(model_dir, recompute_dtype).values())
     rng = np.random.default_rng(seed)
@@ -525,20 +521,9 @@ def honest_audit(
                 tuple(stop_token_ids),
             )
             for c in backend.generate(req):
-                fields = dict(
-                    policy_version=0,
-                    manifest_digest=b"\0" * 32,
-                    task_id="t",
-                    prompt_id="p",
-                    prompt_digest=b"\0" * 32,
-                    assignment_id=b"\0" * 16,
-                    nonce=nonce,
-                    sampling=SamplingParams(temperature, 1.0, 0, max_tokens, s_seed),
-                    group_index=c.group_index,
-                    group_size=group_size,
-                    created_at_ms=0,
+                env = build_envelope(
+                    key, unassigned_fields(req, c.group_index), c.token_ids, c.logprobs
                 )
-                env = build_envelope(key, fields, c.token_ids, c.logprobs)
                 items.append((verify_envelope(env), list(prompt), c))
         start, turn = 0, 0
         while start < len(items):
@@ -573,3 +558,26 @@ def honest_audit(
         "rejected": rejected,
         "caught": {s: caught[s] / max(audited, 1) for s in shifts},
     }
+
+
+def unassigned_fields(req: GenerationRequest, group_index: int, precision: str = "float32") -> dict:
+    """Header fields of a rollout generated for ``req`` outside any assignment (calibration,
+    benchmarks): its nonce, sampling and group, and placeholders for what a spot check does not
+    read."""
+    from verify.types import SamplingParams
+
+    return dict(
+        policy_version=0,
+        manifest_digest=b"\0" * 32,
+        task_id="t",
+        prompt_id="p",
+        prompt_digest=b"\0" * 32,
+        assignment_id=b"\0" * 16,
+        nonce=req.nonce,
+        sampling=SamplingParams(req.temperature, req.top_p, req.top_k, req.max_tokens, req.seed),
+        group_index=group_index,
+        group_size=req.group_size,
+        created_at_ms=0,
+        precision=precision,
+        backend="transformers",
+    )
