@@ -201,9 +201,9 @@ class Tolerances:
     A contributor that declares float32 is held to float32's bound: it cannot hide a
     cheaper or substituted model inside the larger noise of a precision it does not declare.
     The declaration itself cannot be checked: a contributor that declares bfloat16 gets
-    bfloat16's bound whatever it runs, so a node that lists bfloat16 accepts any deviation
-    within bfloat16's honest noise from every contributor. A precision with no entry is
-    refused (UNSUPPORTED_PRECISION).
+    bfloat16's per-token bounds whatever it runs; what keeps it from hiding a cheaper model
+    in that noise is the precision's divergence test over its audited tokens
+    (``verify.divergence``). A precision with no entry is refused (UNSUPPORTED_PRECISION).
     """
 
     by_precision: Mapping[str, Tolerance] = field(default_factory=dict)
