@@ -160,8 +160,10 @@ class ReplayStats:
     max_gap: float
     """Largest score gap accepted as numerical noise (0 when every token was exact)."""
     gaps: torch.Tensor | None = field(default=None, repr=False, compare=False)
-    """float64 ``(tokens,)``: how far the replay missed each claimed token (0 where it drew
-    it), the replay channel of ``verify.divergence``."""
+    """float64 ``(tokens,)``: how far the replay missed each claimed token, in probability
+    mass (0 where it drew it), the replay channel of ``verify.divergence``; None where the
+    sampler has no such measure (Gumbel-max's score gaps are another unit than the one
+    ``prooftrain calibrate`` measures the replay null in)."""
 
 
 def replay_check(
@@ -233,5 +235,4 @@ def replay_check(
         tokens=len(tokens),
         exact=int(exact.sum()),
         max_gap=float(near.max()) if near.numel() else 0.0,
-        gaps=torch.where(exact, torch.zeros_like(gap), gap.clamp(min=0.0)),
     )

@@ -127,7 +127,8 @@ def _check(
 
 
 def _gaps(stats: ReplayStats) -> np.ndarray:
-    """The replay gaps of a passing replay as float64 ``(n,)``."""
+    """The replay gaps of a passing replay as float64 ``(n,)``; zeros for a sampler without
+    calibrated gaps (its replay channel then scores nothing)."""
     if stats.gaps is None:
         return np.zeros(stats.tokens)
     return stats.gaps.detach().to("cpu", torch.float64).numpy()

@@ -6,8 +6,13 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from verify.divergence import BET_FRACTIONS, CHANNELS, Detector, DivergenceTest
+from verify.gumbel import noise_for_streams
+from verify.icdf import icdf_uniforms
+from verify.logprobs import process_logits
+from verify.samplers import GumbelSampler, InverseCdfSampler
 
 TEST = DivergenceTest(logprob_scale=0.5, logprob_null=0.1, replay_scale=0.1, replay_null=0.02)
 
@@ -109,3 +114,18 @@ def test_the_digest_names_every_parameter() -> None:
     other = DivergenceTest(0.5, 0.1, 0.1, 0.021)
     assert TEST.digest() != other.digest() and len(TEST.digest()) == 32
     assert TEST.digest() == DivergenceTest(0.5, 0.1, 0.1, 0.02).digest()
+
+
+def test_only_the_inverse_cdf_replay_reports_gaps_in_the_calibrated_unit() -> None:
+    # Gumbel-max score gaps are not probability mass: scored against a null calibrated on
+    # inverse-CDF gaps they would raise an honest contributor's replay channel.
+    logits = torch.randn(6, 11)
+    spec = [(b"k" * 32, b"n" * 32, 1, 0, range(6))]
+    icdf, gumbel = InverseCdfSampler(), GumbelSampler()
+    lp = process_logits(logits, 1.0, 0, 1.0)
+    tokens = icdf.draw(lp, icdf_uniforms(spec))
+    stats = icdf.replay(tokens, logits, 1.0, 0, 1.0, icdf_uniforms(spec), slack=0.0)
+    assert stats.gaps is not None and float(stats.gaps.abs().sum()) == 0.0
+    noise = noise_for_streams(spec, 11)
+    drawn = gumbel.draw(lp, noise)
+    assert gumbel.replay(drawn, logits, 1.0, 0, 1.0, noise, slack=1e-4).gaps is None
