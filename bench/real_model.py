@@ -52,6 +52,7 @@ from node.validator.calibration import (  # noqa: E402
     _by_precision,
     _tolerance,
     layout_oracles,
+    unassigned_fields,
 )
 from node.validator.policy import HFTextCodec  # noqa: E402
 from node.validator.spot import _check  # noqa: E402
@@ -64,7 +65,7 @@ from verify.errors import SpotCheckError  # noqa: E402
 from verify.keys import SigningKey  # noqa: E402
 from verify.logprobs import process_logits  # noqa: E402
 from verify.spotcheck import DEFAULT_TOLERANCES, Tolerance, Tolerances  # noqa: E402
-from verify.types import SamplingParams, canonical_bytes  # noqa: E402
+from verify.types import canonical_bytes  # noqa: E402
 
 CHUNK = 32
 GROUP = 4
@@ -140,23 +141,8 @@ def envelope_for(
     sampling: dict | None = None,
     precision: str = "float32",
 ):  # type: ignore[no-untyped-def]
-    req = r.request
-    s = {"temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k, **(sampling or {})}
-    fields = dict(
-        policy_version=0,
-        manifest_digest=b"\0" * 32,
-        task_id="gsm8k",
-        prompt_id="p",
-        prompt_digest=b"\0" * 32,
-        assignment_id=b"\0" * 16,
-        nonce=req.nonce,
-        sampling=SamplingParams(s["temperature"], s["top_p"], s["top_k"], req.max_tokens, req.seed),
-        group_index=r.completion.group_index,
-        group_size=req.group_size,
-        created_at_ms=0,
-        precision=precision,
-        backend="transformers",
-    )
+    req = dataclasses.replace(r.request, **(sampling or {}))  # the sampling it claims
+    fields = unassigned_fields(req, r.completion.group_index, precision)
     toks = list(r.completion.token_ids) if tokens is None else list(tokens)
     lps = r.completion.logprobs if logprobs is None else logprobs
     return build_envelope(KEY, fields, toks, lps, CHUNK)
