@@ -10,7 +10,7 @@ refusing an assignment addressed to another key.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import msgspec
@@ -25,6 +25,7 @@ from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
 from node.validator.spot import recheck_evidence
 from node.validator.state import StateStore
 from rewards.tasks.base import generate
+from rollout.backends import GeneratedCompletion, GenerationBackend, GenerationRequest
 from rollout.oracle import TransformersOracle
 from rollout.worker import answer, generation_request, header_fields, open_assignment
 from tests.node.test_validator_core import (
@@ -108,7 +109,7 @@ def counter_entropy() -> Callable[[int], bytes]:
 
 
 @pytest.fixture
-def seeded_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec):  # type: ignore[no-untyped-def]
+def seeded_validator(tmp_path: Path, tiny_model: Path, codec: HFTextCodec) -> Iterator[Validator]:
     """A validator auditing at rate one half, revealing its epoch after three groups."""
     cfg = load(
         ValidatorConfig,
@@ -244,13 +245,13 @@ def test_recheck_refuses_evidence_labelled_with_an_offence_it_does_not_show(
 class CountingBackend:
     """A generation backend that counts its calls and delegates them."""
 
-    def __init__(self, inner) -> None:  # type: ignore[no-untyped-def]
+    def __init__(self, inner: GenerationBackend) -> None:
         self.inner, self.calls = inner, 0
-        self.name = inner.name
+        self.name, self.precision = inner.name, inner.precision
 
-    def generate(self, req):  # type: ignore[no-untyped-def]
+    def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
         self.calls += 1
-        return self.inner.generate(req)
+        return self.inner.generate(request)
 
 
 def test_a_contributor_refuses_an_assignment_addressed_to_another_key(
