@@ -30,6 +30,7 @@ from ledger import merkle
 from ledger.blobs import FileBlobStore
 from ledger.checkpoint import Checkpoint
 from ledger.divergence import replay as replay_divergence
+from ledger.draws import DrawAudit
 from ledger.note import Verifier, parse_note, verify_note
 from ledger.records import (
     DivergenceRecorded,
@@ -70,6 +71,8 @@ class AuditReport:
     size: int = 0
     checkpoints: int = 0
     contributors: int = 0
+    draws_checked: int = 0
+    """Audit draws recomputed from a revealed epoch secret (``ledger.draws``)."""
     findings: list[Finding] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -124,7 +127,8 @@ def _audit(
     progress: Callable[[int], None] | None,
 ) -> None:
     divergence: list[tuple[int, Record]] = []
-    leaves, replay, genesis = _check_entries(store, report, blobs, progress, divergence)
+    draws = DrawAudit()
+    leaves, replay, genesis = _check_entries(store, report, blobs, progress, divergence, draws)
     report.size = size = len(leaves)
     levels = _check_nodes(store, report, leaves)
     if genesis is None:
@@ -155,6 +159,7 @@ def _audit(
     _check_checkpoints(store, report, levels, size, genesis.origin, log_key, witnesses)
     _check_reputation(store, report, replay)
     _check_divergence(report, divergence)
+    _check_draws(report, draws)
     meta = store.meta()
     want_meta = {"origin": genesis.origin, "vkey": trusted.vkey()}
     if meta != want_meta:
@@ -178,9 +183,10 @@ def _check_entries(
     blobs: FileBlobStore | None,
     progress: Callable[[int], None] | None,
     divergence: list[tuple[int, Record]],
+    draws: DrawAudit,
 ) -> tuple[list[bytes], Replay, LogCreated | None]:
     """Check every entry; collect the divergence entries and divergence slashes into
-    ``divergence``."""
+    ``divergence``, and feed every record to ``draws``."""
     leaves: list[bytes] = []
     replay = Replay()
     genesis: LogCreated | None = None
@@ -274,7 +280,25 @@ def _check_entries(
             divergence.append((idx, record))
         if genesis is not None:
             replay.feed(idx, record)
+            draws.feed(idx, record)
     return leaves, replay, genesis
+
+
+def _check_draws(report: AuditReport, draws: DrawAudit) -> None:
+    """Every recorded audit draw recomputed from its epoch's revealed secret
+    (``ledger.draws``)."""
+    for f in draws.findings():
+        report.add(
+            Finding(
+                f"entry {f.index}", f.message, Reason.INCONSISTENT, f.index, f.expected, f.computed
+            )
+        )
+    report.draws_checked = draws.checked
+    if draws.unchecked:
+        report.warnings.append(
+            f"{draws.unchecked} audit draws are of an epoch whose secret is not revealed yet: "
+            "not recomputed"
+        )
 
 
 def _check_divergence(report: AuditReport, entries: list[tuple[int, Record]]) -> None:

@@ -94,6 +94,25 @@ class VerdictRecorded(_Record, tag="verdict", frozen=True):
     at_ms: U64
 
 
+GROUP_DRAW = 2**32 - 1
+"""The group index an assignment's own audit draw is keyed by (``verify.challenge.audit_subject``
+with an empty completion): the draw that decides whether a discarded assignment counts."""
+
+
+class DrawnVerdict(VerdictRecorded, tag="verdict_drawn", frozen=True):
+    """A ``VerdictRecorded`` with what its audit draw was keyed by, so that once the epoch's
+    secret is revealed anyone recomputes the draw (``ledger.draws``): drawn at
+    ``audit_rate`` with ``verify.challenge.audit_subject(assignment_id, group_index,
+    completion)``, or with ``(assignment_id, GROUP_DRAW, b"")`` when ``completion`` is empty
+    (the draw of a discarded assignment, or none: a member of a group that failed before its
+    draw is recorded at rate 0). ``forced``: audited whatever the draw, its completion repeating
+    one recorded for the same prompt text."""
+
+    completion: OptDigest
+    audit_rate: Unit
+    forced: bool
+
+
 Increment = Annotated[float, Meta(ge=-1e12, le=1e12)]
 
 
@@ -172,6 +191,7 @@ Record = (
     | ContributorRegistered
     | AssignmentIssued
     | VerdictRecorded
+    | DrawnVerdict
     | DivergenceRecorded
     | Slashed
     | PolicyPublished

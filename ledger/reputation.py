@@ -7,10 +7,18 @@ observation of that contributor, so recent behaviour dominates::
     alpha' = prior_pass + decay * (alpha - prior_pass) + [passed]
     beta'  = prior_fail + decay * (beta  - prior_fail) + fail_weight * [failed]
                                                        + slash_weight * [slashed]
+                                                       + discard_weight * [discarded]
 
-``score = alpha / (alpha + beta)``. A contributor is banned once its score
-drops below ``ban_threshold`` or it is slashed; a ban is permanent.
-Only audited verdicts move reputation (an unaudited accept proves nothing).
+``score = alpha / (alpha + beta)``. A contributor is banned once a failed check leaves its
+score below ``ban_threshold``, or it is slashed; a ban is permanent.
+Only audited verdicts move reputation (an unaudited accept proves nothing). An
+assignment answered with anything but a valid group, or abandoned (:data:`DISCARDS`),
+is drawn for audit like a group, and counts as a discard when drawn: discards and
+passes are sampled at the same rate, so a contributor discarding a share f of its
+assignments holds a score near (1 - f) / (1 + (discard_weight - 1) f), which lowers its
+aggregation weight and raises its audit rate. A discard never bans on its own (a ban
+follows a failed check or a slash): a newcomer whose machine dies holding its
+assignments is not banned for it.
 
 Invariants: ``apply`` uses only IEEE-754 additions, multiplications and
 divisions in a fixed order, so replaying the same log on any machine
@@ -23,6 +31,24 @@ from __future__ import annotations
 from msgspec import Struct
 
 from ledger.records import LogCreated, Record, Slashed, VerdictRecorded
+from verify.errors import Reason
+
+DISCARDS = frozenset(
+    r.value
+    for r in (
+        Reason.ABANDONED,
+        Reason.MISSING_GROUP_MEMBER,
+        Reason.DUPLICATE_GROUP_MEMBER,
+        Reason.UNSUPPORTED_PRECISION,
+        Reason.EXPIRED_ASSIGNMENT,
+        Reason.STALE,
+        Reason.MALFORMED,
+    )
+)
+"""Reasons an assignment ends without a judged group: it was abandoned, or answered with a
+group that fails before any spot check, which costs the contributor nothing it could not
+choose. Each holds its contributor's place like an abandoned assignment, gives its prompt
+back, and counts against reputation when its draw picks it."""
 
 
 class ReputationParams(Struct, frozen=True):
@@ -40,6 +66,9 @@ class ReputationParams(Struct, frozen=True):
     """Evidence mass at which a contributor stops counting as new (its novelty term halves)."""
     risk_gain: float = 4.0
     """How strongly the share of failure evidence raises the audit rate."""
+    discard_weight: float = 1.0
+    """A drawn discard counts this many times a passed check. Fixed by the log format (no log
+    entry sets it): logs written before discards were drawn hold none."""
 
     @classmethod
     def from_record(cls, rec: LogCreated) -> ReputationParams:
@@ -75,14 +104,17 @@ def initial(contributor: bytes, params: ReputationParams) -> ReputationState:
     return ReputationState(contributor, params.prior_pass, params.prior_fail)
 
 
-def outcome(record: Record) -> tuple[int, int, int] | None:
-    """(passed, failed, slashed) a record contributes, or None if it does not move reputation."""
+def outcome(record: Record) -> tuple[int, int, int, int] | None:
+    """(passed, failed, slashed, discarded) a record contributes, or None if it does not move
+    reputation."""
     if isinstance(record, VerdictRecorded):
         if not record.audited:
             return None
-        return (1, 0, 0) if record.accepted else (0, 1, 0)
+        if record.accepted:
+            return (1, 0, 0, 0)
+        return (0, 0, 0, 1) if record.reason in DISCARDS else (0, 1, 0, 0)
     if isinstance(record, Slashed):
-        return (0, 0, 1)
+        return (0, 0, 1, 0)
     return None
 
 
@@ -92,23 +124,26 @@ def apply(
     passed: int,
     failed: int,
     slashed: int,
+    discarded: int,
     index: int,
 ) -> ReputationState:
-    """State after one observation at log ``index``."""
+    """State after one observation at log ``index`` (a discard is counted in ``failed``)."""
     alpha = params.prior_pass + params.decay * (state.alpha - params.prior_pass) + passed
     beta = (
         params.prior_fail
         + params.decay * (state.beta - params.prior_fail)
         + params.fail_weight * failed
         + params.slash_weight * slashed
+        + params.discard_weight * discarded
     )
-    banned = state.banned or slashed > 0 or alpha / (alpha + beta) < params.ban_threshold
+    low = alpha / (alpha + beta) < params.ban_threshold
+    banned = state.banned or slashed > 0 or (failed > 0 and low)
     return ReputationState(
         state.contributor,
         alpha,
         beta,
         state.passed + passed,
-        state.failed + failed,
+        state.failed + failed + discarded,
         state.slashed + slashed,
         banned,
         index,

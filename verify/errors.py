@@ -45,6 +45,7 @@ class Reason(enum.StrEnum):
     DUPLICATE_COMPLETION = "duplicate_completion"
     GROUP_REJECTED = "group_rejected"  # another member of the same group was rejected
     EXPIRED_ASSIGNMENT = "expired_assignment"
+    ABANDONED = "abandoned"  # an assignment expired unanswered
     STALE = "stale"
     FUTURE_VERSION = "future_version"
     ASSIGNMENT_LIMIT = "assignment_limit"  # too many assignments open or abandoned at once

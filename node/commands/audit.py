@@ -140,7 +140,8 @@ def run_verify(args: argparse.Namespace) -> int:
         if report.ok:
             print(
                 f"ok: {report.size} entries, {report.checkpoints} checkpoints, "
-                f"{report.contributors} contributors verified in {report.seconds:.2f}s"
+                f"{report.contributors} contributors, {report.draws_checked} audit draws "
+                f"verified in {report.seconds:.2f}s"
             )
         else:
             first = report.findings[0]

@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     for audits in range(0, 257):
         if audits in (0, 1, 4, 16, 64, 256):
             schedule[audits] = audit_rate(state, params)
-        state = apply(state, params, 1, 0, 0, audits)
+        state = apply(state, params, 1, 0, 0, 0, audits)
     detect_new = 1 - (1 - min(1.0, schedule[0]) * f) ** n
     result = {
         "cheat_fraction": f,

@@ -11,10 +11,10 @@ P = ReputationParams()
 K = b"\x01" * 32
 
 
-def run(outcomes: list[tuple[int, int, int]]):
+def run(outcomes: list[tuple[int, int, int]] | list[tuple[int, int, int, int]]):
     s = initial(K, P)
     for i, o in enumerate(outcomes):
-        s = apply(s, P, *o, i)
+        s = apply(s, P, *(tuple(o) + (0,) * (4 - len(o))), i)
     return s
 
 
@@ -102,7 +102,7 @@ def test_replay_is_deterministic(events) -> None:
     for index, rec in enumerate(log):
         second.feed(index, rec)
     assert first.params == GENESIS_PARAMS and first.states == second.states
-    moves = {0: (1, 0, 0), 1: (0, 1, 0), 2: (0, 0, 1)}
+    moves = {0: (1, 0, 0, 0), 1: (0, 1, 0, 0), 2: (0, 0, 1, 0)}
     for who in (K, OTHER):
         want = initial(who, GENESIS_PARAMS)
         for index, (other, kind) in enumerate(events, start=1):
@@ -123,3 +123,36 @@ def test_replay_requires_parameters() -> None:
         pass
     else:
         raise AssertionError("replay without LogCreated must refuse")
+
+
+def _verdict(reason: str, audited: bool):  # type: ignore[no-untyped-def]
+    from ledger.records import VerdictRecorded
+
+    return VerdictRecorded(K, b"\x00" * 16, 0, b"\x00" * 32, not reason, reason, audited, b"", 0)
+
+
+def test_a_drawn_discard_counts_as_one_pass_counts_and_an_undrawn_one_not_at_all() -> None:
+    from ledger.reputation import DISCARDS, outcome
+
+    assert outcome(_verdict("abandoned", True)) == (0, 0, 0, 1)
+    assert outcome(_verdict("missing_group_member", True)) == (0, 0, 0, 1)
+    assert outcome(_verdict("abandoned", False)) is None
+    assert outcome(_verdict("logprob_mismatch", True)) == (0, 1, 0, 0)
+    assert {"stale", "expired_assignment", "unsupported_precision", "malformed"} <= DISCARDS
+    discard, fail, ok = run([(0, 0, 0, 1)]), run([(0, 1, 0, 0)]), run([(1, 0, 0, 0)])
+    assert fail.score < discard.score == 1 / 3 < ok.score
+    assert discard.failed == 1 and discard.beta == P.prior_fail + P.discard_weight
+
+
+def test_discards_lower_the_score_and_raise_the_audit_rate_but_never_ban_alone() -> None:
+    def share(f: float, n: int = 2_000) -> float:
+        # discards and passes drawn at the same rate: a fraction f of the observations
+        moves = [(0, 0, 0, 1) if (i * f) % 1 + f >= 1 else (1, 0, 0, 0) for i in range(n)]
+        return run(moves).score
+
+    assert share(0.9) < P.ban_threshold < share(0.3) and share(0.3) > 0.6
+    # discards alone never ban, even a newcomer's; the next failed check then does
+    crashed = run([(0, 0, 0, 1)] * 8)
+    assert crashed.score < P.ban_threshold and not crashed.banned
+    assert run([(0, 0, 0, 1)] * 8 + [(0, 1, 0, 0)]).banned
+    assert audit_rate(crashed, P) == 1.0
