@@ -119,9 +119,14 @@ class AssignmentSection(_Section):
     max_outstanding: int = Field(default=4, ge=1, le=1_024)
     """Assignments one contributor may hold open at once (a contributor with ``--uploads N``
     holds up to N + 1). An assignment it abandons (lets expire unanswered) keeps holding its
-    place for a further ``ttl_s``, so a contributor cannot draw many prompts and submit only
-    the groups it likes (assignment grinding): it can discard at most max_outstanding - 1
-    groups per 2 x ttl_s."""
+    place for a further ``ttl_s``, and so does one answered with a discard (a group missing a
+    member, an unsupported precision, late, stale or malformed: ``ledger.reputation.DISCARDS``),
+    so a contributor cannot draw many prompts and submit only the groups it likes (assignment
+    grinding): it can discard at most max_outstanding groups per 2 x ttl_s."""
+    max_prompt_share: float = Field(default=0.25, gt=0.0, le=1.0)
+    """The largest fraction of the prompt pool one key may hold in one policy version
+    (assigned to it and not given back by a discard or an abandonment; at least one): no key
+    can use up a version's prompts, or choose which of them it trains on."""
 
 
 class AuditSection(_Section):

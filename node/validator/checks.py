@@ -16,7 +16,8 @@ checks run in this order and stop at the first failing member:
    ``rules.max_staleness`` of the current one;
 4. token ids lie in the vocabulary (MALFORMED);
 5. the validator's own reward for every member;
-6. the keyed audit draw at the contributor's audit rate, then spot checks of
+6. the keyed audit draw at the contributor's audit rate (recorded with each
+   verdict, so an auditor recomputes it: ``ledger.draws``), then spot checks of
    the drawn members (one shared forward pass per batch of groups). A member
    whose tokens repeat a completion already recorded (or being recorded) for the
    same prompt text is always audited: a copy fails the sampler replay, which is
@@ -35,7 +36,12 @@ checks run in this order and stop at the first failing member:
    statistics as evidence) that counts against reputation; it is not slashed,
    since an honest contributor fails it with probability ``audit.pit_alpha``.
 
-When a member fails, every other member of the group is GROUP_REJECTED.
+When a member fails, every other member of the group is GROUP_REJECTED. A group
+failing at 1-4 for a reason the contributor could pick at will (missing or
+duplicate member, unsupported precision, expired, stale, malformed:
+``ledger.reputation.DISCARDS``) is a discard: the assignment's own draw
+(``ledger.records.GROUP_DRAW``) decides whether it counts against reputation,
+and the caller holds the contributor's place as for an abandoned assignment.
 
 Invariants:
 - Completion digests of a group are reserved (in memory) before the store is
@@ -63,6 +69,8 @@ import numpy as np
 
 from ledger.divergence import DetectorKey, replay
 from ledger.log import Ledger
+from ledger.records import GROUP_DRAW
+from ledger.reputation import DISCARDS
 from node.config import ValidatorConfig
 from node.validator.affinity import Placement, spread
 from node.validator.commit import Batcher, Steps
@@ -98,6 +106,8 @@ class Issued:
     wire: WorkAssignment
     problem: Problem
     prompt_ids: tuple[int, ...]
+    abandoned: bool = False
+    """Expired unanswered and recorded so: a late answer is refused unrecorded."""
 
 
 @dataclass
@@ -117,6 +127,13 @@ class Member:
     divergence: tuple[RolloutEvidence, DivergenceTest, int] | None = None
     """What this audited member added to its contributor's divergence detector, the test that
     scored it and the detector's sequence number (recorded as ``DivergenceRecorded``)."""
+    audit_rate: float = 0.0
+    """The rate this member was drawn at (0: its group failed before the draw)."""
+    forced: bool = False
+    """Audited whatever the draw: its completion repeats one recorded for the same prompt."""
+    discard: bool = False
+    """Its reason ends the assignment without a judged group (``ledger.reputation.DISCARDS``):
+    recorded with the assignment's own draw (``ledger.records.GROUP_DRAW``)."""
 
     @property
     def raw(self) -> bytes:
@@ -179,6 +196,15 @@ class GroupChecks:
         whatever the draw.
         """
         failed, repeats = self._group_checks(issued, members, reserved)
+        a = issued.wire
+        if failed is not None and failed.reason in DISCARDS:
+            # The assignment's own draw, at the rate its groups are drawn: a discard then
+            # counts in reputation as often as a pass does.
+            failed.discard = True
+            failed.audit_rate = self.audit_rate(a.contributor_key)
+            failed.audited = should_audit(
+                secret, audit_subject(a.assignment_id, GROUP_DRAW, b""), failed.audit_rate
+            )
         # The slot is taken before the draw, drawn or not: a refusal must say nothing about
         # which members would have been audited.
         holds_slot = failed is None
@@ -186,12 +212,13 @@ class GroupChecks:
             raise AdmissionError("audit queue is full", reason=Reason.BACKPRESSURE)
         try:
             if failed is None:
-                audit_rate = self._audit_rate(issued.wire.contributor_key)
-                a = issued.wire
+                audit_rate = self.audit_rate(a.contributor_key)
+                for m in members:
+                    m.audit_rate, m.forced = audit_rate, m.completion in repeats
                 drawn = [
                     m
                     for m in members
-                    if m.completion in repeats
+                    if m.forced
                     or should_audit(
                         secret,
                         audit_subject(a.assignment_id, m.rollout.header.group_index, m.completion),
@@ -268,7 +295,8 @@ class GroupChecks:
         except VerificationError:
             return next(iter(self.tolerances.by_precision.values()))
 
-    def _audit_rate(self, contributor: bytes) -> float:
+    def audit_rate(self, contributor: bytes) -> float:
+        """The rate ``contributor``'s next draw is made at (``rules.audit_rate`` when set)."""
         override = self.cfg.rules.audit_rate
         return override if override >= 0 else self.ledger.audit_rate(contributor)
 
@@ -289,8 +317,9 @@ class GroupChecks:
         if audited:
             results = yield SpotJob([m.rollout for m in audited], issued.prompt_ids, secret)
             evidence: list[RolloutEvidence | None] = []
-            for m, result in zip(audited, results, strict=True):
+            for m in audited:  # each drawn member was checked, whichever fails first
                 m.audited = True
+            for m, result in zip(audited, results, strict=True):
                 if isinstance(result, SpotCheckFailed):
                     m.evidence = build_evidence(
                         result.reason,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import heapq
 import os
 import threading
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -52,12 +53,15 @@ import msgspec
 
 from ledger.log import Ledger, now_ms
 from ledger.records import (
+    GROUP_DRAW,
     AssignmentIssued,
     ContributorRegistered,
+    DrawnVerdict,
     EpochCommitted,
     PolicyPublished,
     VerdictRecorded,
 )
+from ledger.reputation import DISCARDS
 from node.config import ValidatorConfig
 from node.validator import trainer_side
 from node.validator.affinity import Placement
@@ -70,6 +74,7 @@ from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
+from verify.challenge import audit_subject, should_audit
 from verify.envelope import Limits, already_verified, decode_group, group_digest, verify_envelope
 from verify.errors import AdmissionError, DecodeError, LedgerError, Reason, VerificationError
 from verify.keys import SigningKey
@@ -165,10 +170,16 @@ class Validator:
         """Contributor -> its assignments that count against ``assignment.max_outstanding``."""
         self._expiries: list[tuple[int, bytes, bool]] = []
         """A heap of (when, assignment id, place freed): each open assignment's expiry, then
-        the end of its abandonment penalty (``_sweep``)."""
+        the end of its abandonment or discard penalty (``_sweep``)."""
+        self._held: dict[bytes, bytes] = {}
+        """Assignment -> contributor, for an abandoned or discarded assignment whose place its
+        contributor still holds (until ``ttl_s`` past its expiry)."""
         self._inflight: set[bytes] = set()
         self._registered: set[bytes] = set()
         self._used_prompts: set[tuple[str, int]] = set()
+        self._shares: Counter[tuple[bytes, int]] = Counter()
+        """(contributor, policy version) -> prompts of that version it holds: assigned to it
+        and not given back (``assignment.max_prompt_share``)."""
         self._cursor = 0
         self._restore()
 
@@ -204,8 +215,13 @@ class Validator:
             elif isinstance(rec, AssignmentIssued):
                 pending[rec.assignment_id] = rec
                 self._used_prompts.add((rec.prompt_id, rec.policy_version))
+                self._shares[(rec.contributor, rec.policy_version)] += 1
             elif isinstance(rec, VerdictRecorded):
                 answered.add(rec.assignment_id)
+                issued = pending.get(rec.assignment_id)
+                if rec.reason in DISCARDS and issued is not None:  # its prompt came back
+                    self._used_prompts.discard((issued.prompt_id, issued.policy_version))
+                    self._shares[(rec.contributor, issued.policy_version)] -= 1
             elif isinstance(rec, PolicyPublished):
                 self.versions.restore(rec.version, rec.manifest_digest)
             elif isinstance(rec, EpochCommitted):
@@ -268,35 +284,102 @@ class Validator:
         heapq.heappush(self._expiries, (item.wire.expires_at_ms, aid, False))
 
     def _close(self, aid: bytes) -> None:
-        """``aid`` was answered: it no longer counts against its contributor."""
+        """``aid`` was answered with a judged group: it no longer counts against its
+        contributor."""
         item = self._issued.pop(aid, None)
         if item is not None:
             self._open.get(item.wire.contributor_key, set()).discard(aid)
 
+    def _discarded(self, aid: bytes) -> None:
+        """``aid`` was answered with a discard (``ledger.reputation.DISCARDS``): it is closed,
+        its prompt goes back to the pool, and its place stays held as if it were abandoned."""
+        item = self._issued.pop(aid, None)
+        if item is not None:
+            self._give_back(item)
+            self._hold(item, item.wire.expires_at_ms)
+
+    def _give_back(self, item: Issued) -> None:
+        """``item``'s prompt returns to its version's pool, and leaves its contributor's share."""
+        version = item.wire.policy_version
+        self._used_prompts.discard((item.problem.id, version))
+        self._shares[(item.wire.contributor_key, version)] -= 1
+
+    def _hold(self, item: Issued, since: int) -> None:
+        """Keep ``item``'s place counted against its contributor until ``ttl_s`` after ``since``."""
+        self._held[item.wire.assignment_id] = item.wire.contributor_key
+        when = since + int(self.cfg.assignment.ttl_s * 1000)
+        heapq.heappush(self._expiries, (when, item.wire.assignment_id, True))
+
     def _sweep(self, now: int) -> None:
-        """Expired, unanswered assignments give their prompt back to the pool (abandoning a
-        prompt does not keep it from training) and, one ``ttl_s`` later, their contributor's
-        place (abandoning costs that long). A late answer still gets EXPIRED_ASSIGNMENT."""
+        """Expired, unanswered assignments are recorded as abandoned (``DrawnVerdict`` with
+        reason ABANDONED, drawn like a discard: it counts against reputation when its draw
+        picks it) and give their prompt back to the pool (abandoning a prompt does not keep
+        it from training); one ``ttl_s`` later their contributor's place frees (abandoning
+        costs that long). A late answer gets EXPIRED_ASSIGNMENT, unrecorded."""
+        abandoned: list[DrawnVerdict] = []
         while self._expiries and self._expiries[0][0] < now:
             when, aid, freed = heapq.heappop(self._expiries)
+            if freed:
+                key = self._held.pop(aid, None)
+                if key is not None:
+                    self._open.get(key, set()).discard(aid)
+                    self._issued.pop(aid, None)
+                continue
             item = self._issued.get(aid)
             if item is None:
                 continue  # answered
-            if freed:
-                self._open.get(item.wire.contributor_key, set()).discard(aid)
+            if aid in self._inflight:  # its answer is being judged: look again after it
+                heapq.heappush(self._expiries, (now, aid, False))
                 continue
-            self._used_prompts.discard((item.problem.id, item.wire.policy_version))
-            heapq.heappush(
-                self._expiries, (when + int(self.cfg.assignment.ttl_s * 1000), aid, True)
-            )
+            item.abandoned = True
+            self._give_back(item)
+            self._hold(item, when)
+            abandoned.append(self._abandonment(item, now))
+        if abandoned:
+            self.ledger.append_many(abandoned)
+
+    def _abandonment(self, item: Issued, now: int) -> DrawnVerdict:
+        """The verdict of an assignment that expired unanswered, with the assignment's draw."""
+        a = item.wire
+        rate = self._checks.audit_rate(a.contributor_key)
+        drawn = should_audit(
+            self._epochs.current, audit_subject(a.assignment_id, GROUP_DRAW, b""), rate
+        )
+        return DrawnVerdict(
+            a.contributor_key,
+            a.assignment_id,
+            GROUP_DRAW,
+            bytes(32),
+            False,
+            Reason.ABANDONED.value,
+            drawn,
+            b"",
+            now,
+            b"",
+            rate,
+            False,
+        )
 
     def _check_outstanding(self, contributor: bytes) -> None:
         held = len(self._open.get(contributor, ()))
         limit = self.cfg.assignment.max_outstanding
         if held >= limit:
             raise AdmissionError(
-                f"{held} assignments are open or recently abandoned (assignment.max_outstanding); "
-                "answer one, or wait for an abandoned one's place to free",
+                f"{held} assignments are open or held by an abandoned or discarded one "
+                "(assignment.max_outstanding); answer one, or wait for a held place to free",
+                reason=Reason.ASSIGNMENT_LIMIT,
+                expected=f"< {limit}",
+                computed=held,
+            )
+
+    def _check_share(self, contributor: bytes) -> None:
+        version = self.versions.current
+        held = self._shares[(contributor, version)]
+        limit = max(1, int(self.cfg.assignment.max_prompt_share * len(self.problems)))
+        if held >= limit:
+            raise AdmissionError(
+                f"this key holds {held} of policy version {version}'s {len(self.problems)} "
+                "prompts (assignment.max_prompt_share); wait for the next version",
                 reason=Reason.ASSIGNMENT_LIMIT,
                 expected=f"< {limit}",
                 computed=held,
@@ -313,11 +396,13 @@ class Validator:
                 try:
                     self._check_key(contributor)
                     self._check_outstanding(contributor)
+                    self._check_share(contributor)
                     item = self._issue(contributor)
                 except AdmissionError as exc:
                     out.append(exc)
                     continue
                 self._used_prompts.add((item.problem.id, item.wire.policy_version))
+                self._shares[(contributor, item.wire.policy_version)] += 1
                 self._open.setdefault(contributor, set()).add(item.wire.assignment_id)  # in-batch
                 issued.append(item)
                 out.append(item.sealed)
@@ -471,8 +556,13 @@ class Validator:
                 if prior[0] == digest:
                     return SubmitResult(self._stored_answer(digest, prior[1]), fresh=False)
                 raise AdmissionError("assignment was already answered", reason=Reason.REPLAY)
-            if issued is None:
+            if issued is None and self.state.assignment(aid) is None:
                 raise AdmissionError("unknown assignment", reason=Reason.UNKNOWN_ASSIGNMENT)
+            if issued is None or issued.abandoned:
+                raise AdmissionError(
+                    "the assignment expired unanswered and is recorded as abandoned",
+                    reason=Reason.EXPIRED_ASSIGNMENT,
+                )
             if aid in self._inflight:
                 raise AdmissionError(
                     "a submission for this assignment is in progress", reason=Reason.BACKPRESSURE
@@ -496,8 +586,11 @@ class Validator:
                 recorded = True
             finally:
                 self._epochs.release(recorded)
-            with self._lock:
-                self._close(aid)  # answered: its verdicts are stored
+            with self._lock:  # answered: its verdicts are stored
+                if any(m.discard for m in members):
+                    self._discarded(aid)
+                else:
+                    self._close(aid)
         finally:
             with self._lock:
                 self._inflight.discard(aid)

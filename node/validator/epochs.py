@@ -79,6 +79,12 @@ class EpochSecrets:
             )
             self._submissions = 0
 
+    @property
+    def current(self) -> bytes:
+        """The current epoch's secret, for a draw recorded at once under the lock this shares
+        with the validator (no epoch can end in between)."""
+        return self._secret
+
     def draw(self, wait: bool = True) -> bytes | None:
         """The current epoch secret, held until :meth:`release`. While the epoch is changing
         this waits for the change, or with ``wait=False`` returns None at once: a caller that

@@ -1,7 +1,7 @@
 """Recording a judged group (phase C of admission in ``core``): verdicts, slashes, bodies.
 
 For each member, in order (group-index order once the group is complete), the
-ledger gets ``VerdictRecorded`` and, when its reason is in :data:`SLASHED`,
+ledger gets ``DrawnVerdict`` (a ``VerdictRecorded`` with its audit draw's inputs) and, when its reason is in :data:`SLASHED`,
 ``Slashed`` right after it (evidence inline, or in the blob store when over
 4 KiB). Each member also gets a ``Verdict``, and the group's verdicts are
 signed once, together (``GroupVerdict``); accepted members get an
@@ -35,9 +35,9 @@ import numpy as np
 from ledger.log import Ledger
 from ledger.records import (
     DivergenceRecorded,
+    DrawnVerdict,
     Record,
     Slashed,
-    VerdictRecorded,
     check_record,
     evidence_digest,
 )
@@ -132,7 +132,7 @@ class Recorder:
             ev_digest = evidence_digest(m.evidence) if m.evidence else b""
             audited = m.audited or (m.reason in SLASHED) or m.reason is Reason.SAMPLING_DISTRIBUTION
             records.append(
-                VerdictRecorded(
+                DrawnVerdict(
                     a.contributor_key,
                     a.assignment_id,
                     h.group_index,
@@ -142,6 +142,9 @@ class Recorder:
                     audited,
                     ev_digest,
                     now,
+                    b"" if m.discard else m.completion,
+                    m.audit_rate,
+                    m.forced,
                 )
             )
             if m.divergence is not None:

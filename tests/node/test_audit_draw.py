@@ -3,10 +3,15 @@ of a rollout draws what the original drew."""
 
 from __future__ import annotations
 
+import pytest
+
+from ledger.audit import verify_ledger
+from ledger.records import DrawnVerdict
+from node.validator import checks
 from node.validator.core import SubmitResult
 from rollout.worker import answer, open_assignment
 from tests.node.test_validator_core import HONEST, honest_group, resign, verdicts
-from verify.challenge import audit_subject
+from verify.challenge import audit_subject, should_audit
 from verify.envelope import completion_digest, verify_envelope
 from verify.errors import AdmissionError, Reason
 from verify.types import canonical_bytes
@@ -47,3 +52,65 @@ def test_a_copy_re_signed_with_other_header_bytes_draws_the_same(
         ) == audit_subject(a.assignment_id, c.header.group_index, completion_digest(c))
     other = audit_subject(a.assignment_id, 1, completion_digest(original[0]))
     assert other != audit_subject(a.assignment_id, 0, completion_digest(original[0]))
+
+
+def _honest_run(v, backend, codec, groups: int) -> None:
+    for _ in range(groups):
+        group = honest_group(v, backend, codec)
+        assert all(x.accepted for x in verdicts(v, v.submit(canonical_bytes(group))))
+
+
+REPUTATION_RATES = {"rules.audit_rate": -1.0, "audit.epoch_groups": 2}
+"""Draws at the rates reputation gives (below 1 after a few passes), with secrets revealed
+every two groups."""
+
+
+def test_audit_verify_recomputes_every_draw_of_an_honest_node(
+    make_validator, backend, codec
+) -> None:
+    v = make_validator(REPUTATION_RATES)
+    _honest_run(v, backend, codec, 8)
+    drawn = [r for _, r in v.ledger.entries() if isinstance(r, DrawnVerdict)]
+    assert {r.audited for r in drawn} == {True, False}  # rates below 1: some drawn, some not
+    assert min(r.audit_rate for r in drawn) < 0.7
+    report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier)
+    assert report.ok, [str(f) for f in report.findings]
+    assert report.draws_checked >= 24
+
+
+@pytest.mark.parametrize("lie", ["skip", "extra", "rate"])
+def test_audit_verify_catches_a_validator_whose_audits_disagree_with_its_draws(
+    make_validator, backend, codec, monkeypatch, lie
+) -> None:
+    """The node's own log, internally consistent (every hash and checkpoint holds), but one
+    verdict's audit does not follow from the draw: a drawn member left unaudited (a friend
+    waved through), an undrawn one audited, or a draw made below the reputation's rate."""
+    v = make_validator(REPUTATION_RATES)
+    _honest_run(v, backend, codec, 3)
+    flipped: list[bool] = []
+
+    def lying_draw(secret: bytes, subject: bytes, rate: float) -> bool:
+        drawn = should_audit(secret, subject, rate)
+        if not flipped and 0.0 < rate < 1.0 and drawn is (lie == "skip"):
+            flipped.append(drawn)
+            return not drawn
+        return drawn
+
+    if lie == "rate":
+        real = v._checks.audit_rate  # noqa: SLF001
+        monkeypatch.setattr(v._checks, "audit_rate", lambda key: real(key) / 2)  # noqa: SLF001
+        flipped.append(True)
+    else:
+        monkeypatch.setattr(checks, "should_audit", lying_draw)
+    _honest_run(v, backend, codec, 5)
+    assert flipped
+    report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier)
+    assert not report.ok
+    words = {
+        "skip": "recorded unaudited",
+        "extra": "without being drawn",
+        "rate": "below what the contributor's replayed reputation gave it",
+    }[lie]
+    assert all(words in f.what for f in report.findings), [str(f) for f in report.findings]
+    if lie != "rate":
+        assert len(report.findings) == 1

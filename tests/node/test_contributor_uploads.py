@@ -422,7 +422,7 @@ def test_a_busy_validator_gets_the_group_again_not_a_drop(
     )
     assert any(line.startswith("validator busy:") for line in log)
     assert v.ledger.size() > size and json.loads(_state(tmp_path).read_text())["pending"] == []
-    recorded = [r for _, r in v.ledger.entries(size) if type(r).__name__ == "VerdictRecorded"]
+    recorded = [r for _, r in v.ledger.entries(size) if isinstance(r, VerdictRecorded)]
     assert len(recorded) == 4  # judged once
 
 

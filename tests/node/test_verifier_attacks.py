@@ -301,7 +301,11 @@ def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(
 ) -> None:
     now = [1_000_000]
     v = make_validator(
-        {"assignment.ttl_s": 10.0, "assignment.max_outstanding": 2},
+        {
+            "assignment.ttl_s": 10.0,
+            "assignment.max_outstanding": 2,
+            "assignment.max_prompt_share": 1.0,
+        },
         problems=generate("arithmetic", "train", 3),
         clock=lambda: now[0],
     )
@@ -331,7 +335,9 @@ def test_grinding_is_throttled_and_abandoned_prompts_return_to_the_pool(
     now[0] += 21_000  # both of its open ones are now past expiry + ttl
     v.assign(CHEAT.public.raw)
     late = answer(CHEAT, held[1], v.key.public, backend, codec)
-    assert rejected_reason(v, late) == {Reason.EXPIRED_ASSIGNMENT}
+    with pytest.raises(AdmissionError) as expired:  # recorded as abandoned: not judged again
+        v.submit(canonical_bytes(late))
+    assert expired.value.reason is Reason.EXPIRED_ASSIGNMENT
 
 
 # -- 7. cheaper sampling -------------------------------------------------------------------
