@@ -86,8 +86,9 @@ from rewards.tasks.base import generate  # noqa: E402
 from rollout.backends import GeneratedCompletion, TransformersBackend  # noqa: E402
 from rollout.oracle import TransformersOracle  # noqa: E402
 from rollout.worker import answer, header_fields, honest_request, open_assignment  # noqa: E402
-from verify.envelope import build_envelope  # noqa: E402
-from verify.errors import SpotCheckError, VerificationError  # noqa: E402
+from verify.challenge import audit_subject, should_audit  # noqa: E402
+from verify.envelope import build_envelope, completion_digest, verify_envelope  # noqa: E402
+from verify.errors import AdmissionError, Reason, SpotCheckError, VerificationError  # noqa: E402
 from verify.keys import SigningKey  # noqa: E402
 from verify.manifest import blob_digest  # noqa: E402
 from verify.sampling import noise_for_streams, process_logits  # noqa: E402
@@ -933,6 +934,193 @@ def _control(run: Run, honest: Honest, before: Honest, **extra: object) -> dict:
     }
 
 
+GRIND_METHODS = ("abandon", "missing_member", "unsupported_precision", "late", "stale")
+GRIND_ASK = 8
+"""Assignments a grinder asks for every quarter ``ttl_s``."""
+LEAK_GROUPS = 16
+"""Cheating groups the audit-draw leak probe plays (its keys' warm-ups come on top)."""
+
+
+def grinding(world: World, honest: Honest, method: str, windows: int) -> dict:
+    """A key that asks for ``GRIND_ASK`` assignments every quarter ``ttl_s``, generates every
+    one it gets, submits the best group honestly and discards the rest by ``method``, for
+    ``windows`` x 2 ``ttl_s`` at the reputation-driven audit rate. ``kept_reward_gain``: the
+    mean reward of its accepted rollouts less that of every rollout it generated (what an
+    honest contributor gets on the same prompts)."""
+    run = Run(world, honest, -1.0)
+    if method == "stale":  # every version it moves to has the base model's weights
+        run.v.oracle = TransformersOracle(lambda _version: world.model)
+    me = run.identity("grinder")
+    step, steps = TTL_MS // 4, 8 * windows
+    obtained = kept = 0
+    generated: list[float] = []
+    kept_rewards: list[float] = []
+    late: list[tuple[WorkAssignment, list[Comp]]] = []
+    reasons: Counter = Counter()
+    for _ in range(steps):
+        run.clock.advance(step)
+        due = [x for x in late if x[0].expires_at_ms < run.clock.t]
+        for a, comps in due:  # answered after expiry
+            reasons.update(_first_reasons(run.submit(run.sign(me, a, comps))))
+        late = [x for x in late if x not in due]
+        got = []
+        for _ in range(GRIND_ASK):
+            try:
+                got.append(run.assign(me))
+            except VerificationError as exc:
+                reasons[_reason(exc)] += 1
+        obtained += len(got)
+        scored = []
+        for a in got:
+            gen = run.generate(me, a)
+            rewards = score(
+                world.codec, run.by_id[a.prompt_id], [np.asarray(c.token_ids) for c in gen]
+            )
+            generated += rewards
+            forged = [(c.group_index, list(c.token_ids), c.logprobs) for c in gen]
+            scored.append((float(np.mean(rewards)), a, forged))
+        scored.sort(key=lambda x: -x[0])
+        for i, (_, a, comps) in enumerate(scored):
+            if i == 0:
+                out = run.submit(run.sign(me, a, comps))
+                if isinstance(out, SubmitResult):
+                    kept += 1
+                    kept_rewards += [v.reward for v in out.verdicts if v.accepted]
+                continue
+            if method == "late":
+                late.append((a, comps))
+                continue
+            if method == "abandon":
+                continue
+            if method == "stale":
+                versions = run.v.versions
+                versions.restore(versions.current + run.cfg.rules.max_staleness + 1, bytes(32))
+            header = {"precision": "float16"} if method == "unsupported_precision" else {}
+            keep = comps[:1] if method == "missing_member" else comps
+            reasons.update(_first_reasons(run.submit(run.sign(me, a, keep, **header))))
+        if run.banned(me):
+            break
+    state = run.v.ledger.reputation(me.key.public.raw)
+    span = steps * step / (2 * TTL_MS)
+    result = {
+        "assignments_per_key_per_2ttl": round(obtained / span, 2),
+        "kept_groups_per_2ttl": round(kept / span, 2),
+        "max_outstanding": run.cfg.assignment.max_outstanding,
+        "kept_reward_gain": None
+        if not kept_rewards
+        else round(float(np.mean(kept_rewards) - np.mean(generated)), 3),
+        "kept_mean_reward": _mean(kept_rewards),
+        "generated_mean_reward": _mean(generated),
+        "reasons": dict(reasons),
+        "score": round(state.score, 3),
+        "audit_rate": round(run.v.ledger.audit_rate(me.key.public.raw), 3),
+        "banned": state.banned,
+        "honest_slashed_in_ledger": run.honest_slashes(),
+    }
+    run.close()
+    return result
+
+
+def _first_reasons(out: Outcome) -> list[str]:
+    if isinstance(out, VerificationError):
+        return [_reason(out)]
+    return [r.reason or "accepted" for r in out.verdicts[:1]]
+
+
+def audit_draw_leak(
+    world: World, honest: Honest, groups: int, warmup: int, busy: float = 0.5
+) -> dict:
+    """Whether a refusal says anything about the draw. A contributor first earns a low audit
+    rate with ``warmup`` honest groups, then samples at temperature 0.9 while claiming 1.0.
+    Before each submission, honest or not, the audit queue is held by another group's spot
+    check with probability ``busy`` (a flood), and a refused group is re-signed and sent again
+    (at most 8 times). A banned key comes back as a fresh one, warmed up again, until
+    ``groups`` cheating groups are played. ``refused_drawn`` / ``refused_undrawn``: the
+    refusal rate of submissions the draw would audit / would not, under the flood;
+    ``groups_to_ban``: the cheating groups each key got in before its ban, with the flood and
+    without it."""
+    out: dict = {"busy": busy, "honest_slashed_in_ledger": 0}
+    for flood in (True, False):
+        probe = _Flooded(Run(world, honest, -1.0, {"audit.queue": 1}), busy if flood else 0.0)
+        to_ban: list[int] = []
+        me, mine = None, 0
+        for _ in range(groups):
+            if me is None or probe.run.banned(me):
+                if me is not None:
+                    to_ban.append(mine)
+                me, mine = probe.run.identity("flooded"), 0
+                for _ in range(warmup):
+                    got = probe.group(me)
+                    honest.groups += 1
+                    honest.false_rejections += not isinstance(got, SubmitResult) or rejected(got)
+            mine += 1
+            probe.group(me, temperature=0.9)
+        if me is not None and probe.run.banned(me):
+            to_ban.append(mine)
+        out["with_flood" if flood else "without_flood"] = {
+            "groups_to_ban": to_ban,
+            "mean_groups_to_ban": _mean([float(x) for x in to_ban]),
+            "submissions": {"drawn": probe.tries[True][0], "undrawn": probe.tries[False][0]},
+        }
+        if flood:
+            out["refused_drawn"] = probe.refusal_rate(True)
+            out["refused_undrawn"] = probe.refusal_rate(False)
+        out["honest_slashed_in_ledger"] += probe.run.honest_slashes()
+        probe.run.close()
+    return out
+
+
+class _Flooded:
+    """Submissions to ``run`` with its audit queue held by another group's spot check with
+    probability ``busy`` before each, counted by whether the draw would audit them."""
+
+    def __init__(self, run: Run, busy: float) -> None:
+        self.run, self.busy = run, busy
+        self.rng = np.random.default_rng(5)
+        self.tries = {True: [0, 0], False: [0, 0]}  # drawn? -> [submissions, refusals]
+
+    def group(self, me: Identity, **changes: Any) -> Outcome:
+        """A group of ``me``'s generated with ``changes``, re-signed and sent again while it
+        is refused (at most 8 times)."""
+        run = self.run
+        a = run.assign(me)
+        gen = run.generate(me, a, **changes)
+        comps = [(c.group_index, list(c.token_ids), c.logprobs) for c in gen]
+        slots = run.v._checks._audit_slots  # noqa: SLF001 (another group's spot check holds it)
+        for _ in range(8):
+            raw = run.sign(me, a, comps)
+            drawn = _drawn(run, a, raw, me)
+            held = self.rng.random() < self.busy and slots.acquire(blocking=False)
+            try:
+                result = run.submit(raw)
+            finally:
+                if held:
+                    slots.release()
+            refused = isinstance(result, AdmissionError) and result.reason is Reason.BACKPRESSURE
+            self.tries[drawn][0] += 1
+            self.tries[drawn][1] += refused
+            if not refused:
+                break
+        return result
+
+    def refusal_rate(self, drawn: bool) -> float:
+        sent, refused = self.tries[drawn]
+        return round(refused / max(sent, 1), 3)
+
+
+def _drawn(run: Run, a: WorkAssignment, raw: bytes, me: Identity) -> bool:
+    """Whether the current draw audits any member of the group in ``raw``."""
+    secret = run.v._epochs.current  # noqa: SLF001 (the bench reads what no contributor can)
+    rate = run.v.ledger.audit_rate(me.key.public.raw)
+    sub = decode(GroupSubmission, raw, max_bytes=len(raw))
+    for env in sub.envelopes:
+        r = verify_envelope(env)
+        subject = audit_subject(a.assignment_id, r.header.group_index, completion_digest(r))
+        if should_audit(secret, subject, rate):
+            return True
+    return False
+
+
 def world_for(work: Path, pool: int) -> World:
     from bench.validator import model_dir
 
@@ -951,7 +1139,10 @@ def run_all(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     torch.set_num_threads(1)  # per-core figures; both sides of every check on one thread
     with tempfile.TemporaryDirectory() as tmp:
-        world = world_for(Path(tmp), pool=4 * (args.groups + args.warmup * args.identities) + 200)
+        leak = LEAK_GROUPS * (args.warmup + 1)  # at most one warmed-up key per cheating group
+        world = world_for(
+            Path(tmp), pool=4 * (args.groups + args.warmup * args.identities) + leak + 200
+        )
         honest = Honest()
         table = attacks(world)
         if args.only:
@@ -970,6 +1161,9 @@ def run_all(args: argparse.Namespace) -> dict:
             }
             if attack.tolerated:
                 results[name]["tolerated"] = attack.tolerated
+        log("grinding and the audit-draw leak")
+        grind = {m: grinding(world, honest, m, windows=2) for m in GRIND_METHODS}
+        leak = audit_draw_leak(world, honest, LEAK_GROUPS, args.warmup)
         log("honest controls")
         controls = {
             "duplicate_prompt_text": control_duplicate_text(world, honest, args.groups),
@@ -995,6 +1189,8 @@ def run_all(args: argparse.Namespace) -> dict:
         for mode in ("per_audit", "default_rate")
     )
     ledger_slashes += sum(c["ledger_slashes"] for c in controls.values())
+    ledger_slashes += sum(g["honest_slashed_in_ledger"] for g in grind.values())
+    ledger_slashes += leak["honest_slashed_in_ledger"]
     return {
         "bench": "redteam",
         "groups": args.groups,
@@ -1006,6 +1202,8 @@ def run_all(args: argparse.Namespace) -> dict:
         "skipped": SKIPPED,
         "not_rejected_per_audit": missed,
         "never_differed_per_audit": same,
+        "grinding": grind,
+        "audit_draw_leak": leak,
         "honest": {
             "groups": honest.groups,
             "false_rejections": honest.false_rejections,

@@ -12,6 +12,9 @@ from pathlib import Path
 from harness.adversaries.base import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[2]
+GRIND_GAIN_BOUND = 0.1
+"""The most a grinder's kept mean reward may exceed its generated mean by
+(threat_models/dishonest_contributor.md, grinding bound)."""
 ALWAYS_DIFFERS = {  # attacks whose every group differs from honest output, and how each is caught
     "stop-overlong": "stopping_rule",
     "stop-empty": "stopping_rule",
@@ -72,3 +75,28 @@ def check(result: dict) -> None:
     assert grind["assignments_obtained"] > 0
     if grind["max_outstanding"] < 8:  # the first round alone asks for more than the limit
         assert grind["assignment_limit_refusals"] >= 8 - grind["max_outstanding"]
+
+    # Grinding by every discard method: at most max_outstanding assignments held per 2 ttl
+    # beyond the groups it kept, and the kept groups' reward barely above what it generated.
+    for method, g in result["grinding"].items():
+        assert (
+            g["assignments_per_key_per_2ttl"] <= g["max_outstanding"] + g["kept_groups_per_2ttl"]
+        ), (method, g)
+        assert g["kept_reward_gain"] is None or g["kept_reward_gain"] < GRIND_GAIN_BOUND, (
+            method,
+            g,
+        )
+        assert g["honest_slashed_in_ledger"] == 0 and not g["banned"], (method, g)
+    assert set(result["grinding"]) == {
+        "abandon",
+        "missing_member",
+        "unsupported_precision",
+        "late",
+        "stale",
+    }
+    # A refusal says nothing about the draw: drawn and undrawn submissions refused alike.
+    leak = result["audit_draw_leak"]
+    subs = leak["with_flood"]["submissions"]
+    if min(subs.values()) >= 10:
+        assert abs(leak["refused_drawn"] - leak["refused_undrawn"]) <= 0.25, leak
+    assert leak["honest_slashed_in_ledger"] == 0
