@@ -206,6 +206,22 @@ class ValidatorSpec(_Section):
     """Completion length limit."""
     temperature: float = Field(default=1.0, gt=0, le=4)
     """Sampling temperature of every assignment."""
+    registration_work_bits: int = Field(default=0, ge=0, le=32)
+    """The network's registration proof of work (``registration.work_bits`` of a validator,
+    ``verify.registration``): a key registered during the run (a whitewashing strategy's
+    fresh key after a ban) starts work later by the proof's expected cost, 2^bits x
+    ``registration_eval_s`` over the contributor's compute speed, in simulated time. The
+    population's first keys registered before the run began. 0: registration is free."""
+    registration_eval_s: float = Field(default=0.05, gt=0, le=10)
+    """Seconds of one scrypt evaluation at log2 N 14 on the reference hardware
+    (``verify.registration.seconds_per_evaluation``; measured 0.05 s on one idle core of the
+    CI machine)."""
+
+    def registration_cost_s(self) -> float:
+        """Reference seconds a new key's registration proof costs (expected)."""
+        if self.registration_work_bits == 0:
+            return 0.0
+        return (1 << self.registration_work_bits) * self.registration_eval_s
 
 
 class NamedParams(_Section):

@@ -108,7 +108,8 @@ class Simulation:
             ctx.rng = np.random.default_rng(spec.seed)
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
-        for m in self.members:  # each key's first event: its registration
+        self.registration_s = scenario.validator.registration_cost_s()
+        for m in self.members:  # each key's first event: its registration (proved before t=0)
             self._registered(m, 0.0)
 
     def _now_ms(self) -> int:
@@ -167,9 +168,9 @@ class Simulation:
         answers = self.net.validator.assign_many([m.key.public.raw for m, _ in due])
         for (m, at), sealed in zip(due, answers, strict=True):
             if isinstance(sealed, AdmissionError):
+                m.free_at = at + IDLE_RETRY_S
                 if sealed.reason in (Reason.BANNED_KEY, Reason.UNKNOWN_KEY):
                     m.retired = not (sealed.reason == Reason.BANNED_KEY and self._rejoin(m, at))
-                m.free_at = at + IDLE_RETRY_S
             else:
                 jobs.append((m, sealed, at))
         return jobs
@@ -223,8 +224,14 @@ class Simulation:
         m.key = m.ctx.key = SigningKey.from_seed(seed)
         raw = m.key.public.raw
         self.net.validator.register(raw, f"{m.spec.id}/{m.comebacks}")
-        self._registered(m, max(at, self.t))
+        start = max(at, self.t)
+        self._registered(m, start)
+        m.free_at = max(m.free_at, start + self._proof_time(m))  # the new key's proof first
         return True
+
+    def _proof_time(self, m: Member) -> float:
+        """Simulated seconds ``m`` spends on a new key's registration proof."""
+        return self.sim.compute_time(m.spec.id, self.registration_s)
 
     def _registered(self, m: Member, t: float) -> None:
         """Log the reputation ``m``'s current key starts with."""

@@ -33,6 +33,7 @@ from ledger.divergence import replay as replay_divergence
 from ledger.draws import DrawAudit
 from ledger.note import Verifier, parse_note, verify_note
 from ledger.records import (
+    ContributorAdmitted,
     DivergenceRecorded,
     EpochCommitted,
     EpochRevealed,
@@ -46,6 +47,8 @@ from ledger.reputation import Replay, ReputationState
 from ledger.storage import LedgerStore, storage_errors
 from verify.errors import ProofTrainError, Reason, VerificationError
 from verify.keys import PublicKey
+from verify.registration import WorkParams
+from verify.registration import check as check_registration
 
 MAX_FINDINGS = 1000
 
@@ -269,6 +272,8 @@ def _check_entries(
                         got,
                     )
                 )
+        elif isinstance(record, ContributorAdmitted) and genesis is not None:
+            _check_admission(report, where, idx, record, genesis.origin)
         elif isinstance(record, Slashed) and not record.evidence and blobs is not None:
             try:
                 blobs.get(record.evidence_digest)
@@ -282,6 +287,17 @@ def _check_entries(
             replay.feed(idx, record)
             draws.feed(idx, record)
     return leaves, replay, genesis
+
+
+def _check_admission(
+    report: AuditReport, where: str, idx: int, record: ContributorAdmitted, origin: str
+) -> None:
+    """A registration's proof of work holds for its key on this log (``verify.registration``)."""
+    try:
+        params = WorkParams(record.work_bits, record.work_log2_n)
+        check_registration(record.contributor, origin, record.work_nonce, params)
+    except (VerificationError, ValueError) as exc:
+        report.add(Finding(where, f"registration work: {exc}", Reason.REGISTRATION_WORK, idx))
 
 
 def _check_draws(report: AuditReport, draws: DrawAudit) -> None:

@@ -68,6 +68,15 @@ class ContributorRegistered(_Record, tag="contributor_registered", frozen=True):
     at_ms: U64
 
 
+class ContributorAdmitted(ContributorRegistered, tag="contributor_admitted", frozen=True):
+    """A registration that paid the network's proof of work (``verify.registration``): anyone
+    redoes the check from the key, the log's origin and these fields."""
+
+    work_nonce: U64
+    work_bits: U32
+    work_log2_n: U32
+
+
 class AssignmentIssued(_Record, tag="assignment", frozen=True):
     assignment_id: Id16
     contributor: Key
@@ -189,6 +198,7 @@ class Note(_Record, tag="note", frozen=True):
 Record = (
     LogCreated
     | ContributorRegistered
+    | ContributorAdmitted
     | AssignmentIssued
     | VerdictRecorded
     | DrawnVerdict

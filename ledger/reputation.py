@@ -51,6 +51,13 @@ choose. Each holds its contributor's place like an abandoned assignment, gives i
 back, and counts against reputation when its draw picks it."""
 
 
+PROBATION_ROLLOUTS = 32
+"""Audited rollouts a new key is on probation for: audited at rate 1 (:func:`audit_rate`) and
+weighed at most ``PROBATION_WEIGHT`` in aggregation (:func:`aggregation_weight`). Fixed by the
+log format, as ``discard_weight`` is."""
+PROBATION_WEIGHT = 0.5
+
+
 class ReputationParams(Struct, frozen=True):
     prior_pass: float = 1.0
     prior_fail: float = 1.0
@@ -161,9 +168,10 @@ def audit_rate(state: ReputationState | None, params: ReputationParams) -> float
         risk      = bad / (novelty + good + bad)               (share of failure evidence)
         rate      = min + (1 - min) * min(1, novelty + risk_gain * risk)
 
-    Unknown or banned contributors are always checked.
+    Unknown and banned contributors, and new ones on probation (fewer than
+    ``PROBATION_ROLLOUTS`` audited rollouts), are always checked.
     """
-    if state is None or state.banned:
+    if state is None or state.banned or state.passed + state.failed < PROBATION_ROLLOUTS:
         return 1.0
     good = max(state.alpha - params.prior_pass, 0.0)
     bad = max(state.beta - params.prior_fail, 0.0)
@@ -172,6 +180,16 @@ def audit_rate(state: ReputationState | None, params: ReputationParams) -> float
     risk = bad / denom if denom > 0 else 0.0
     pressure = min(1.0, novelty + params.risk_gain * risk)
     return params.min_audit_rate + (1.0 - params.min_audit_rate) * pressure
+
+
+def aggregation_weight(state: ReputationState | None, params: ReputationParams) -> float:
+    """A contributor's weight in robust aggregation: its score, at most ``PROBATION_WEIGHT``
+    while it is on probation (a fresh key cannot buy full weight with a few honest groups)."""
+    if state is None:
+        state = initial(b"", params)
+    if state.passed + state.failed < PROBATION_ROLLOUTS:
+        return min(state.score, PROBATION_WEIGHT)
+    return state.score
 
 
 class Replay:

@@ -16,6 +16,7 @@ import msgspec
 from node.validator.auth import sign_request
 from verify.errors import ProofTrainError, Reason
 from verify.keys import SigningKey
+from verify.registration import WorkParams, solve
 from verify.types import (
     GroupSubmission,
     SampleBatch,
@@ -96,7 +97,21 @@ class ValidatorClient:
         return self._request("GET", "/v1/info").json()
 
     def register(self, name: str = "") -> bool:
-        body = msgspec.json.encode({"name": name})
+        """Register this key (False: it already was), first making the registration proof of
+        work the node asks for in /v1/info, if any (``verify.registration``)."""
+        try:  # a known key needs no proof: it paid once
+            return self._register({"name": name})
+        except ServiceError as exc:
+            if exc.reason is not Reason.REGISTRATION_WORK:
+                raise
+        info = self.info()
+        asked = info.get("network", {}).get("registration", {})
+        params = WorkParams(int(asked.get("work_bits", 0)), int(asked.get("work_log2_n", 14)))
+        work = solve(self.key.public.raw, str(info["origin"]), params)
+        return self._register({"name": name, "work": work})
+
+    def _register(self, fields: dict[str, Any]) -> bool:
+        body = msgspec.json.encode(fields)
         return bool(self._request("POST", "/v1/register", body, signed=True).json()["registered"])
 
     def assign(self) -> SignedAssignment:

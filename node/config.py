@@ -150,6 +150,16 @@ class AuditSection(_Section):
     """Audits in flight at once; beyond it submissions get 429 with Retry-After."""
 
 
+class RegistrationSection(_Section):
+    work_bits: int = Field(default=0, ge=0, le=32)
+    """Leading zero bits a new key's memory-hard registration proof must have
+    (``verify.registration``): about 2^work_bits scrypt evaluations, paid once per key, so a
+    banned cheater's fresh key or a Sybil's many keys each cost that; 0 leaves registration
+    open."""
+    work_log2_n: int = Field(default=14, ge=1, le=20)
+    """scrypt's N = 2^work_log2_n: each evaluation needs 128 * 8 * N bytes (16 MiB at 14)."""
+
+
 class LimitsSection(_Section):
     max_tokens: int = Field(default=4_096, ge=1, le=65_536)
     max_group_size: int = Field(default=64, ge=1, le=256)
@@ -168,6 +178,7 @@ class ValidatorConfig(_Section):
     task: TaskSection = TaskSection()
     assignment: AssignmentSection = AssignmentSection()
     audit: AuditSection = AuditSection()
+    registration: RegistrationSection = RegistrationSection()
     limits: LimitsSection = LimitsSection()
 
     @model_validator(mode="after")

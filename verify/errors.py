@@ -35,6 +35,7 @@ class Reason(enum.StrEnum):
     BAD_SIGNATURE = "bad_signature"
     WRONG_SIGNER = "wrong_signer"
     BAD_PASSPHRASE = "bad_passphrase"
+    REGISTRATION_WORK = "registration_work"  # no valid registration proof of work
     # -- assignment and freshness
     UNKNOWN_ASSIGNMENT = "unknown_assignment"
     ASSIGNMENT_MISMATCH = "assignment_mismatch"

@@ -42,6 +42,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ledger.log import Ledger
+from ledger.reputation import aggregation_weight
 from node.config import AssignmentSection, AuditSection, NodeSection, ValidatorConfig
 from node.local.versions import RegistryOracle, VersionRegistry
 from node.validator.core import Validator
@@ -414,8 +415,10 @@ class LocalNetwork:
             self.registry.add(version, self._published_model())
 
     def weight(self, contributor: bytes) -> float:
-        """Reputation score in (0, 1): a contributor weight for robust aggregation."""
-        return self.ledger.reputation(contributor).score
+        """Reputation score in (0, 1), capped while the key is on probation
+        (``ledger.reputation.aggregation_weight``): a contributor weight for robust
+        aggregation."""
+        return aggregation_weight(self.ledger.reputation(contributor), self.ledger.params)
 
     def weights(self, contributors: Sequence[bytes]) -> torch.Tensor:
         return torch.tensor([self.weight(c) for c in contributors], dtype=torch.float64)

@@ -55,6 +55,7 @@ from ledger.log import Ledger, now_ms
 from ledger.records import (
     GROUP_DRAW,
     AssignmentIssued,
+    ContributorAdmitted,
     ContributorRegistered,
     DrawnVerdict,
     EpochCommitted,
@@ -78,6 +79,8 @@ from verify.challenge import audit_subject, should_audit
 from verify.envelope import Limits, already_verified, decode_group, group_digest, verify_envelope
 from verify.errors import AdmissionError, DecodeError, LedgerError, Reason, VerificationError
 from verify.keys import SigningKey
+from verify.registration import WorkParams
+from verify.registration import check as check_registration
 from verify.signed import open_sealed, seal
 from verify.spotcheck import DistributionOracle, Tolerance, Tolerances
 from verify.types import (
@@ -240,16 +243,41 @@ class Validator:
         return None if blob is None else decode(SignedAssignment, blob, max_bytes=len(blob))
 
     # -- registration and assignment -------------------------------------
-    def register(self, contributor: bytes, name: str = "") -> bool:
-        """Register a contributor key; returns False if it was already known."""
+    def register(self, contributor: bytes, name: str = "", work: int | None = None) -> bool:
+        """Register a contributor key; returns False if it was already known. With
+        ``registration.work_bits`` set, a new key must bring its proof of work (``work``, the
+        nonce: ``verify.registration``), which the ledger records with the key."""
         if len(contributor) != 32:
             raise AdmissionError("a contributor key is 32 bytes", reason=Reason.BAD_KEY)
+        if contributor in self._registered:
+            return False
+        params = self.registration_work
+        if params.bits:
+            if work is None:
+                raise AdmissionError(
+                    f"registration needs a proof of work of {params.bits} bits at scrypt log2 N "
+                    f"{params.log2_n} (GET /v1/info says how; `prooftrain contributor` makes it)",
+                    reason=Reason.REGISTRATION_WORK,
+                )
+            check_registration(contributor, self.ledger.origin, work, params)  # outside the lock
         with self._lock:
             if contributor in self._registered:
                 return False
-            self.ledger.append(ContributorRegistered(contributor, name[:256], self.clock()))
+            self.ledger.append(
+                ContributorAdmitted(
+                    contributor, name[:256], self.clock(), work, params.bits, params.log2_n
+                )
+                if params.bits and work is not None
+                else ContributorRegistered(contributor, name[:256], self.clock())
+            )
             self._registered.add(contributor)
             return True
+
+    @property
+    def registration_work(self) -> WorkParams:
+        """What a new key's registration proof must meet (``verify.registration``)."""
+        r = self.cfg.registration
+        return WorkParams(r.work_bits, r.work_log2_n)
 
     def _check_key(self, contributor: bytes) -> None:
         if contributor not in self._registered:

@@ -47,6 +47,7 @@ audit_rate = {audit_rate}
 group_size = 8
 max_tokens = 8
 temperature = 0.5
+registration_work_bits = {registration_bits}
 [trainer]
 steps = 100
 batch_groups = 4
@@ -68,9 +69,15 @@ class Run:
         honest: int = 3,
         params: str = "{}",
         audit_rate: float = -1.0,
+        registration_bits: int = 0,
     ) -> None:
         text = SCENARIO.format(
-            honest=honest, strategy=strategy, count=count, params=params, audit_rate=audit_rate
+            honest=honest,
+            strategy=strategy,
+            count=count,
+            params=params,
+            audit_rate=audit_rate,
+            registration_bits=registration_bits,
         )
         self.scenario = Scenario.model_validate(tomllib.loads(text))
         self.model = self.scenario.model.ensure(self.scenario.task.name, progress=False)
@@ -223,6 +230,29 @@ def test_reputation_farmer_is_banned_on_every_key_and_each_comeback_farms_again(
         if i.key in {s.key for s in banned}:
             assert i.groups_before_ban is not None and i.time_to_ban_s is not None
             assert i.time_to_ban_s > 0 and i.groups_before_ban >= 20
+    _honest_never_slashed(r)
+
+
+def test_each_fresh_key_of_a_whitewasher_pays_the_registration_proof_in_simulated_time(
+    run,
+) -> None:  # type: ignore[no-untyped-def]
+    r = run("reputation-farmer", registration_bits=10)
+    farmer = r.adversaries[0]
+    cost = r.scenario.validator.registration_cost_s()
+    assert cost == pytest.approx(1024 * r.scenario.validator.registration_eval_s)
+    r.pump_until(lambda: len({t.key for t in _turns(farmer) if t.accepted is not None}) >= 2, 4_000)
+    assert farmer.comebacks >= 1
+    events = r.events()
+    fresh = [e for e in events.reputation if e.contributor == farmer.spec.id]
+    keys = list(dict.fromkeys(e.key for e in fresh))
+    assert len(keys) >= 2
+    registered = next(e.t for e in fresh if e.key == keys[1])  # the first comeback's key
+    first_work = min(e.t for e in events.verdicts if e.key == keys[1])
+    speed = r.sim.sim.profile(farmer.spec.id).compute_speed
+    assert first_work - registered >= cost / speed  # nothing before its proof was done
+    # the population's first keys registered before the run: they start at once
+    honest = [e for e in events.verdicts if e.strategy == "honest"]
+    assert min(e.t for e in honest) < cost / 4
     _honest_never_slashed(r)
 
 

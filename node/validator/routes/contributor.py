@@ -57,7 +57,16 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
                     "application/json": {
                         "schema": {
                             "type": "object",
-                            "properties": {"name": {"type": "string", "maxLength": 256}},
+                            "properties": {
+                                "name": {"type": "string", "maxLength": 256},
+                                "work": {
+                                    "type": "integer",
+                                    "minimum": 0,
+                                    "maximum": 2**63 - 1,
+                                    "description": "registration proof-of-work nonce "
+                                    "(verify.registration), when /v1/info asks for one",
+                                },
+                            },
                         }
                     }
                 },
@@ -68,16 +77,20 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
         body = await node.body_of(request)
         key = await node.caller(request, body)
         try:
-            name = msgspec.json.decode(body or b"{}").get("name", "")
+            fields = msgspec.json.decode(body or b"{}")
+            name, work = fields.get("name", ""), fields.get("work")
         except (msgspec.DecodeError, AttributeError):
-            name = None
-        if (
-            not isinstance(name, str) or len(name) > 256
-        ):  # as declared: a string of at most 256 characters
+            name = work = None
+        if (  # as declared: a string of at most 256 characters, and a nonce or nothing
+            not isinstance(name, str)
+            or len(name) > 256
+            or not (work is None or (isinstance(work, int) and 0 <= work < 2**63))
+        ):
             raise ApiError(
-                Reason.MALFORMED, 'body must be JSON {"name": "<at most 256 characters>"}'
+                Reason.MALFORMED,
+                'body must be JSON {"name": "<at most 256 characters>", "work": <nonce>}',
             )
-        added = await node.call(lambda: validator.register(key.raw, name))
+        added = await node.call(lambda: validator.register(key.raw, name, work))
         return {"registered": added, "fingerprint": key.fingerprint}
 
     @app.post(

@@ -8,6 +8,7 @@ from typing import Annotated, Any
 from fastapi import FastAPI, Path, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from ledger.reputation import PROBATION_ROLLOUTS, PROBATION_WEIGHT
 from node.validator import trainer_side
 from node.validator.routes.common import INT64_MAX, MSGPACK, ApiError, Serving, errors, ok_binary
 from verify.errors import Reason
@@ -29,6 +30,13 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
         "max_tokens": a.max_tokens,
         "chunk_size": a.chunk_size,
         "max_outstanding": a.max_outstanding,
+        "max_prompt_share": a.max_prompt_share,
+        "registration": {
+            "work_bits": cfg.registration.work_bits,
+            "work_log2_n": cfg.registration.work_log2_n,
+            "probation_rollouts": PROBATION_ROLLOUTS,
+            "probation_weight": PROBATION_WEIGHT,
+        },
     }
 
     @app.get("/healthz")
