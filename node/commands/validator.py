@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+MODES = ("since-checkpoint", "full")  # node.validator.check.MODES, without importing it here
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -26,6 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="load and check every setting and file, print a summary, and exit; "
         "changes nothing on disk",
+    )
+    p.add_argument(
+        "--verify-ledger",
+        choices=MODES,
+        default="since-checkpoint",
+        help="how the ledger is verified before the node serves it (and by --check): from "
+        "the last checkpoint a check verified (default), or every entry, node, checkpoint "
+        "and reputation row; a ledger that fails is refused",
     )
     p.add_argument(
         "--log-format",
@@ -51,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None
     }
     cfg = load(ValidatorConfig, args.config, overrides)
-    for line in describe(cfg):
+    for line in describe(cfg, verify=args.verify_ledger, record=not args.check):
         print(line, flush=True)
     if args.check:
         return 0
