@@ -61,13 +61,20 @@ def run(args: argparse.Namespace) -> int:
         k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None
     }
     cfg = load(ValidatorConfig, args.config, overrides)
-    for line in describe(cfg, verify=args.verify_ledger, record=not args.check):
-        print(line, flush=True)
     if args.check:
+        for line in describe(cfg, verify=args.verify_ledger):
+            print(line, flush=True)
         return 0
     from node.validator.activity import setup_logging
     from node.validator.build import build_validator
-    from node.validator.server import serve_node
+    from node.validator.locks import hold_node_files
+    from node.validator.server import listen, serve_node
 
-    setup_logging(args.log_format)
-    return serve_node(cfg, build_validator(cfg), summary_s=args.summary_s)
+    # The port, then the files' locks, before anything opens the ledger: a second node on
+    # this port or these files stops here, having written nothing.
+    sock = listen(cfg.node.host, cfg.node.port)
+    with sock, hold_node_files(cfg):
+        for line in describe(cfg, verify=args.verify_ledger, record=True):
+            print(line, flush=True)
+        setup_logging(args.log_format)
+        return serve_node(cfg, build_validator(cfg), summary_s=args.summary_s, sock=sock)
