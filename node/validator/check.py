@@ -3,7 +3,8 @@
 ``describe`` opens the ledger read-only and touches nothing else on disk: no
 ledger entry, no checkpoint, no state database, no blob directory is created
 or changed, so a check can be run against a live node's files at any time.
-It verifies the ledger as a start does (``ledger.start_check``): from the last
+Every file the node reads must be readable, and every one it writes writable
+(``check_paths``). It verifies the ledger as a start does (``ledger.start_check``): from the last
 verified checkpoint, or with ``full`` the whole log. That checkpoint's signed
 note is kept in ``<state_file>.verified``, the node's own file (each validator
 sharing a PostgreSQL log has its own); only a start's check writes it, never
@@ -18,6 +19,7 @@ key) before starting it.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -50,6 +52,7 @@ def describe(
     """One line per input the node uses, after loading and checking each (``ConfigError`` if any
     is missing or wrong, ``LedgerError`` if the ledger fails ``check_ledger`` with ``verify``).
     Changes nothing on disk, unless ``record`` keeps the checkpoint the check verified."""
+    check_paths(cfg)
     key = key or load_key(cfg.node.key_file)
     model_dir = cfg.policy.model_dir
     if not (Path(model_dir) / "config.json").exists():
@@ -144,6 +147,49 @@ def check_ledger(
     if record and verified.checkpoint is not None and verified.checkpoint != since:
         write_atomically(since_file, verified.checkpoint.encode())
     return verified
+
+
+def check_paths(cfg: ValidatorConfig) -> None:
+    """ConfigError, in one line, for the first file the node reads that it cannot read, or
+    that it writes (the SQLite ledger, the state file, the blob store, and the directories
+    their companion files go to) that it cannot write. A path not created yet needs a
+    writable directory above it."""
+    n = cfg.node
+    reads = [(n.key_file, "validator key", "node.key_file")]
+    if n.trainer_key and Path(n.trainer_key).exists():
+        reads.append((Path(n.trainer_key), "trainer key", "node.trainer_key"))
+    if cfg.audit.tolerance_file is not None:
+        reads.append((cfg.audit.tolerance_file, "tolerance file", "audit.tolerance_file"))
+    if cfg.task.jsonl is not None:
+        reads.append((cfg.task.jsonl, "task file", "task.jsonl"))
+    reads.append((cfg.policy.model_dir, "model directory", "policy.model_dir"))
+    for path, what, setting in reads:
+        if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
+            raise ConfigError(f"{what} {path} is not readable by this user ({setting})")
+    writes = [(n.state_path(), "state file", "node.state_file")]
+    if not n.is_postgres():
+        writes.insert(0, (Path(n.ledger.removeprefix("sqlite:")), "ledger", "node.ledger"))
+    for path, what, setting in writes:  # and the directory of their -wal, .lock, ... files
+        _writable(path, what, setting)
+        _writable(path.parent, f"{what}'s directory", setting)
+    blobs = n.blob_path()
+    _writable(blobs, "blob store", "node.blob_dir")
+    if blobs.is_dir():
+        for sub in blobs.iterdir():
+            if sub.is_dir():
+                _writable(sub, "blob store directory", "node.blob_dir")
+
+
+def _writable(path: Path, what: str, setting: str) -> None:
+    target = path
+    while not target.exists() and target != target.parent:
+        target = target.parent  # where the node would create it
+    mode = os.R_OK | os.W_OK | (os.X_OK if target.is_dir() else 0)
+    if not os.access(target, mode):
+        named = f"{what} {path}" if target == path else f"{what} {path} (under {target})"
+        raise ConfigError(
+            f"{named} is not writable by this user: fix its permissions, or set {setting}"
+        )
 
 
 def _check_log_key(cfg: ValidatorConfig, key: SigningKey, genesis_bytes: bytes) -> None:
