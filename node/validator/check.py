@@ -119,9 +119,11 @@ def check_ledger(
 
     Raises ConfigError if the ledger is another key's, and LedgerError naming where the log
     first fails verification and what the operator can do."""
-    if not cfg.node.is_postgres() and not Path(cfg.node.ledger.removeprefix("sqlite:")).exists():
-        return None
     since_file = verified_path(cfg)
+    if not cfg.node.is_postgres() and not Path(cfg.node.ledger.removeprefix("sqlite:")).exists():
+        if record:  # a checkpoint of a ledger no longer there says nothing of the next one
+            since_file.unlink(missing_ok=True)
+        return None
     since = since_file.read_text() if mode != "full" and since_file.is_file() else None
     store = open_store(cfg.node.ledger, readonly=True)
     try:
@@ -136,9 +138,10 @@ def check_ledger(
         log = Verifier(cfg.node.origin, 0x01, key.public)
         verified = verify_full(store, log) if mode == "full" else verify_since(store, log, since)
     except LedgerCheckError as exc:
+        kept = f" (kept in {since_file})" if "last verified" in exc.where else ""
         raise LedgerError(
-            f"the ledger fails verification at {exc.where}: {exc.what}; the node will not "
-            "serve it: restore the ledger from a backup, or list every damaged entry with "
+            f"the ledger fails verification at {exc.where}{kept}: {exc.what}; the node will "
+            "not serve it: restore the ledger from a backup, or list every damaged entry with "
             f"`prooftrain audit verify {redact(cfg.node.ledger)}`",
             reason=exc.reason,
         ) from None
