@@ -148,3 +148,24 @@ def test_a_group_from_before_a_restart_is_said_to_be_resent(
     stats = Contributor(client, BOB, tiny_model, tmp_path / "bob", log=log.append).run(groups=1)
     assert stats.submitted == 1
     assert log[0].startswith("resending group ") and "(0 more pending)" in log[0]
+
+
+def test_https_on_the_http_port_is_one_line_not_retried(
+    node,  # type: ignore[no-untyped-def]
+    tmp_path: Path,
+    tiny_model: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _, url = node
+    tls_url = url.replace("http://", "https://")
+    key = tmp_path / "bob.key"
+    save_signing_key(BOB, key)
+    started = time.monotonic()
+    code = main(
+        ["contributor", "--validator", tls_url, "--key", str(key), "--model", str(tiny_model)]
+        + ["--state-dir", str(tmp_path / "s")]
+    )
+    assert code == 1 and time.monotonic() - started < 5  # not the client's retries
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: the TLS handshake with {tls_url}/v1/register failed (")
+    assert err.count("\n") == 1
