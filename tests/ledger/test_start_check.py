@@ -19,12 +19,13 @@ from ledger.storage import open_store
 from verify.keys import SigningKey
 
 from .conftest import ORIGIN, sample_records
+from .test_tamper import Raw
 
 KEY = SigningKey.from_seed(b"\x11" * 32)
 LOG = Verifier(ORIGIN, 0x01, KEY.public)
 
 
-def _ledger(path: Path, seed: int = 3) -> list[str]:
+def _ledger(path: Path | str, seed: int = 3) -> list[str]:
     """A ledger with checkpoints at 13, 26 and 40 entries; their notes."""
     recs = sample_records(36, seed=seed)
     with Ledger.open(path, signing_key=KEY, origin=ORIGIN) as ledger:
@@ -34,13 +35,15 @@ def _ledger(path: Path, seed: int = 3) -> list[str]:
         return [text for _, text in ledger.store.checkpoints()]
 
 
-def _flip_body(path: Path, index: int) -> None:
-    conn = sqlite3.connect(path, isolation_level=None)
-    (body,) = conn.execute("SELECT body FROM entries WHERE idx = ?", (index,)).fetchone()
-    changed = bytearray(body)
-    changed[len(changed) // 2] ^= 0x01
-    conn.execute("UPDATE entries SET body = ? WHERE idx = ?", (bytes(changed), index))
-    conn.close()
+def _flip_body(url: Path | str, index: int) -> None:
+    raw = Raw(str(url))
+    try:
+        ((body,),) = raw.rows(f"SELECT body FROM entries WHERE idx = {index}")
+        changed = bytearray(body)
+        changed[len(changed) // 2] ^= 0x01
+        raw.set("entries", "body", "idx", index, bytes(changed))
+    finally:
+        raw.close()
 
 
 def _since(store, since):  # noqa: ANN001, ANN202
@@ -63,11 +66,10 @@ def test_an_intact_ledger_verifies_from_the_start_and_from_each_checkpoint(
         store.close()
 
 
-def test_a_changed_entry_after_the_verified_checkpoint_is_named(tmp_path: Path) -> None:
-    path = tmp_path / "ledger.sqlite"
-    notes = _ledger(path)
-    _flip_body(path, 20)
-    store = open_store(str(path), readonly=True)
+def test_a_changed_entry_after_the_verified_checkpoint_is_named(ledger_url: str) -> None:
+    notes = _ledger(ledger_url)
+    _flip_body(ledger_url, 20)
+    store = open_store(ledger_url, readonly=True)
     try:
         for since in (None, notes[0]):
             with pytest.raises(LedgerCheckError) as err:
