@@ -2,11 +2,15 @@
 
 Retries with exponential backoff on 429 (honouring Retry-After) and on
 connection errors; every other error status raises :class:`ServiceError`
-carrying the validator's reason code.
+carrying the validator's reason code and the URL asked. A validator still
+unreachable after the retries raises :class:`ValidatorUnreachable` (an
+``httpx.TransportError`` that names the URL); a TLS handshake that fails (an
+``https://`` URL on a plain-HTTP port) raises ConfigError at once, unretried.
 """
 
 from __future__ import annotations
 
+import ssl
 import time
 from typing import Any
 
@@ -14,7 +18,7 @@ import httpx
 import msgspec
 
 from node.validator.auth import sign_request
-from verify.errors import ProofTrainError, Reason
+from verify.errors import ConfigError, ProofTrainError, Reason
 from verify.keys import SigningKey
 from verify.registration import WorkParams, solve
 from verify.types import (
@@ -30,13 +34,62 @@ from verify.types import (
 
 
 class ServiceError(ProofTrainError):
-    def __init__(self, status: int, reason: str, message: str) -> None:
-        super().__init__(f"validator answered {status} [{reason}]: {message}")
-        self.status = status
+    """An error status from the validator (``url``: what was asked, when known)."""
+
+    def __init__(self, status: int, reason: str, message: str, url: str = "") -> None:
+        code = f" [{reason}]" if reason else ""  # "": the answer carried no reason code
+        super().__init__(f"{url or 'validator'} answered {status}{code}: {message}")
+        self.status, self.url = status, url
         try:
             self.reason = Reason(reason)
         except ValueError:
             self.reason = Reason.MALFORMED
+
+    @property
+    def busy(self) -> bool:
+        """The validator could not take the request now (429, 5xx): ask again later. Any
+        other status is its final answer to that request."""
+        return (
+            self.status == 429
+            or self.status >= 500
+            or self.reason in (Reason.BACKPRESSURE, Reason.RATE_LIMITED)
+        )
+
+
+class ValidatorUnreachable(httpx.TransportError, ProofTrainError):
+    """No answer from ``url`` (refused, reset, timed out) after the client's retries."""
+
+    def __init__(self, url: str, cause: Exception) -> None:
+        super().__init__(f"cannot reach the validator at {url}: {cause or type(cause).__name__}")
+        self.url = url
+
+
+def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
+    """The TLS error behind a connection error, if that is what it was."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError):
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _service_error(resp: httpx.Response, url: str, base: str) -> ServiceError:
+    """The error an error status means; an answer without a reason code did not come from a
+    prooftrain validator's routes (a wrong path or port)."""
+    try:
+        err = resp.json()
+    except ValueError:
+        err = None
+    if not isinstance(err, dict) or "reason" not in err:
+        return ServiceError(
+            resp.status_code,
+            "",
+            f"{resp.reason_phrase}, without a reason code: is {base} a prooftrain "
+            "validator's address?",
+            url,
+        )
+    return ServiceError(resp.status_code, str(err["reason"]), str(err.get("message", "")), url)
 
 
 class ValidatorClient:
@@ -66,6 +119,7 @@ class ValidatorClient:
         params: dict[str, Any] | None = None,
     ) -> httpx.Response:
         target = path + (("?" + str(httpx.QueryParams(params))) if params else "")
+        url = str(self.http.base_url).rstrip("/") + path
         for attempt in range(self.retries + 1):
             headers = {"content-type": "application/msgpack"}
             if signed:
@@ -74,9 +128,14 @@ class ValidatorClient:
                 )
             try:
                 resp = self.http.request(method, target, content=body, headers=headers)
-            except httpx.TransportError:
+            except httpx.TransportError as exc:
+                if (tls := _tls_failure(exc)) is not None:
+                    raise ConfigError(
+                        f"the TLS handshake with {url} failed ({tls.reason or tls}): does the "
+                        "validator serve https there? A node serves plain http:// itself"
+                    ) from None
                 if attempt == self.retries:
-                    raise
+                    raise ValidatorUnreachable(url, exc) from None
                 time.sleep(self.backoff * 2**attempt)
                 continue
             if resp.status_code == 429 and attempt < self.retries:
@@ -85,11 +144,7 @@ class ValidatorClient:
                 )
                 continue
             if resp.status_code >= 400:
-                try:
-                    err = resp.json()
-                except ValueError:
-                    err = {"reason": "malformed", "message": resp.text[:200]}
-                raise ServiceError(resp.status_code, err.get("reason", "?"), err.get("message", ""))
+                raise _service_error(resp, url, str(self.http.base_url).rstrip("/"))
             return resp
         raise AssertionError("unreachable")
 

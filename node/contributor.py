@@ -37,7 +37,11 @@ again after a pause, until it is answered (its assignment's expiry ends this);
 a validator still unreachable after the client's retries (restarting, or a
 link down) is tried again after a pause, for an assignment as for a group; a
 refused submission is counted, reported and dropped; a refused key (unknown or
-banned) stops the loop. Setting ``stop`` (SIGTERM or SIGINT in
+banned) stops the loop. Asking for work, any other 4xx answer (a policy
+version or blob the validator cannot serve, a malformed request) is final:
+``run`` raises it, naming the URL and the reason code, instead of taking more
+assignments it cannot answer. Groups pending from an earlier run are said to be
+resent, each as it goes. Setting ``stop`` (SIGTERM or SIGINT in
 ``prooftrain contributor``) ends it cleanly: no new assignment is taken, the
 uploads in flight are answered, and ``run`` returns. An upload whose validator
 cannot be reached once ``stop`` is set leaves its group pending in the state
@@ -58,7 +62,7 @@ from typing import Any
 
 import httpx
 
-from node.client import ServiceError, ValidatorClient
+from node.client import ServiceError, ValidatorClient, ValidatorUnreachable
 from node.contributor_state import PendingFile, lock_state_dir
 from node.validator.policy import HFTextCodec
 from rollout.backends import loads_from_directory, make_backend
@@ -222,12 +226,10 @@ class Contributor:
                 time.sleep(idle_s)
             except httpx.TransportError as exc:  # still failing after the client's retries
                 if not self.stop.is_set():
-                    self.log(
-                        f"validator unreachable ({exc}); sending the group again in {idle_s:g} s"
-                    )
+                    self.log(f"{_unreachable(exc)}; sending the group again in {idle_s:g} s")
                 if self.stop.is_set() or self.stop.wait(idle_s):
                     self.log(
-                        f"validator unreachable ({exc}) while stopping: the group stays "
+                        f"{_unreachable(exc)} while stopping: the group stays "
                         "pending and is sent again on the next start"
                     )
                     raise LeftPending from exc
@@ -254,12 +256,26 @@ class Contributor:
     def step(self) -> list[Verdict]:
         """One group, start to finish: the oldest pending group, else a new one."""
         pending = self.pending()
-        raw = bytes.fromhex(pending[0]["group"]) if pending else self._generate()
+        if pending:
+            raw = bytes.fromhex(pending[0]["group"])
+            self._say_resend(raw, len(pending) - 1)
+        else:
+            raw = self._generate()
         return self._submit(raw)
+
+    def _say_resend(self, raw: bytes, left: int) -> None:
+        self.log(
+            f"resending group {group_digest(raw).hex()[:16]}, generated before a restart and "
+            f"never answered ({left} more pending); a group the validator judged gets the "
+            "same verdicts back"
+        )
 
     # -- the loop
     def run(self, groups: int | None = None, *, idle_s: float = 1.0) -> ContributorStats:
         """Answer ``groups`` groups (None: until the key is refused), pending ones first.
+
+        Raises the ServiceError of a final (4xx, not 429) answer to a request for work,
+        once the uploads in flight are answered.
 
         A group is done when its verdicts or a refusal arrive. At most
         ``uploads`` groups are pending at once, and none is in flight on return,
@@ -273,6 +289,7 @@ class Contributor:
         )
         inflight: set[Future[list[Verdict]]] = set()
         answered: list[list[Verdict]] = []
+        final: ServiceError | None = None
         try:
             while (groups is None or len(answered) < groups) and not self.stop.is_set():
                 if len(inflight) >= self.uploads or (
@@ -282,16 +299,23 @@ class Contributor:
                     self._settle(finished, answered)
                     continue
                 try:
-                    raw = backlog.pop(0) if backlog else self._generate()
+                    if backlog:
+                        raw = backlog.pop(0)
+                        self._say_resend(raw, len(backlog))
+                    else:
+                        raw = self._generate()
                 except ServiceError as exc:
                     if exc.reason in _STOP:
                         self.log(f"stopping: {exc}")
+                        break
+                    if not exc.busy:  # the validator's final answer: asking again changes nothing
+                        final = exc
                         break
                     self.log(f"validator busy: {exc}; waiting {idle_s:.0f} s")
                     time.sleep(idle_s)
                     continue
                 except httpx.TransportError as exc:  # still failing after the client's retries
-                    self.log(f"validator unreachable ({exc}); asking again in {idle_s:g} s")
+                    self.log(f"{_unreachable(exc)}; asking again in {idle_s:g} s")
                     self.stop.wait(idle_s)
                     continue
                 inflight.add(pool.submit(self._submit, raw, idle_s))
@@ -304,6 +328,8 @@ class Contributor:
             self._drain(pool, inflight, answered, reraise=False)
             raise
         self._drain(pool, inflight, answered, reraise=True)
+        if final is not None:
+            raise final
         return self.stats
 
     def _drain(
@@ -356,6 +382,11 @@ class Contributor:
             )
         if error is not None:
             raise error
+
+
+def _unreachable(exc: httpx.TransportError) -> str:
+    """One line for a validator that did not answer; the client's own error names the URL."""
+    return str(exc) if isinstance(exc, ValidatorUnreachable) else f"validator unreachable ({exc})"
 
 
 class LeftPending(Exception):

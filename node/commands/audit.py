@@ -8,11 +8,12 @@ import sys
 from pathlib import Path
 
 from ledger.audit import parse_verifier, verify_ledger
+from ledger.blob_audit import check_blob_references
 from ledger.blobs import FileBlobStore
 from ledger.lookup import check_proof_text, contributor_report, find_entry, prove_entry
 from ledger.note import Verifier
 from ledger.storage import open_store, storage_errors
-from verify.errors import LedgerError, ProofTrainError, Reason
+from verify.errors import ConfigError, LedgerError, ProofTrainError, Reason
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +34,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     v.add_argument("ledger", help="ledger file or postgresql:// DSN")
     _keys(v, required=False)
-    v.add_argument("--blobs", help="blob directory (default: LEDGER.blobs when it exists)")
+    v.add_argument(
+        "--blobs",
+        help="blob directory: every blob the log references must be there, of its size "
+        "and digest (default: LEDGER.blobs when it exists)",
+    )
     v.add_argument("--json", action="store_true", help="print the full report as JSON")
     v.set_defaults(func=run_verify)
 
@@ -103,6 +108,8 @@ def _is_hex_key(value: str) -> bool:
 
 def _blobs(args: argparse.Namespace) -> FileBlobStore | None:
     if args.blobs:
+        if not Path(args.blobs).is_dir():
+            raise ConfigError(f"--blobs {args.blobs} is not a directory")
         return FileBlobStore(args.blobs)
     default = Path(str(args.ledger).removeprefix("sqlite:") + ".blobs")
     return FileBlobStore(default) if "://" not in args.ledger and default.is_dir() else None
@@ -120,6 +127,7 @@ def run_verify(args: argparse.Namespace) -> int:
         log_key = _read_key(args.key, _safe_origin(store))
         witnesses = [parse_verifier(w) for w in args.witness]
         total = _safe_size(store)
+        blobs = _blobs(args)
         with tqdm(
             total=total, unit="entry", disable=args.json or total < 50_000, file=sys.stderr
         ) as bar:
@@ -127,9 +135,13 @@ def run_verify(args: argparse.Namespace) -> int:
                 store,
                 log_key=log_key,
                 witnesses=witnesses,
-                blobs=_blobs(args),
+                blobs=blobs,
                 progress=lambda n: bar.update(n - bar.n),
             )
+        try:
+            check_blob_references(store, blobs, report)
+        except storage_errors():  # an unreadable store: verify_ledger has reported it
+            pass
     finally:
         store.close()
     if args.json:

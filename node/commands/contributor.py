@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import signal
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -104,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     lock_state_dir(state_dir)  # before registering: a second process on it stops here
     client = ValidatorClient(args.validator, key)
     try:
-        added = client.register(args.name)
+        added = _first_contact(lambda: client.register(args.name))
         print(
             f"{'registered' if added else 'already registered'} as {key.public.fingerprint}; "
             f"state in {state_dir}"
@@ -128,3 +130,16 @@ def run(args: argparse.Namespace) -> int:
         f"{stats.rejected} rejected {stats.reasons or ''}"
     )
     return 0
+
+
+def _first_contact(register: Callable[[], bool], idle_s: float = 1.0) -> bool:
+    """Register, trying again while the validator cannot be reached (not started yet,
+    restarting, the link down), with one line per try."""
+    from node.client import ValidatorUnreachable
+
+    while True:
+        try:
+            return register()
+        except ValidatorUnreachable as exc:
+            print(f"{exc}; trying again in {idle_s:g} s", flush=True)
+            time.sleep(idle_s)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+MODES = ("since-checkpoint", "full")  # node.validator.check.MODES, without importing it here
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -26,6 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="load and check every setting and file, print a summary, and exit; "
         "changes nothing on disk",
+    )
+    p.add_argument(
+        "--verify-ledger",
+        choices=MODES,
+        default="since-checkpoint",
+        help="how the ledger is verified before the node serves it (and by --check): from "
+        "the last checkpoint a check verified (default), or every entry, node, checkpoint "
+        "and reputation row; a ledger that fails is refused",
     )
     p.add_argument(
         "--log-format",
@@ -51,13 +61,20 @@ def run(args: argparse.Namespace) -> int:
         k: v for k, v in (("node.host", args.host), ("node.port", args.port)) if v is not None
     }
     cfg = load(ValidatorConfig, args.config, overrides)
-    for line in describe(cfg):
-        print(line, flush=True)
     if args.check:
+        for line in describe(cfg, verify=args.verify_ledger):
+            print(line, flush=True)
         return 0
     from node.validator.activity import setup_logging
     from node.validator.build import build_validator
-    from node.validator.server import serve_node
+    from node.validator.locks import hold_node_files
+    from node.validator.server import listen, serve_node
 
-    setup_logging(args.log_format)
-    return serve_node(cfg, build_validator(cfg), summary_s=args.summary_s)
+    # The port, then the files' locks, before anything opens the ledger: a second node on
+    # this port or these files stops here, having written nothing.
+    sock = listen(cfg.node.host, cfg.node.port)
+    with sock, hold_node_files(cfg):
+        for line in describe(cfg, verify=args.verify_ledger, record=True):
+            print(line, flush=True)
+        setup_logging(args.log_format)
+        return serve_node(cfg, build_validator(cfg), summary_s=args.summary_s, sock=sock)

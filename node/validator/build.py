@@ -74,6 +74,7 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
             f"policy.model_dir {model_dir} is not a model directory; build one with "
             "`prooftrain base-model build`"
         )
+    cfg.node.blob_path().mkdir(parents=True, exist_ok=True)  # what `audit verify --blobs` reads
     ledger = Ledger.open(
         cfg.node.ledger, signing_key=key, origin=cfg.node.origin, blobs=cfg.node.blob_path()
     )

@@ -4,6 +4,7 @@ settings a node starts with."""
 
 from __future__ import annotations
 
+import errno
 import gc
 import logging
 import signal
@@ -13,6 +14,8 @@ import sys
 import threading
 import time
 from typing import TYPE_CHECKING
+
+from verify.errors import ConfigError
 
 if TYPE_CHECKING:  # imported where used: a precheck worker takes settle_heap from here
     import uvicorn
@@ -88,6 +91,32 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound and listening on ``host:port``, for ``serve_node``; ConfigError if the
+    address is taken or cannot be bound.
+
+    A node binds its port before it opens its ledger, so a second node started on the same
+    port stops before it reads or writes any of its files."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+        sock.listen(2048)  # taken now: with SO_REUSEADDR, only a listening socket holds it
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"cannot listen on {host}:{port}: {exc.strerror}"
+            + (
+                " (another process, perhaps another node, has that port; set --port)"
+                if exc.errno == errno.EADDRINUSE
+                else ""
+            )
+        ) from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def wait_healthy(port: int, proc: subprocess.Popen | None = None, timeout: float = 120.0) -> None:
     """Poll ``/healthz`` on 127.0.0.1:``port`` until it answers 200 (or ``proc`` exits)."""
     import httpx
@@ -133,8 +162,16 @@ class BackgroundServer:
         self.thread.join(timeout=10)
 
 
-def serve_node(cfg: ValidatorConfig, validator: Validator, *, summary_s: float = 30.0) -> int:
+def serve_node(
+    cfg: ValidatorConfig,
+    validator: Validator,
+    *,
+    summary_s: float = 30.0,
+    sock: socket.socket | None = None,
+) -> int:
     """Serve ``validator`` until SIGTERM or SIGINT, then stop cleanly; the process's exit code.
+
+    ``sock``: the node's bound socket (``listen``); None binds ``cfg.node.host:port`` here.
 
     A clean stop: uvicorn stops accepting connections and lets requests in flight finish,
     the admission queue admits what it holds, and then a final checkpoint is signed, so every
@@ -152,9 +189,10 @@ def serve_node(cfg: ValidatorConfig, validator: Validator, *, summary_s: float =
     # uvicorn handles SIGTERM itself, then raises it again once it has shut down: with the
     # default handler that would end the process before the final checkpoint.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
-    print(f"listening on http://{cfg.node.host}:{cfg.node.port}", flush=True)
+    port = cfg.node.port if sock is None else sock.getsockname()[1]
+    print(f"listening on http://{cfg.node.host}:{port}", flush=True)
     try:
-        server.run()
+        server.run(sockets=None if sock is None else [sock])
     except KeyboardInterrupt:  # SIGINT, raised again by uvicorn after its shutdown
         pass
     finally:

@@ -9,6 +9,7 @@ import sys
 
 from ledger.log import Ledger
 from ledger.merkle import leaf_hash
+from ledger.records import VerdictRecorded
 from verify.errors import Reason
 from verify.keys import SigningKey
 
@@ -28,7 +29,11 @@ def test_audit_cli(tmp_path) -> None:
     path = tmp_path / "ledger.db"
     key = SigningKey.from_seed(b"\x04" * 32)
     with Ledger.open(path, signing_key=key, origin=ORIGIN) as ledger:
-        ledger.append_many(sample_records(30), checkpoint=True)
+        records = sample_records(30)
+        ledger.append_many(records, checkpoint=True)
+        for rec in records:  # each failed verdict's evidence (its envelope digest here) is in
+            if isinstance(rec, VerdictRecorded) and rec.evidence_digest:  # the blob store
+                ledger.blobs.put(rec.envelope_digest)  # type: ignore[union-attr]
         ledger.slash(contributor(2), Reason.LOGPROB_MISMATCH, b"x" * 5000, "big evidence")
         ledger.checkpoint()
         vkey = ledger.verifier.vkey()
