@@ -58,7 +58,24 @@ from trainer.evals import default_max_new_tokens
 from trainer.loop import TrainerLoop, ensure_process_group
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
-from verify.errors import ConfigError
+from verify.errors import ConfigError, ProofTrainError
+
+
+class BudgetExceeded(ProofTrainError):
+    """A run reached its wall-clock cap (``trainer.budget_s``) before ``trainer.steps``.
+
+    The run fails rather than stop early: the scenario's runs are compared step for step,
+    and one cut short by a loaded machine would be read against runs that trained longer."""
+
+    def __init__(self, run: str, step: int, steps: int, elapsed: float, budget: float) -> None:
+        self.run, self.step, self.steps = run, step, steps
+        self.elapsed, self.budget = elapsed, budget
+        super().__init__(
+            f"run {run!r} reached its wall-clock cap trainer.budget_s = {budget:g} s after "
+            f"{elapsed:.0f} s at step {step} of {steps}; no run is cut short, so that the "
+            "scenario's runs compare at the same step: raise trainer.budget_s in the scenario "
+            "file (0: no cap) or lower trainer.steps"
+        )
 
 
 def _by_key(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -71,7 +88,7 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
     return TrainerConfig(
         model_dir=model_dir,
         task=s.task.name,
-        steps=t.steps or 1_000_000,
+        steps=t.steps,
         lr=t.learning_rate,
         lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps,
@@ -228,19 +245,25 @@ def _train(
     wall0: float,
     progress: bool,
 ) -> int:
-    """Train until ``s.trainer.steps`` or its wall-clock budget (counted from ``wall0``), each
-    step advancing simulated time by its measured duration and logged; versions go to
-    ``evals`` as they are due (the last one always), and their reports to ``reports`` as they
-    come back. Returns the samples trained."""
+    """Train exactly ``s.trainer.steps`` steps, each advancing simulated time by its measured
+    duration and logged; versions go to ``evals`` as they are due (the last one always), and
+    their reports to ``reports`` as they come back. Returns the samples trained.
+
+    Raises ``BudgetExceeded`` when the wall clock (counted from ``wall0``) passes
+    ``s.trainer.budget_s`` before the last step."""
     from tqdm import tqdm
 
     run, log = sim.run, sim.log
     every_version = s.trainer.eval_every_version and s.run == "scenario"
     budget = s.trainer.budget_s or float("inf")
-    steps = s.trainer.steps or 1_000_000
+    steps = s.trainer.steps
     trained, evaluated = 0, 0
     bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
-    while loop.version < steps and time.monotonic() - wall0 < budget:
+    while loop.version < steps:
+        elapsed = time.monotonic() - wall0
+        if elapsed >= budget:
+            bar.close()
+            raise BudgetExceeded(run, loop.version, steps, elapsed, budget)
         metrics = loop.train_step()
         sim.t += metrics.get("perf/step_s", 0.0)
         trained += int(metrics.get("train/samples", 0))
