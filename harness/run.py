@@ -150,7 +150,7 @@ def run_variant(
     ) as evals:
         evals.submit(0, net.model(0), tag=sim.t)
         wall0 = time.monotonic()
-        trained = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
+        trained, train_s = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
         reports.record(evals.drain())
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(
@@ -161,6 +161,7 @@ def run_variant(
         "steps": loop.version,
         "samples_trained": trained,
         "sim_seconds": round(sim.t, 2),
+        "train_seconds": round(train_s, 2),
         "wall_seconds": round(time.monotonic() - wall0, 2),
         "pass_at_1_first": first,
         "pass_at_1_last": last,
@@ -244,10 +245,11 @@ def _train(
     reports: _EvalRecorder,
     wall0: float,
     progress: bool,
-) -> int:
+) -> tuple[int, float]:
     """Train exactly ``s.trainer.steps`` steps, each advancing simulated time by its measured
     duration and logged; versions go to ``evals`` as they are due (the last one always), and
-    their reports to ``reports`` as they come back. Returns the samples trained.
+    their reports to ``reports`` as they come back. Returns the samples trained and the
+    simulated seconds the optimizer steps took (their measured durations).
 
     Raises ``BudgetExceeded`` when the wall clock (counted from ``wall0``) passes
     ``s.trainer.budget_s`` before the last step."""
@@ -257,7 +259,7 @@ def _train(
     every_version = s.trainer.eval_every_version and s.run == "scenario"
     budget = s.trainer.budget_s or float("inf")
     steps = s.trainer.steps
-    trained, evaluated = 0, 0
+    trained, evaluated, train_s = 0, 0, 0.0
     bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
     while loop.version < steps:
         elapsed = time.monotonic() - wall0
@@ -266,6 +268,7 @@ def _train(
             raise BudgetExceeded(run, loop.version, steps, elapsed, budget)
         metrics = loop.train_step()
         sim.t += metrics.get("perf/step_s", 0.0)
+        train_s += metrics.get("perf/step_s", 0.0)
         trained += int(metrics.get("train/samples", 0))
         _log_step(log, run, sim.t, loop.version, metrics)
         log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
@@ -281,7 +284,7 @@ def _train(
     bar.close()
     if loop.version != evaluated:  # the last version is always evaluated
         evals.submit(loop.version, sim.net.model(loop.version), tag=sim.t)
-    return trained
+    return trained, train_s
 
 
 def _log_step(log: EventLog, run: str, t: float, version: int, metrics: dict[str, float]) -> None:

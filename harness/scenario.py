@@ -143,6 +143,11 @@ class NetworkSpec(_Section):
         default_factory=lambda: {DEFAULT_PROFILE: ProfileSpec()}
     )
     """Named link/hardware profiles that population groups refer to."""
+    setup_latency: bool = False
+    """Charge every assignment its request and answer crossing the contributor's link, and
+    every policy version a contributor has not got its weights crossing it once published,
+    before generation starts (message kinds "request", "assignment", "weights"); off, work
+    starts the moment a contributor asks for it."""
 
 
 class ChurnSpec(_Section):
