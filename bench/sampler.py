@@ -111,19 +111,20 @@ def forward_ms(model: torch.nn.Module, batch: int, seq: int, vocab: int, rounds:
 def decode_ms(model: torch.nn.Module, batch: int, seq: int, vocab: int, rounds: int) -> float:
     """KV-cached decode per token: ``batch`` rows, one token a step for ``steps`` steps after a
     ``seq``-token prompt (prefilled before timing, again each round)."""
-    steps = 16
+    from rollout.backends import cache_kwarg
+
+    steps, kw = 16, cache_kwarg(model)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(0, vocab, (batch, seq), generator=gen)
     nxt = torch.randint(0, vocab, (batch, steps), generator=gen)
     best = float("inf")
     with torch.inference_mode():
         for _ in range(rounds + 1):  # the first is a warm-up
-            cache = model(input_ids=ids, use_cache=True).past_key_values
+            cache = getattr(model(input_ids=ids, use_cache=True), kw)
             start = time.perf_counter()
             for s in range(steps):
-                cache = model(
-                    input_ids=nxt[:, s : s + 1], past_key_values=cache, use_cache=True
-                ).past_key_values
+                out = model(input_ids=nxt[:, s : s + 1], use_cache=True, **{kw: cache})
+                cache = getattr(out, kw)
             best = min(best, time.perf_counter() - start)
     return 1e3 * best / (batch * steps)
 
