@@ -14,9 +14,12 @@ batch, 8.5e-5 (at 1.2e-4 with eight groups pass@1 first falls from 0.25 to
 time to target more than the mode does). Sync trains only on
 rollouts of the current version, so after each publication it waits for fresh
 generations and the trainer idles; async trains on whatever arrived within the
-staleness bound while the next rollouts are in flight. Sync is the best
-synchronous design the simulation has: it hands out no more groups of a version
-than a step takes (``harness.simulation.SyncDemand``), so no work goes stale.
+staleness bound while the next rollouts are in flight. By default sync
+wastes no work: it hands out no more groups of a version than a
+step takes (``harness.simulation.SyncDemand``), so no work goes stale.
+``--sync-overassign`` compares with the other sync design instead: every
+contributor keeps generating and a step takes the first groups to arrive,
+which wastes the rest but shortens the wait for the slowest of a step's groups.
 Both modes pay every assignment's request and answer and every new version's
 weight download on the contributor's link (``network.setup_latency``).
 
@@ -62,7 +65,7 @@ Prints progress on stderr and one JSON object on the last line of stdout, naming
 
     python bench/async.py [--steps 120] [--target 0.30] [--window 3] [--evals 24]
                           [--eval-problems 1000] [--max-staleness 4] [--uploads 2] [--seeds 3]
-                          [--latency-ms 800] [--sweep]
+                          [--latency-ms 800] [--sweep] [--sync-overassign]
 """
 
 from __future__ import annotations
@@ -79,11 +82,16 @@ from bench._util import emit  # noqa: E402
 SWEEP_MS = (100.0, 800.0, 3000.0)
 """Latency medians ``--sweep`` runs at, in ms."""
 BASELINE = (
-    "sync: the same population, seeds, steps and recipe with trainer.mode = sync, handing out "
-    "no more groups of a version than a step takes (harness.simulation.SyncDemand); both modes "
-    "pay each assignment's request and answer and each new version's weight download on the "
-    "contributor's link (network.setup_latency)"
+    "sync: the same population, seeds, steps and recipe with trainer.mode = sync, {design}; "
+    "both modes pay each assignment's request and answer and each new version's weight "
+    "download on the contributor's link (network.setup_latency)"
 )
+DESIGNS = {
+    False: "handing out no more groups of a version than a step takes "
+    "(harness.simulation.SyncDemand: no work goes stale)",
+    True: "every contributor kept generating and each step taking the first groups of its "
+    "version to arrive (--sync-overassign: the rest go stale)",
+}
 
 SCENARIO = """
 name = "async-bench"
@@ -119,6 +127,7 @@ loss = {{ name = "tis", params = {{ cap = 2.0 }} }}
 eval_every = {eval_every}
 eval_problems = {eval_problems}
 mode = "{mode}"
+sync_demand = {sync_demand}
 [baselines]
 run_honest_baseline = false
 run_no_defence = false
@@ -136,6 +145,7 @@ def scenario_text(mode: str, args: argparse.Namespace) -> str:
         eval_problems=args.eval_problems,
         max_staleness=args.max_staleness,
         latency_ms=args.latency_ms,
+        sync_demand="false" if args.sync_overassign else "true",
     )
 
 
@@ -308,6 +318,12 @@ def main() -> None:
         help="median one-way latency of the contributors' links (default 800)",
     )
     parser.add_argument(
+        "--sync-overassign",
+        action="store_true",
+        help="sync keeps every contributor generating (trainer.sync_demand = false) instead "
+        "of handing out only what a step takes",
+    )
+    parser.add_argument(
         "--sweep",
         action="store_true",
         help="run at each latency median of SWEEP_MS (0.1, 0.8 and 3 s) and report each",
@@ -328,7 +344,8 @@ def main() -> None:
         results.append(compare(args))
     common = {
         "bench": "async",
-        "baseline": BASELINE,
+        "baseline": BASELINE.format(design=DESIGNS[args.sync_overassign]),
+        "sync_overassign": args.sync_overassign,
         "steps": args.steps,
         "seeds": args.seeds,
         "uploads": args.uploads,

@@ -246,6 +246,10 @@ class TrainerSpec(_Section):
     mode: Literal["async", "sync"] = "async"
     """async: train on whatever is accepted within the staleness bound; sync: wait for a
     full batch of the current version."""
+    sync_demand: bool = True
+    """sync only: hand out no more groups of a version than a step takes
+    (``harness.simulation.SyncDemand``), so no work goes stale; false keeps every
+    contributor generating, and the step takes the first groups to arrive."""
     eval_every: int = Field(default=5, ge=1)
     """Held-out eval interval, in optimizer steps (plus one before the first step)."""
     eval_problems: int = Field(default=64, ge=1, le=100_000)

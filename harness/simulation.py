@@ -12,9 +12,10 @@ whenever its sample stream is dry (``harness.run``).
 
 A synchronous trainer (``trainer.mode = "sync"``) trains only on its current
 version, so the simulation hands out no more of it than a step takes
-(``SyncDemand``): once ``batch_groups`` groups of the current version are
-accepted or on their way, contributors wait for the next version instead of
-generating groups that would go stale. With ``network.setup_latency`` every
+(``SyncDemand``; ``trainer.sync_demand = false`` turns it off): once
+``batch_groups`` groups of the current version are accepted or on their way,
+contributors wait for the next version instead of generating groups that
+would go stale. With ``network.setup_latency`` every
 assignment also pays its request and answer on the contributor's link, and a
 new version its weight download, after it is published.
 """
@@ -149,7 +150,8 @@ class Simulation:
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
         t = scenario.trainer
-        self.demand = SyncDemand(t.batch_groups) if t.mode == "sync" else None
+        limited = t.mode == "sync" and t.sync_demand
+        self.demand = SyncDemand(t.batch_groups) if limited else None
         self._skip_uniform = t.skip_uniform_groups
         self.setup = scenario.network.setup_latency
         self._published = {net.versions.current: 0.0}

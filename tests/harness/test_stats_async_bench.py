@@ -81,6 +81,7 @@ def test_the_command_line_reaches_the_scenario(tmp_path: Path) -> None:
         eval_problems=700,
         max_staleness=2,
         latency_ms=3000.0,
+        sync_overassign=False,
     )
     for mode in ("async", "sync"):
         path = tmp_path / f"{mode}.toml"
@@ -90,5 +91,5 @@ def test_the_command_line_reaches_the_scenario(tmp_path: Path) -> None:
         assert s.trainer.eval_problems == s.task.heldout == 700
         assert s.rules.max_staleness == 2 and s.trainer.learning_rate == 8e-5
         # both modes pay assignment and weight-download latency, at the median asked for
-        assert s.network.setup_latency
+        assert s.network.setup_latency and s.trainer.sync_demand
         assert s.network.profiles["consumer"].latency.params["median_ms"] == 3000.0
