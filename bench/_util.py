@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 
 def pin_one_core() -> None:
@@ -30,6 +30,41 @@ def best_rate(fn: Callable[[], object], ops: int, rounds: int = 7) -> float:
             fn()
         best = min(best, time.perf_counter() - start)
     return ops / best
+
+
+def alternated_rounds(
+    passes: Mapping[str, Callable[[], object]], rounds: int, warmup: int = 1
+) -> dict[str, list[float]]:
+    """Seconds each pass took in each of ``rounds`` timed rounds, after ``warmup`` untimed ones.
+
+    Within a round the passes run one after another, so the figures of one round saw the
+    same machine load; a pass's best round is the one least disturbed by other load."""
+    seconds: dict[str, list[float]] = {name: [] for name in passes}
+    for r in range(warmup + rounds):
+        for name, fn in passes.items():
+            start = time.perf_counter()
+            fn()
+            if r >= warmup:
+                seconds[name].append(time.perf_counter() - start)
+    return seconds
+
+
+def matched_ratio(
+    seconds: Mapping[str, list[float]], num: str, den: str, digits: int = 3
+) -> tuple[float, list[float]]:
+    """Pass ``num`` over pass ``den`` (rounds of :func:`alternated_rounds`): the ratio of their
+    best rounds, and each round's ratio in order."""
+    best = min(seconds[num]) / min(seconds[den])
+    each = [a / b for a, b in zip(seconds[num], seconds[den], strict=True)]
+    return round(best, digits), [round(x, digits) for x in each]
+
+
+def load_average() -> list[float] | None:
+    """The machine's 1, 5 and 15-minute load averages, else None where it has none."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def emit(result: dict) -> None:

@@ -2,7 +2,8 @@
 
 Both runs use the same honest population (sixteen consumer machines that
 generate 20x slower than this one, over heavy-tailed lognormal wide-area
-links, median 0.8 s, each uploading one group while it generates the next:
+links, median ``--latency-ms``, default 0.8 s, each uploading one group while
+it generates the next:
 ``uploads = 2``, ``prooftrain contributor --uploads 2``), the same seeds and
 the same number of optimizer steps and the demo's learning recipe (rollouts at
 temperature 0.5, truncated IS capped at 2, a cosine schedule); only
@@ -12,9 +13,22 @@ batch, 8.5e-5 (at 1.2e-4 with eight groups pass@1 first falls from 0.25 to
 0.16-0.20 for tens of steps, in both modes, and where it recovers decides the
 time to target more than the mode does). Sync trains only on
 rollouts of the current version, so after each publication it waits for fresh
-generations while work started under the older version is wasted and the
-trainer idles; async trains on whatever arrived within the staleness bound
-while the next rollouts are in flight.
+generations and the trainer idles; async trains on whatever arrived within the
+staleness bound while the next rollouts are in flight. By default sync
+wastes no work: it hands out no more groups of a version than a
+step takes (``harness.simulation.SyncDemand``), so no work goes stale.
+``--sync-overassign`` compares with the other sync design instead: every
+contributor keeps generating and a step takes the first groups to arrive,
+which wastes the rest but shortens the wait for the slowest of a step's groups.
+Both modes pay every assignment's request and answer and every new version's
+weight download on the contributor's link (``network.setup_latency``).
+
+The ratio is a property of the simulated network as much as of the trainer:
+``--sweep`` runs the comparison at latency medians of 0.1, 0.8 and 3 s and
+reports each setting's figures with ``latency_over_step`` (the median latency
+over the mean optimizer step) and each mode's ``compute_share``, the share of
+simulated time that is measured compute (optimizer steps; the rest is waiting
+for the simulated network and the contributors' scaled generation).
 
 Each of ``--seeds`` seeds runs both modes, paired: seed i moves the scenario's
 root and task seeds by i (``harness.run.seeded``: keys, network draws, train
@@ -31,7 +45,8 @@ advantage, and ``censoring`` says which happened. Intervals are 95%: Student t
 over seeds for each mode's mean, paired bootstrap over seeds (expanded
 percentile, ``harness.stats``) for the ratios.
 
-Prints progress on stderr and one JSON object on the last line of stdout:
+Prints progress on stderr and one JSON object on the last line of stdout, naming its
+``baseline``; with ``--sweep`` the figures below are per setting, under ``sweep``:
 
   async_samples_per_s / sync_samples_per_s   mean samples trained per simulated second
   throughput_ratio, throughput_ratio_ci      async / sync (ratio of means), target >= 2
@@ -41,12 +56,16 @@ Prints progress on stderr and one JSON object on the last line of stdout:
   time_ratio, time_ratio_ci                  sync / async mean time to target, target >= 2
   time_ratio_call                            yes / no / inconclusive: time_ratio >= 2 at 95%
   censoring                                  none, sync-only (a lower bound) or async (overstated)
+  async_compute_share / sync_compute_share   share of simulated time spent in optimizer steps
+  latency_median_s, latency_over_step, step_s
+                                             the setting, over the mean measured step time
   per_seed                                   each seed's figures, the first single eval at
                                              the target (``first_crossing_s``) and every
                                              eval [sim s, pass@1]
 
     python bench/async.py [--steps 120] [--target 0.30] [--window 3] [--evals 24]
                           [--eval-problems 1000] [--max-staleness 4] [--uploads 2] [--seeds 3]
+                          [--latency-ms 800] [--sweep] [--sync-overassign]
 """
 
 from __future__ import annotations
@@ -60,6 +79,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._util import emit  # noqa: E402
 
+SWEEP_MS = (100.0, 800.0, 3000.0)
+"""Latency medians ``--sweep`` runs at, in ms."""
+BASELINE = (
+    "sync: the same population, seeds, steps and recipe with trainer.mode = sync, {design}; "
+    "both modes pay each assignment's request and answer and each new version's weight "
+    "download on the contributor's link (network.setup_latency)"
+)
+DESIGNS = {
+    False: "handing out no more groups of a version than a step takes "
+    "(harness.simulation.SyncDemand: no work goes stale)",
+    True: "every contributor kept generating and each step taking the first groups of its "
+    "version to arrive (--sync-overassign: the rest go stale)",
+}
+
 SCENARIO = """
 name = "async-bench"
 seed = 3
@@ -71,8 +104,10 @@ strategy = "honest"
 count = 16
 network = "consumer"
 uploads = {uploads}
+[network]
+setup_latency = true
 [network.profiles.consumer]
-latency = {{ model = "lognormal", params = {{ median_ms = 800, sigma = 1.0 }} }}
+latency = {{ model = "lognormal", params = {{ median_ms = {latency_ms}, sigma = 1.0 }} }}
 jitter_ms = 100
 compute_speed = 0.05
 [rules]
@@ -92,6 +127,7 @@ loss = {{ name = "tis", params = {{ cap = 2.0 }} }}
 eval_every = {eval_every}
 eval_problems = {eval_problems}
 mode = "{mode}"
+sync_demand = {sync_demand}
 [baselines]
 run_honest_baseline = false
 run_no_defence = false
@@ -108,6 +144,8 @@ def scenario_text(mode: str, args: argparse.Namespace) -> str:
         eval_every=max(1, args.steps // args.evals),
         eval_problems=args.eval_problems,
         max_staleness=args.max_staleness,
+        latency_ms=args.latency_ms,
+        sync_demand="false" if args.sync_overassign else "true",
     )
 
 
@@ -134,6 +172,8 @@ def run(mode: str, seed: int, args: argparse.Namespace, work: Path) -> dict:
     curve = [(e.t, e.pass_at_1) for e in evals]
     return {
         "samples_per_s": values["samples_trained"] / max(values["sim_seconds"], 1e-9),
+        "compute_share": values["train_seconds"] / max(values["sim_seconds"], 1e-9),
+        "step_s": values["train_seconds"] / max(values["steps"], 1),
         "sim_seconds": values["sim_seconds"],
         "time_to_target_s": sustained_crossing(curve, args.target, args.window),
         "first_crossing_s": sustained_crossing(curve, args.target, 1),
@@ -220,6 +260,9 @@ def summarize(a: list[dict], s: list[dict], target: float) -> dict:
         "time_ratio_call": _time_call(decide(time_ci, 2.0), reached_a < len(a), reached_s < len(s)),
         "censoring": censoring,
         "target_pass_at_1": target,
+        "async_compute_share": mean([r.get("compute_share", 0.0) for r in a]),
+        "sync_compute_share": mean([r.get("compute_share", 0.0) for r in s]),
+        "step_s": mean([r.get("step_s", 0.0) for r in [*a, *s]]),
     }
 
 
@@ -268,6 +311,23 @@ def main() -> None:
     parser.add_argument(
         "--seeds", type=int, default=3, help="seeds, each running both modes (default 3)"
     )
+    parser.add_argument(
+        "--latency-ms",
+        type=float,
+        default=800.0,
+        help="median one-way latency of the contributors' links (default 800)",
+    )
+    parser.add_argument(
+        "--sync-overassign",
+        action="store_true",
+        help="sync keeps every contributor generating (trainer.sync_demand = false) instead "
+        "of handing out only what a step takes",
+    )
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="run at each latency median of SWEEP_MS (0.1, 0.8 and 3 s) and report each",
+    )
     args = parser.parse_args()
     if args.seeds < 1:
         parser.error("--seeds must be at least 1")
@@ -277,44 +337,64 @@ def main() -> None:
         parser.error("--evals and --eval-problems must be at least 1")
     if args.max_staleness < 0:
         parser.error("--max-staleness must be at least 0")
+    settings = SWEEP_MS if args.sweep else (args.latency_ms,)
+    results = []
+    for latency_ms in settings:
+        args.latency_ms = latency_ms
+        results.append(compare(args))
+    common = {
+        "bench": "async",
+        "baseline": BASELINE.format(design=DESIGNS[args.sync_overassign]),
+        "sync_overassign": args.sync_overassign,
+        "steps": args.steps,
+        "seeds": args.seeds,
+        "uploads": args.uploads,
+        "compute_speed": 0.05,
+        "window": args.window,
+        "evals": args.evals,
+        "max_staleness": args.max_staleness,
+        "eval_problems": args.eval_problems,
+    }
+    if args.sweep:
+        emit({**common, "sweep": results})
+    else:
+        emit({**common, **results[0]})
+
+
+def compare(args: argparse.Namespace) -> dict:
+    """Both modes at every seed under ``args``' latency: the figures and each seed's runs."""
     a, s = [], []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for seed in range(args.seeds):
             a.append(run("async", seed, args, work))
             s.append(run("sync", seed, args, work))
-    emit(
-        {
-            "bench": "async",
-            "steps": args.steps,
-            "seeds": args.seeds,
-            "uploads": args.uploads,
-            "window": args.window,
-            "evals": args.evals,
-            "max_staleness": args.max_staleness,
-            "eval_problems": args.eval_problems,
-            **summarize(a, s, args.target),
-            "per_seed": [
-                {
-                    "seed": i,
-                    **{
-                        f"{mode}_{k}": r[k]
-                        for mode, r in (("async", ra), ("sync", rs))
-                        for k in (
-                            "samples_per_s",
-                            "sim_seconds",
-                            "time_to_target_s",
-                            "first_crossing_s",
-                            "first_pass_at_1",
-                            "final_pass_at_1",
-                            "evals",
-                        )
-                    },
-                }
-                for i, (ra, rs) in enumerate(zip(a, s, strict=True))
-            ],
-        }
-    )
+    summary = summarize(a, s, args.target)
+    return {
+        "latency_median_s": args.latency_ms / 1e3,
+        "latency_over_step": round(args.latency_ms / 1e3 / max(summary["step_s"], 1e-9), 2),
+        **summary,
+        "per_seed": [
+            {
+                "seed": i,
+                **{
+                    f"{mode}_{k}": r[k]
+                    for mode, r in (("async", ra), ("sync", rs))
+                    for k in (
+                        "samples_per_s",
+                        "sim_seconds",
+                        "compute_share",
+                        "time_to_target_s",
+                        "first_crossing_s",
+                        "first_pass_at_1",
+                        "final_pass_at_1",
+                        "evals",
+                    )
+                },
+            }
+            for i, (ra, rs) in enumerate(zip(a, s, strict=True))
+        ],
+    }
 
 
 if __name__ == "__main__":

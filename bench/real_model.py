@@ -18,14 +18,17 @@ in float32, with recomputation batch sizes 1, 4 and 16 and each forward layout i
   ``temperature-0.9`` (sampled at 0.9, claimed 1.0, committed with the true logprobs under
   the claim) and ``top-k-50`` (sampled from the top 50, claimed unfiltered, likewise).
   Each: audits, caught and the reasons.
-* ``cost``: spot-check seconds (one recomputation and the full check) over generation seconds
-  of the same rollouts; the sampler's cost per generated token over the forward pass per
-  token; envelope bytes per token.
+* ``cost``: the node's spot check (recomputation, every chunk's logprobs, support and sampler
+  replay on every token) of the first ``--cost-groups`` float32 groups over their generation,
+  at the same batch on both sides (4 groups, 16 rows, a call; and one group a call), the
+  fastest of ``--rounds`` alternated rounds with every round and the machine's load
+  (``spotcheck_baseline`` names the comparison); the sampler's cost per generated token over
+  the forward pass per token; envelope bytes per token.
 
 Prints progress on stderr and one JSON object on its last line.
 
     python bench/real_model.py [--model DIR] [--rollouts 256] [--tokens 128] [--attack-audits 52]
-                               [--quick]
+                               [--rounds 3] [--cost-groups 8] [--quick]
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench._util import emit  # noqa: E402
+from bench._util import alternated_rounds, emit, load_average, matched_ratio  # noqa: E402
 from harness.adversaries.attacks import cheaper_copy  # noqa: E402
 from node.validator.calibration import (  # noqa: E402
     Layout,
@@ -384,13 +387,84 @@ def _forged(
     ]
 
 
-def costs(
-    model_dir: Path, honest: list[Rollout], gen_s: float, recompute: Recompute, tokens: int
-) -> dict:
-    """Spot-check seconds over generation seconds, sampler over forward per token, bytes/token."""
+SPOTCHECK_BASELINE = (
+    "generation of the same float32 rollouts at the same batch: 4 groups (16 rows) per "
+    "TransformersBackend.generate_batch call against as many per spot_check_jobs call, and one "
+    "group (4 rows) per call on both sides for _single_group; the spot check is the node's "
+    "whole check (recomputation, logprob comparison, support check, sampler replay on every "
+    "token); each ratio is of the two sides' fastest of spotcheck_rounds alternated rounds"
+)
+
+
+def spot_check_cost(model_dir: Path, fp32: list[Rollout], rounds: int) -> dict:
+    """The node's spot check of honest float32 rollouts over their generation, at matched batch.
+
+    Both sides take the same groups the same number per call: 4 groups (16 rows), as
+    :func:`generate_rollouts` generates them, and one group. The check is the node's
+    (``spot_check_jobs`` with ``chunks_per_audit`` 0: recomputation, every chunk's logprobs,
+    support and sampler replay on every token). The passes alternate ``rounds`` times; each
+    ratio is of the two sides' fastest rounds, and every round is reported with the machine's
+    load."""
+    from node.validator.spot import SpotJob, spot_check_jobs
+    from rollout.oracle import TransformersOracle
+
+    backend = TransformersBackend(model_dir)
+    oracle = TransformersOracle({0: model_dir}, dtype="float32")
+    oracle.model(0)  # loaded before timing, as a running validator has it
+    requests = list({id(r.request): r.request for r in fp32}.values())
+    jobs = [
+        SpotJob([claimed(r) for r in fp32 if r.request is req], list(req.prompt_ids), b"\x05" * 32)
+        for req in requests
+    ]
+    rejected: set[tuple[int, int]] = set()  # (group, row) the honest check refused
+
+    def generation(size: int) -> None:
+        for lo in range(0, len(requests), size):
+            backend.generate_batch(requests[lo : lo + size])
+
+    def check(size: int) -> None:
+        for lo in range(0, len(jobs), size):
+            got = spot_check_jobs(jobs[lo : lo + size], oracle, 0, DEFAULT_TOLERANCES)
+            for g, results in enumerate(got, lo):
+                rejected.update((g, k) for k, x in enumerate(results) if isinstance(x, Exception))
+
+    passes = {
+        "generation": lambda: generation(4),
+        "spotcheck": lambda: check(4),
+        "generation_single_group": lambda: generation(1),
+        "spotcheck_single_group": lambda: check(1),
+    }
+    load_before = load_average()
+    # no untimed round: this process has generated and recomputed on the model already
+    seconds = alternated_rounds(passes, rounds, warmup=0)
+    ratio, ratio_rounds = matched_ratio(seconds, "spotcheck", "generation")
+    single, single_rounds = matched_ratio(
+        seconds, "spotcheck_single_group", "generation_single_group"
+    )
+    generated = sum(len(r.completion.token_ids) for r in fp32)
+    return {
+        "spotcheck_over_generation": ratio,
+        "spotcheck_over_generation_rounds": ratio_rounds,
+        "spotcheck_over_generation_single_group": single,
+        "spotcheck_over_generation_single_group_rounds": single_rounds,
+        "spotcheck_baseline": SPOTCHECK_BASELINE,
+        "spotcheck_batch_groups": 4,
+        "spotcheck_groups": len(jobs),
+        "spotcheck_rounds": rounds,
+        "spotcheck_s": min(seconds["spotcheck"]),
+        "generation_s": min(seconds["generation"]),
+        "spotcheck_round_seconds": {k: [round(x, 4) for x in v] for k, v in seconds.items()},
+        "spotcheck_rejected_honest": len(rejected),
+        "load_average": {"before": load_before, "after": load_average()},
+        "generation_ms_per_row_token": 1e3 * min(seconds["generation"]) / generated,
+    }
+
+
+def costs(model_dir: Path, honest: list[Rollout], tokens: int, rounds: int) -> dict:
+    """The spot check over generation (:func:`spot_check_cost`), sampler over forward per
+    token, envelope bytes per token."""
     from verify.samplers import SAMPLERS
 
-    check_s = recompute.seconds / max(recompute.rollouts, 1) * len(honest)
     backend = TransformersBackend(model_dir)
     ids = torch.tensor([honest[0].ids])
     sampler = SAMPLERS["icdf-v1"]
@@ -406,16 +480,12 @@ def costs(
                 u = sampler.randomness([(KEY.public.raw, b"\1" * 32, 0, 0, [t])], 49_152)
                 sampler.draw(lp[t : t + 1], u)
             sampler_ms = min(sampler_ms, 1e3 * (time.perf_counter() - t0) / 64)
-    generated = sum(len(r.completion.token_ids) for r in honest)
     size = len(canonical_bytes(envelope_for(honest[0])))
     return {
-        "spotcheck_over_generation": check_s / gen_s,
-        "spotcheck_s": check_s,
-        "generation_s": gen_s,
+        **spot_check_cost(model_dir, honest, rounds),
         "sampler_ms_per_token": sampler_ms,
         "forward_ms_per_token": forward_ms,
         "sampler_over_forward": sampler_ms / forward_ms,
-        "generation_ms_per_row_token": 1e3 * gen_s / generated,
         "envelope_bytes_per_token": size / tokens,
         "envelope_overhead_bytes_per_token": (size - 8 * tokens) / tokens,
     }
@@ -435,6 +505,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--attack-audits", type=int, default=52, help="audits per attack (default 52)")
     ap.add_argument("--precisions", default="float32,bfloat16")
     ap.add_argument(
+        "--rounds", type=int, default=3, help="alternated timed rounds of the cost (default 3)"
+    )
+    ap.add_argument(
+        "--cost-groups",
+        type=int,
+        default=8,
+        help="float32 groups the cost is measured on (default 8; --quick has 4)",
+    )
+    ap.add_argument(
         "--quick", action="store_true", help="16 rollouts of 64 tokens, 8 audits per attack"
     )
     args = ap.parse_args(argv)
@@ -449,21 +528,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for p in generate("gsm8k", "train", n_prompts + args.attack_audits, seed=5)
     ]
     honest: list[Rollout] = []
-    gen_s = 0.0
     for k, precision in enumerate(args.precisions.split(",")):
         backend = TransformersBackend(model_dir, dtype=precision)
-        rolls, spent = generate_rollouts(
+        rolls, _ = generate_rollouts(
             backend,
             requests_for(prompts[:n_prompts], args.tokens, 1 + k),
             precision,
             f"honest {precision}",
         )
         honest += rolls
-        gen_s += spent if precision == "float32" else 0.0
     recompute = Recompute(model_dir)
     noise_report, tolerance, logits_of = noise(honest, recompute)
     fp32_rolls = [r for r in honest if r.precision == "float32"]
-    cost = costs(model_dir, fp32_rolls, gen_s, recompute, args.tokens)
+    cost = costs(model_dir, fp32_rolls[: GROUP * args.cost_groups], args.tokens, args.rounds)
     detect = detection(
         model_dir,
         prompts[n_prompts:],

@@ -25,12 +25,22 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                              (null where it did not)
   admission_p50_ms, admission_p99_ms
                              percentiles of submit latency seen by the clients, every run
-  spotcheck_cost_ratio       recomputation (spot check) time / generation time for the same
-                             rollouts on the same model (target <= 0.35), with the groups
-                             waiting for a spot check on a loaded node sharing a forward pass
-                             (``spotcheck_batch_groups``: audit_batch_mean_groups, rounded)
+  spotcheck_cost_ratio       spot-check time / generation time for the same rollouts on the same
+                             model at the same batch (target <= 0.35): spotcheck_batch_groups
+                             groups per call on both sides, as the groups waiting for a spot
+                             check on a loaded node share a forward pass (audit_batch_mean_groups,
+                             rounded; --spotcheck-batch sets it). The spot check is the node's
+                             whole check: recomputation, logprob comparison, support check and
+                             sampler replay on every token. The ratio of the two sides' fastest
+                             of spotcheck_rounds alternated rounds; spotcheck_cost_baseline
+                             names the baseline
   spotcheck_cost_ratio_single_group
-                             the same, one group per forward pass (an idle node)
+                             the same, one group per call on both sides (an idle node)
+  spotcheck_cost_ratio_rounds, spotcheck_cost_ratio_single_group_rounds, spotcheck_round_seconds
+                             every round's ratio and each pass's seconds, in order
+  spotcheck_load_average, spotcheck_cpu_busy
+                             the machine's load averages before and after those rounds and the
+                             share of its CPU busy during them
   audit_batch_mean_groups    groups per spot-check forward pass that a node formed by itself
                              while admitting honest groups over HTTP from --audited-clients
                              clients with every rollout audited (audited_groups_per_s)
@@ -73,6 +83,7 @@ worker its CPU to itself, as on a real node whose contributors are elsewhere.
 
     python bench/validator.py [--groups 200] [--repeats 5] [--group-size 8] [--tokens 1024]
                               [--clients 8] [--processes 1] [--threads 1] [--no-cpu-affinity]
+                              [--spotcheck-batch N] [--spotcheck-rounds 9]
 """
 
 from __future__ import annotations
@@ -92,7 +103,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 
-from bench._util import best_rate, busy_fraction, cpu_ticks, emit, process_cpu, thread_cpu  # noqa: E402
+from bench._util import (  # noqa: E402
+    alternated_rounds,
+    best_rate,
+    busy_fraction,
+    cpu_ticks,
+    emit,
+    load_average,
+    matched_ratio,
+    process_cpu,
+    thread_cpu,
+)
 
 ADMISSION_TARGET = 0.5
 """``admission_ratio`` a node must reach: half the envelopes one thread verifies, or more."""
@@ -597,41 +618,56 @@ def check_admitted(v, groups: int, group_size: int) -> None:  # type: ignore[no-
         raise RuntimeError(f"audit verify failed: {report.findings[:3]}")
 
 
+SPOTCHECK_BASELINE = (
+    "generation of the same rollouts at the same batch: spotcheck_batch_groups groups per "
+    "TransformersBackend.generate_batch call against as many per spot_check_jobs call "
+    "(one group per call on both sides for _single_group); the spot check is the node's "
+    "whole check (recomputation, logprob comparison, support check, sampler replay on every "
+    "token); each ratio is of the two sides' fastest of spotcheck_rounds alternated rounds"
+)
+
+
 def spotcheck_cost(
     model: Path,
-    codec,
+    codec,  # type: ignore[no-untyped-def]
     group_size: int,
     batch: int,
-    rounds: int = 16,  # type: ignore[no-untyped-def]
-    reps: int = 9,
+    groups: int = 64,
+    rounds: int = 9,
 ) -> dict:
-    """Spot-check (recomputation) time over generation time for the same rollouts.
+    """Spot-check time over generation time for the same rollouts, at matched batch.
 
-    Generation runs per group, as a contributor runs it (one
-    ``GenerationBackend.generate`` call per assignment), over ``rounds``
-    prompts. Recomputation runs the two ways a node runs it, every rollout
-    audited: one group at a time (an idle node), and ``batch`` groups per call
-    of ``spot_check_jobs`` (a loaded node, where the groups waiting for a spot
-    check share one forward pass; ``batch`` is the mean batch a loaded node
-    formed in :func:`audited_admission`). The three passes over all rounds alternate
-    ``reps`` times after a warm-up, so they see the same machine load, and each
-    figure is its fastest pass. Both sides run on one torch thread: per-core
-    figures, with no oversubscription on a shared machine.
+    Both sides take the same groups the same number per call: ``batch`` groups per call
+    (``generate_batch`` against ``spot_check_jobs``: a loaded node, where the groups waiting
+    for a spot check share one forward pass; ``batch`` is the mean batch a loaded node formed
+    in :func:`audited_admission`), and one group per call (an idle node, a contributor
+    generating one assignment at a time). The spot check is the node's whole check with its
+    default ``audit.chunks_per_audit`` 0: recomputation, logprob comparison, support check and
+    sampler replay on every token. The passes over ``groups`` groups alternate ``rounds``
+    times after a warm-up, so each round's figures saw the same machine load; a ratio is of
+    the two sides' fastest rounds, and every round is reported with the machine's load. Both
+    sides run on one torch thread: per-core figures, with no oversubscription on a shared
+    machine.
     """
     import torch
 
-    rounds = batch * max(1, round(rounds / batch))  # whole batches only
+    groups = batch * max(1, round(groups / batch))  # whole batches only
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _spotcheck_cost(model, codec, group_size, batch, rounds, reps)
+        return _spotcheck_cost(model, codec, group_size, batch, groups, rounds)
     finally:
         torch.set_num_threads(threads)
 
 
 def _spotcheck_cost(
-    model: Path, codec, group_size: int, batch: int, rounds: int, reps: int
-) -> dict:  # type: ignore[no-untyped-def]
+    model: Path,
+    codec,  # type: ignore[no-untyped-def]
+    group_size: int,
+    batch: int,
+    groups: int,
+    rounds: int,
+) -> dict:
     from node.validator.spot import SpotJob, spot_check_jobs
     from rewards.tasks.base import generate
     from rollout.backends import GenerationRequest, TransformersBackend
@@ -649,7 +685,7 @@ def _spotcheck_cost(
     requests: list[GenerationRequest] = []
     jobs: list[SpotJob] = []
     tokens = 0
-    for i, problem in enumerate(generate("arithmetic", "train", rounds, seed=9)):
+    for i, problem in enumerate(generate("arithmetic", "train", groups, seed=9)):
         prompt = codec.encode(problem.prompt)
         nonce = bytes([i]) * 32
         req = GenerationRequest(
@@ -684,35 +720,52 @@ def _spotcheck_cost(
         requests.append(req)
         jobs.append(SpotJob(rollouts, prompt, secret))
 
-    def generation() -> None:
-        for req, job in zip(requests, jobs, strict=True):
-            again = backend.generate(req)  # the verifiable sampler makes it the same group
-            assert [c.token_ids for c in again] == [
-                tuple(r.token_ids.tolist()) for r in job.rollouts
-            ]
+    def generation(size: int) -> None:
+        for lo in range(0, len(requests), size):
+            again = backend.generate_batch(requests[lo : lo + size])
+            if size == 1:  # the verifiable sampler makes it the same group
+                assert [c.token_ids for c in again[0]] == [
+                    tuple(r.token_ids.tolist()) for r in jobs[lo].rollouts
+                ]
 
     def check(size: int) -> None:
         for lo in range(0, len(jobs), size):
-            for results in spot_check_jobs(jobs[lo : lo + size], oracle, 2, FLOAT32_TOLERANCE):
+            for results in spot_check_jobs(jobs[lo : lo + size], oracle, 0, FLOAT32_TOLERANCE):
                 assert not any(isinstance(r, Exception) for r in results)
 
-    passes = {"generation": generation, "single": lambda: check(1), "batched": lambda: check(batch)}
-    best = dict.fromkeys(passes, float("inf"))
-    for rep in range(reps + 1):
-        for name, fn in passes.items():
-            start = time.perf_counter()
-            fn()
-            if rep:  # the first round is the warm-up
-                best[name] = min(best[name], time.perf_counter() - start)
-    gen_s = best["generation"]
+    passes = {
+        "generation_single_group": lambda: generation(1),
+        "spotcheck_single_group": lambda: check(1),
+    }
+    if batch > 1:
+        passes |= {"generation": lambda: generation(batch), "spotcheck": lambda: check(batch)}
+    load_before, ticks = load_average(), cpu_ticks()
+    seconds = alternated_rounds(passes, rounds)
+    load_after = load_average()
+    if batch == 1:
+        seconds["generation"] = seconds["generation_single_group"]
+        seconds["spotcheck"] = seconds["spotcheck_single_group"]
+    ratio, ratio_rounds = matched_ratio(seconds, "spotcheck", "generation")
+    single, single_rounds = matched_ratio(
+        seconds, "spotcheck_single_group", "generation_single_group"
+    )
     return {
-        "generation_s": round(gen_s, 4),
-        "spotcheck_s": round(best["batched"], 4),
-        "spotcheck_cost_ratio": round(best["batched"] / gen_s, 3),
+        "spotcheck_cost_ratio": ratio,
+        "spotcheck_cost_ratio_rounds": ratio_rounds,
+        "spotcheck_cost_ratio_single_group": single,
+        "spotcheck_cost_ratio_single_group_rounds": single_rounds,
+        "spotcheck_cost_baseline": SPOTCHECK_BASELINE,
         "spotcheck_batch_groups": batch,
-        "spotcheck_single_group_s": round(best["single"], 4),
-        "spotcheck_cost_ratio_single_group": round(best["single"] / gen_s, 3),
+        "generation_s": round(min(seconds["generation"]), 4),
+        "spotcheck_s": round(min(seconds["spotcheck"]), 4),
+        "generation_single_group_s": round(min(seconds["generation_single_group"]), 4),
+        "spotcheck_single_group_s": round(min(seconds["spotcheck_single_group"]), 4),
+        "spotcheck_round_seconds": {k: [round(x, 4) for x in v] for k, v in seconds.items()},
+        "spotcheck_load_average": {"before": load_before, "after": load_after},
+        "spotcheck_cpu_busy": busy_fraction(ticks, cpu_ticks()),
+        "spotcheck_chunks_per_audit": 0,
         "rollout_tokens": tokens,
+        "spotcheck_groups": groups,
         "spotcheck_rounds": rounds,
     }
 
@@ -753,6 +806,9 @@ def main() -> None:
         return
     if args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.spotcheck_batch:
+        spotcheck_only(args)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model = model_dir(work)
@@ -783,7 +839,7 @@ def main() -> None:
         )
         log("measuring spot-check cost against generation")
         batch = max(1, round(audited["audit_batch_mean_groups"]))
-        cost = spotcheck_cost(model, codec, args.group_size, batch)
+        cost = spotcheck_cost(model, codec, args.group_size, batch, rounds=args.spotcheck_rounds)
     emit(
         {
             **_admission_figures(args, bracketed),
@@ -793,6 +849,23 @@ def main() -> None:
             "model": str(model),
         }
     )
+
+
+def spotcheck_only(args: argparse.Namespace) -> None:
+    """The spot-check cost alone, at ``--spotcheck-batch`` groups per call."""
+    from node.validator.policy import HFTextCodec
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = model_dir(Path(tmp))
+        log(f"measuring spot-check cost against generation, {args.spotcheck_batch} groups a call")
+        cost = spotcheck_cost(
+            model,
+            HFTextCodec(model),
+            args.group_size,
+            args.spotcheck_batch,
+            rounds=args.spotcheck_rounds,
+        )
+    emit({**cost, "spotcheck_cost_target": 0.35, "model": str(model)})
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -809,6 +882,19 @@ def _parser() -> argparse.ArgumentParser:
         "groups swings by a third on a shared machine)",
     )
     parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument(
+        "--spotcheck-batch",
+        type=int,
+        default=0,
+        help="measure the spot-check cost alone, at this many groups per call on both sides "
+        "(default 0: the whole benchmark, at the batch its audited admission run formed)",
+    )
+    parser.add_argument(
+        "--spotcheck-rounds",
+        type=int,
+        default=9,
+        help="alternated timed rounds of the spot-check cost (each side's fastest is used)",
+    )
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument(
         "--clients",

@@ -13,7 +13,7 @@ Invariants:
 - A gain is the mean held-out pass@1 over the last ``SMOOTH_EVALS`` steps after
   the first that every compared run of the seed evaluated (``end_window``), minus
   the first eval's: one version's pass@1 swings by a few points.
-- Runs that stopped at different steps (a wall-clock budget) are compared at
+- Runs that stopped at different steps (one interrupted) are compared at
   the last steps every one of them evaluated (``comparison_step`` is the last of
   them), never a short run's end against a long run's.
 - A rejection counts as caught only when its reason is not one an honest

@@ -90,20 +90,30 @@ def steps_text(window: tuple[int, ...]) -> str:
     return ("step " if len(window) == 1 else "steps ") + ", ".join(map(str, window))
 
 
+def _apart_text(o: Outcome) -> str:
+    """``; RUNS ENDED APART (...), compared at step s`` when seed 0's runs' last evals are at
+    different steps, else empty: a ratio read before a run's end must say so where it is read."""
+    if not o.ended_apart:
+        return ""
+    ends = ", ".join(f"{name} {step}" for name, step in o.last_steps.items())
+    at = "no common step" if o.step is None else f"step {o.step}"
+    return f"; RUNS ENDED APART ({ends}), compared at {at}"
+
+
 def _improvement_line(o: Outcome, main: RunData) -> str:
     if o.n_seeds > 1:
         return (
             f"training improved: {o.improves_call} at 95% (gain {with_interval(o.gain, o.gain_ci)} "
             f"over {o.n_seeds} seeds; ratio to honest baseline "
             f"{with_interval(o.ratio, o.ratio_ci, '.2f')}, at least {RATIO_TARGET}: {o.ratio_call}; "
-            f"no-defence worse: {o.no_defence_worse_call})"
+            f"no-defence worse: {o.no_defence_worse_call}{_apart_text(o)})"
         )
     first = main.evals[0].pass_at_1 if main.evals else None
     last = main.evals[-1].pass_at_1 if main.evals else None
     return (
         f"training improved: {_yn(o.improved)} (pass@1 {_f(first, '.3f')} -> {_f(last, '.3f')}; "
         f"ratio to honest baseline {_f(o.ratio, '.2f')}; no-defence worse: {_yn(o.no_defence_worse)}"
-        f"{'' if o.step is None else f'; compared at step {o.step}'}; one seed, no intervals)"
+        f"{_apart_text(o)}; one seed, no intervals)"
     )
 
 
@@ -236,9 +246,9 @@ def _comparison_note(o: Outcome) -> list[str]:
         where += f" (averaging {steps_text(o.window)})"
     return [
         f"- The runs' last evals{' of seed 0' if o.n_seeds > 1 else ''} are at different "
-        f"steps ({ends}; a run stops at `trainer.budget_s` before `trainer.steps` on a slow "
-        f"machine): the gains above are read at {where}; the runs table gives each run's own "
-        "last figures."
+        f"steps ({ends}; every run trains `trainer.steps`, so one was interrupted or the "
+        f"runs had different settings): the gains above are read at {where}; the runs table "
+        "gives each run's own last figures."
     ]
 
 

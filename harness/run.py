@@ -58,7 +58,24 @@ from trainer.evals import default_max_new_tokens
 from trainer.loop import TrainerLoop, ensure_process_group
 from trainer.pipeline import PipelineRunner
 from trainer.stages import load_stage
-from verify.errors import ConfigError
+from verify.errors import ConfigError, ProofTrainError
+
+
+class BudgetExceeded(ProofTrainError):
+    """A run reached its wall-clock cap (``trainer.budget_s``) before ``trainer.steps``.
+
+    The run fails rather than stop early: the scenario's runs are compared step for step,
+    and one cut short by a loaded machine would be read against runs that trained longer."""
+
+    def __init__(self, run: str, step: int, steps: int, elapsed: float, budget: float) -> None:
+        self.run, self.step, self.steps = run, step, steps
+        self.elapsed, self.budget = elapsed, budget
+        super().__init__(
+            f"run {run!r} reached its wall-clock cap trainer.budget_s = {budget:g} s after "
+            f"{elapsed:.0f} s at step {step} of {steps}; no run is cut short, so that the "
+            "scenario's runs compare at the same step: raise trainer.budget_s in the scenario "
+            "file (0: no cap) or lower trainer.steps"
+        )
 
 
 def _by_key(metrics: dict[str, float], prefix: str) -> dict[str, float]:
@@ -71,7 +88,7 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
     return TrainerConfig(
         model_dir=model_dir,
         task=s.task.name,
-        steps=t.steps or 1_000_000,
+        steps=t.steps,
         lr=t.learning_rate,
         lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps,
@@ -133,7 +150,7 @@ def run_variant(
     ) as evals:
         evals.submit(0, net.model(0), tag=sim.t)
         wall0 = time.monotonic()
-        trained = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
+        trained, train_s = _train(s, cfg.eval_every, loop, sim, evals, reports, wall0, progress)
         reports.record(evals.drain())
     report = verify_ledger(net.ledger.store, blobs=net.ledger.blobs)
     log.write(
@@ -144,6 +161,7 @@ def run_variant(
         "steps": loop.version,
         "samples_trained": trained,
         "sim_seconds": round(sim.t, 2),
+        "train_seconds": round(train_s, 2),
         "wall_seconds": round(time.monotonic() - wall0, 2),
         "pass_at_1_first": first,
         "pass_at_1_last": last,
@@ -227,22 +245,30 @@ def _train(
     reports: _EvalRecorder,
     wall0: float,
     progress: bool,
-) -> int:
-    """Train until ``s.trainer.steps`` or its wall-clock budget (counted from ``wall0``), each
-    step advancing simulated time by its measured duration and logged; versions go to
-    ``evals`` as they are due (the last one always), and their reports to ``reports`` as they
-    come back. Returns the samples trained."""
+) -> tuple[int, float]:
+    """Train exactly ``s.trainer.steps`` steps, each advancing simulated time by its measured
+    duration and logged; versions go to ``evals`` as they are due (the last one always), and
+    their reports to ``reports`` as they come back. Returns the samples trained and the
+    simulated seconds the optimizer steps took (their measured durations).
+
+    Raises ``BudgetExceeded`` when the wall clock (counted from ``wall0``) passes
+    ``s.trainer.budget_s`` before the last step."""
     from tqdm import tqdm
 
     run, log = sim.run, sim.log
     every_version = s.trainer.eval_every_version and s.run == "scenario"
     budget = s.trainer.budget_s or float("inf")
-    steps = s.trainer.steps or 1_000_000
-    trained, evaluated = 0, 0
+    steps = s.trainer.steps
+    trained, evaluated, train_s = 0, 0, 0.0
     bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
-    while loop.version < steps and time.monotonic() - wall0 < budget:
+    while loop.version < steps:
+        elapsed = time.monotonic() - wall0
+        if elapsed >= budget:
+            bar.close()
+            raise BudgetExceeded(run, loop.version, steps, elapsed, budget)
         metrics = loop.train_step()
         sim.t += metrics.get("perf/step_s", 0.0)
+        train_s += metrics.get("perf/step_s", 0.0)
         trained += int(metrics.get("train/samples", 0))
         _log_step(log, run, sim.t, loop.version, metrics)
         log.write(Throughput(t=sim.t, run=run, samples_per_s=trained / max(sim.t, 1e-9)))
@@ -258,7 +284,7 @@ def _train(
     bar.close()
     if loop.version != evaluated:  # the last version is always evaluated
         evals.submit(loop.version, sim.net.model(loop.version), tag=sim.t)
-    return trained
+    return trained, train_s
 
 
 def _log_step(log: EventLog, run: str, t: float, version: int, metrics: dict[str, float]) -> None:

@@ -143,6 +143,11 @@ class NetworkSpec(_Section):
         default_factory=lambda: {DEFAULT_PROFILE: ProfileSpec()}
     )
     """Named link/hardware profiles that population groups refer to."""
+    setup_latency: bool = False
+    """Charge every assignment its request and answer crossing the contributor's link, and
+    every policy version a contributor has not got its weights crossing it once published,
+    before generation starts (message kinds "request", "assignment", "weights"); off, work
+    starts the moment a contributor asks for it."""
 
 
 class ChurnSpec(_Section):
@@ -232,12 +237,14 @@ class NamedParams(_Section):
 
 
 class TrainerSpec(_Section):
-    steps: int = Field(default=20, ge=0, le=1_000_000)
-    """Optimizer steps (0: no step limit); the run stops at whichever of ``steps`` and
-    ``budget_s`` comes first."""
+    steps: int = Field(default=20, ge=1, le=1_000_000)
+    """Optimizer steps. Every run of the scenario (the scenario, its honest baseline, its
+    no-defence ablation, every seed) trains exactly this many, whatever the machine's load,
+    so the runs compare at the same step."""
     budget_s: float = Field(default=0.0, ge=0, le=1e6)
-    """Wall-clock budget of the run in seconds (0: no time limit). Runs that stop at different
-    steps are compared at the last step all of them evaluated (``harness.analysis``)."""
+    """Wall-clock cap of each run in seconds (0: no cap). A run that reaches it before
+    ``steps`` fails (``harness.run.BudgetExceeded``) instead of stopping early: a run cut
+    short by a loaded machine would be compared with runs that trained longer."""
     batch_groups: int = Field(default=4, ge=1, le=4_096)
     """Accepted groups per optimizer step."""
     learning_rate: float = Field(default=1e-4, gt=0, le=1)
@@ -255,6 +262,10 @@ class TrainerSpec(_Section):
     mode: Literal["async", "sync"] = "async"
     """async: train on whatever is accepted within the staleness bound; sync: wait for a
     full batch of the current version."""
+    sync_demand: bool = True
+    """sync only: hand out no more groups of a version than a step takes
+    (``harness.simulation.SyncDemand``), so no work goes stale; false keeps every
+    contributor generating, and the step takes the first groups to arrive."""
     eval_every: int = Field(default=5, ge=1)
     """Held-out eval interval, in optimizer steps (plus one before the first step)."""
     eval_problems: int = Field(default=64, ge=1, le=100_000)
@@ -269,8 +280,6 @@ class TrainerSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSpec:
-        if self.steps == 0 and self.budget_s == 0:
-            raise ValueError("set trainer.steps, trainer.budget_s or both (0 means no limit)")
         from trainer.losses import get_policy_loss  # noqa: PLC0415
         from verify.aggregate import get_aggregator  # noqa: PLC0415
 

@@ -9,6 +9,15 @@ goes to the event log and, as the contributor would see it, back to its
 strategy (``harness.adversaries.observe``); a strategy that rejoins after a
 ban comes back under a fresh key. The trainer calls :meth:`Simulation.pump`
 whenever its sample stream is dry (``harness.run``).
+
+A synchronous trainer (``trainer.mode = "sync"``) trains only on its current
+version, so the simulation hands out no more of it than a step takes
+(``SyncDemand``; ``trainer.sync_demand = false`` turns it off): once
+``batch_groups`` groups of the current version are accepted or on their way,
+contributors wait for the next version instead of generating groups that
+would go stale. With ``network.setup_latency`` every
+assignment also pays its request and answer on the contributor's link, and a
+new version its weight download, after it is published.
 """
 
 from __future__ import annotations
@@ -62,6 +71,38 @@ class Member:
     """When each of its groups still on the wire arrives (or is given up as lost)."""
     comebacks: int = 0
     """Fresh keys it has registered after a ban (whitewashing)."""
+    weights: int = 0
+    """The policy version whose weights it holds (``network.setup_latency``)."""
+
+
+@dataclass
+class SyncDemand:
+    """What a synchronous trainer still needs of a version: ``batch`` groups, less those of it
+    accepted or on their way. A rejected group frees its place when its verdict comes back,
+    a lost one when its sender gives it up."""
+
+    batch: int
+    claimed: dict[int, int] = field(default_factory=dict)
+    lost: list[tuple[float, int]] = field(default_factory=list)
+    """(give-up time, version) of each lost group still counted."""
+
+    def open(self, version: int, t: float) -> int:
+        """Groups of ``version`` still to hand out at time ``t``."""
+        for item in [x for x in self.lost if x[0] <= t]:
+            self.lost.remove(item)
+            self.release(item[1])
+        return max(0, self.batch - self.claimed.get(version, 0))
+
+    def claim(self, version: int, lost_at: float | None = None) -> None:
+        self.claimed[version] = self.claimed.get(version, 0) + 1
+        if lost_at is not None:
+            self.lost.append((lost_at, version))
+
+    def release(self, version: int) -> None:
+        self.claimed[version] -= 1
+
+    def next_give_up(self) -> float | None:
+        return min((at for at, _ in self.lost), default=None)
 
 
 def free_after(uploading: list[float], ready: float, uploads: int) -> tuple[list[float], float]:
@@ -109,6 +150,15 @@ class Simulation:
             self.members.append(Member(spec, key, make_strategy(spec.strategy, **spec.params), ctx))
         self.accepted_samples = 0
         self.registration_s = scenario.validator.registration_cost_s()
+        t = scenario.trainer
+        limited = t.mode == "sync" and t.sync_demand
+        self.demand = SyncDemand(t.batch_groups) if limited else None
+        self._skip_uniform = t.skip_uniform_groups
+        self.setup = scenario.network.setup_latency
+        self._published = {net.versions.current: 0.0}
+        """Simulated time each policy version was first seen published."""
+        self._version_of: dict[bytes, int] = {}
+        """The policy version of each group on its way, by assignment id (sync demand)."""
         for m in self.members:  # each key's first event: its registration (proved before t=0)
             self._registered(m, 0.0)
 
@@ -134,12 +184,15 @@ class Simulation:
         Jobs start in rounds (every idle contributor's first, then second...),
         and each round's plain generations run as one batch (:meth:`_prefetch`).
         """
+        current = self._current_version()
         for r in range(max((m.spec.uploads for m in self.members), default=0)):
             due = [
                 (m, max(m.free_at, self._pumped_at))
                 for m in self.members
                 if r < m.spec.uploads and self._idle(m)
             ]
+            if self.demand is not None:
+                due = due[: self._open(current)]
             if not due:
                 break
             jobs = self._assign_all(due)
@@ -147,6 +200,8 @@ class Simulation:
             for job in jobs:
                 self._answer(*job)
         nxt = self.queue.next_ready_at()
+        if self.demand is not None and (give_up := self.demand.next_give_up()) is not None:
+            nxt = give_up if nxt is None else min(nxt, give_up)
         if nxt is None:
             waiting = [m.free_at for m in self.members if not m.retired]
             self.t = max(self.t, min(waiting, default=self.t)) + 1e-3
@@ -154,6 +209,16 @@ class Simulation:
             self.t = max(self.t, nxt)
             self._deliver_all(self.queue.pop_ready(self.t))
         self._pumped_at = self.t
+
+    def _current_version(self) -> int:
+        """The version the validator hands out now, noted with when it was first seen (its
+        publication, for weight downloads); 0 when neither sync demand nor setup latency
+        needs it."""
+        if self.demand is None and not self.setup:
+            return 0
+        current = self.net.versions.current
+        self._published.setdefault(current, self.t)
+        return current
 
     def _idle(self, m: Member) -> bool:
         return not m.retired and m.free_at <= self.t and self.sim.is_online(m.spec.id, self.t)
@@ -197,6 +262,12 @@ class Simulation:
         version = open_assignment(
             sealed, self.net.validator.key.public, m.key.public
         ).policy_version
+        if self.setup:
+            started = self._set_up(m, version, at)
+            if started is None:  # the request or its answer was lost: ask again later
+                m.free_at = at + IDLE_RETRY_S
+                return
+            at = started
         m.ctx.backend = self._backend(version)
         m.ctx.prefetch_s = 0.0
         start = time.perf_counter()
@@ -211,8 +282,30 @@ class Simulation:
         # A lost group is given up after IDLE_RETRY_S; the assignment expires unanswered.
         done = ready + (IDLE_RETRY_S if delay is None else delay)
         m.uploading, m.free_at = free_after([*m.uploading, done], ready, m.spec.uploads)
+        if self.demand is not None:
+            self.demand.claim(version, lost_at=done if delay is None else None)
+            if delay is not None:
+                self._version_of[_assignment_of(body)] = version
         if delay is not None:
             self.queue.push((m, body, m.key.public.raw), done)
+
+    def _set_up(self, m: Member, version: int, at: float) -> float | None:
+        """When ``m``, asking for work at ``at``, can start generating its assignment of
+        ``version``: after its request and the answer cross its link and, for a version whose
+        weights it has not got, after the version is published and its weights cross the link
+        too (a lost download is retried after ``IDLE_RETRY_S``). None if the request or the
+        answer is lost."""
+        request = self.sim.delay(m.spec.id, "request")
+        answer = self.sim.delay(m.spec.id, "assignment")
+        if request is None or answer is None:
+            return None
+        start = at + request + answer
+        if version != m.weights:
+            download = self.sim.delay(m.spec.id, "weights")
+            published = self._published.get(version, start)
+            start = max(start, published) + (IDLE_RETRY_S if download is None else download)
+            m.weights = version
+        return start
 
     def _rejoin(self, m: Member, at: float) -> bool:
         """Whitewashing: if ``m``'s strategy comes back after a ban, register a fresh key for
@@ -269,6 +362,25 @@ class Simulation:
         results = self.net.validator.admit_in_turn([body for _, body, _ in ready])
         for (m, body, key), result in zip(ready, results, strict=True):
             self._deliver(m, result, key, body)
+            version = self._version_of.pop(_assignment_of(body), None)
+            if self.demand is not None and version is not None and not self._usable(result):
+                self.demand.release(version)
+
+    def _usable(self, result: SubmitResult | VerificationError) -> bool:
+        """Whether the trainer trains on a delivered group: accepted, and not skipped for equal
+        rewards (``trainer.skip_uniform_groups``, ``trainer.batch.uniform_reward``)."""
+        if not isinstance(result, SubmitResult) or not all(x.accepted for x in result.verdicts):
+            return False
+        return not (self._skip_uniform and len({x.reward for x in result.verdicts}) <= 1)
+
+    def _open(self, version: int) -> int:
+        """Groups of ``version`` a synchronous trainer still needs handed out. At least one
+        when nothing of it is on its way while the trainer waits (a group it dropped for a
+        reason the count does not see), so a run never stalls."""
+        assert self.demand is not None
+        open_ = self.demand.open(version, self.t)
+        idle = self.queue.next_ready_at() is None and self.demand.next_give_up() is None
+        return max(open_, 1) if idle else open_
 
     def _deliver(
         self, m: Member, result: SubmitResult | VerificationError, key: bytes, body: bytes = b""

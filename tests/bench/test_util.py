@@ -9,7 +9,15 @@ import time
 
 import pytest
 
-from bench._util import busy_fraction, cpu_ticks, process_cpu, thread_cpu
+from bench._util import (
+    alternated_rounds,
+    busy_fraction,
+    cpu_ticks,
+    load_average,
+    matched_ratio,
+    process_cpu,
+    thread_cpu,
+)
 
 
 def test_busy_and_stolen_shares_between_two_readings() -> None:
@@ -55,3 +63,23 @@ def test_a_thread_reading_counts_that_thread_alone() -> None:
         stop.set()
         idle.join()
     assert thread_cpu(2**22 + 12_345) is None  # no such thread here
+
+
+def test_alternated_rounds_time_every_pass_once_per_round_after_the_warm_up() -> None:
+    calls: list[str] = []
+    seconds = alternated_rounds(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, rounds=3, warmup=1
+    )
+    assert calls == ["a", "b"] * 4
+    assert {k: len(v) for k, v in seconds.items()} == {"a": 3, "b": 3}
+    assert all(x >= 0 for v in seconds.values() for x in v)
+
+
+def test_matched_ratio_is_best_over_best_with_every_round() -> None:
+    seconds = {"check": [0.5, 0.3, 0.6], "gen": [2.0, 1.0, 1.5]}
+    assert matched_ratio(seconds, "check", "gen") == (0.3, [0.25, 0.3, 0.4])
+
+
+def test_load_average_is_three_figures() -> None:
+    load = load_average()
+    assert load is None or (len(load) == 3 and all(x >= 0 for x in load))

@@ -266,7 +266,7 @@ def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(
     tmp_path: Path,
 ) -> None:
     d = tmp_path / "budget"
-    with EventLog(d / EVENTS_FILE) as log:  # the scenario hit its wall-clock budget after step 7
+    with EventLog(d / EVENTS_FILE) as log:  # the scenario run was interrupted after step 7
         log.write_all(_every_step("scenario", [0.20 + 0.02 * i for i in range(8)]))
         log.write_all(_evals("honest", [0.20, 0.30, 0.45]))  # steps 0, 5, 10
         log.write_all(_evals("no-defence", [0.20, 0.22, 0.25]))
@@ -277,8 +277,9 @@ def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(
     assert o.gain == pytest.approx(0.10) and o.honest_gain == pytest.approx(0.10)
     assert o.ratio == pytest.approx(1.0) and o.no_defence_gain == pytest.approx(0.02)
     assert o.no_defence_worse
-    assert "ratio to honest baseline 1.00" in summary_lines(runs)[0]
-    assert "compared at step 5" in summary_lines(runs)[0]
+    line = summary_lines(runs)[0]
+    assert "ratio to honest baseline 1.00" in line
+    assert "RUNS ENDED APART (scenario 7, honest 10, no-defence 10), compared at step 5" in line
     text = write_report(d).read_text()
     assert "(scenario 7, honest 10, no-defence 10;" in text
     assert "read at step 5, the last step every run evaluated" in text

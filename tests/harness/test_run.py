@@ -4,10 +4,25 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
-from harness.events import Audit, Eval, Slash, Start, TrainStep, Verdict, read_run_dir
-from harness.scenario import load_scenario
+import pytest
+
+from harness.events import (
+    Audit,
+    Eval,
+    EventLog,
+    Slash,
+    Start,
+    Summary,
+    TrainStep,
+    Verdict,
+    read_run_dir,
+)
+from harness.scenario import Scenario, load_scenario
+from verify.errors import ProofTrainError
 
 TINY = """
 name = "tiny"
@@ -94,3 +109,44 @@ def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     events = read_run_dir(out)
     assert len([e for e in events if isinstance(e, Start)]) == 1
     assert [e.step for e in events if isinstance(e, TrainStep)] == [1, 2, 3, 4]
+
+
+class _Clock:
+    """A stand-in for ``harness.run``'s ``time``: the wall clock moves ``step_s`` further on
+    every reading, as on a machine loaded enough to make each step that slow."""
+
+    def __init__(self) -> None:
+        self.step_s = 0.0
+        self.offset = 0.0
+
+    def monotonic(self) -> float:
+        self.offset += self.step_s
+        return time.monotonic() + self.offset
+
+
+def test_a_run_slowed_past_its_budget_fails_instead_of_training_fewer_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import harness.run as run_mod
+
+    text = TINY.replace("run_honest_baseline = false", "run_honest_baseline = true")
+    path = tmp_path / "tiny.toml"
+    path.write_text(text.replace("steps = 4", "steps = 3\nbudget_s = 60"))
+    s = load_scenario(path)
+    clock, variant = _Clock(), run_mod.run_variant
+
+    def slow_honest(s: Scenario, work: Path, log: EventLog, **kw: Any) -> dict:
+        clock.step_s = 25.0 if kw.get("label") == "honest" else 0.0
+        return variant(s, work, log, **kw)
+
+    monkeypatch.setattr(run_mod, "time", clock)
+    monkeypatch.setattr(run_mod, "run_variant", slow_honest)
+    out = tmp_path / "out"
+    with pytest.raises(ProofTrainError, match=r"run 'honest' .* trainer\.budget_s = 60 s") as err:
+        run_mod.run_scenario(s, out, progress=False)
+    assert isinstance(err.value, run_mod.BudgetExceeded)
+    assert err.value.step < err.value.steps == 3
+    assert "raise trainer.budget_s" in str(err.value)
+    # the scenario run, within its budget, trained every step; the honest run none past the cap
+    summaries = {e.run: e.values["steps"] for e in read_run_dir(out) if isinstance(e, Summary)}
+    assert summaries == {"scenario": 3}

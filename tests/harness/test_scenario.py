@@ -172,12 +172,13 @@ def test_empty_population_is_an_error(tmp_path: Path) -> None:
         load_scenario(_write(tmp_path, text))
 
 
-def test_steps_or_budget_required(tmp_path: Path) -> None:
-    text = MINIMAL.replace("steps = 3", "steps = 0\nbudget_s = 60")
+def test_steps_are_required_and_a_budget_only_caps_them(tmp_path: Path) -> None:
+    text = MINIMAL.replace("steps = 3", "steps = 3\nbudget_s = 60")
     t = load_scenario(_write(tmp_path, text)).trainer
-    assert (t.steps, t.budget_s) == (0, 60.0)
-    with pytest.raises(ConfigError, match="trainer.steps, trainer.budget_s"):
-        load_scenario(_write(tmp_path, MINIMAL.replace("steps = 3", "steps = 0")))
+    assert (t.steps, t.budget_s) == (3, 60.0)
+    # a run that stops at a wall-clock budget would compare with runs that trained longer
+    with pytest.raises(ConfigError, match="trainer.steps"):
+        load_scenario(_write(tmp_path, text.replace("steps = 3", "steps = 0")))
 
 
 def test_file_problems(tmp_path: Path) -> None:

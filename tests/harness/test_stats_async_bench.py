@@ -46,6 +46,14 @@ def test_a_censored_async_run_cannot_make_a_yes() -> None:
     assert out["time_ratio_call"] == "inconclusive"
 
 
+def test_compute_shares_and_step_time_are_means_over_runs() -> None:
+    a = [{**_run(6.0, 100.0, 40.0), "compute_share": 0.2, "step_s": 0.5}]
+    s = [{**_run(2.0, 300.0, 120.0), "compute_share": 0.1, "step_s": 0.7}]
+    out = bench.summarize(a, s, 0.3)
+    assert (out["async_compute_share"], out["sync_compute_share"]) == (0.2, 0.1)
+    assert out["step_s"] == 0.6
+
+
 def test_one_seed_has_no_interval() -> None:
     out = bench.summarize([_run(6.0, 100.0, 40.0)], [_run(2.0, 300.0, 120.0)], 0.3)
     assert out["time_ratio"] == 3.0 and out["time_ratio_ci"] is None
@@ -66,7 +74,14 @@ def test_the_command_line_reaches_the_scenario(tmp_path: Path) -> None:
     from harness.scenario import load_scenario
 
     args = argparse.Namespace(
-        steps=120, lr=8e-5, uploads=2, evals=24, eval_problems=700, max_staleness=2
+        steps=120,
+        lr=8e-5,
+        uploads=2,
+        evals=24,
+        eval_problems=700,
+        max_staleness=2,
+        latency_ms=3000.0,
+        sync_overassign=False,
     )
     for mode in ("async", "sync"):
         path = tmp_path / f"{mode}.toml"
@@ -75,3 +90,6 @@ def test_the_command_line_reaches_the_scenario(tmp_path: Path) -> None:
         assert (s.trainer.mode, s.trainer.steps, s.trainer.eval_every) == (mode, 120, 5)
         assert s.trainer.eval_problems == s.task.heldout == 700
         assert s.rules.max_staleness == 2 and s.trainer.learning_rate == 8e-5
+        # both modes pay assignment and weight-download latency, at the median asked for
+        assert s.network.setup_latency and s.trainer.sync_demand
+        assert s.network.profiles["consumer"].latency.params["median_ms"] == 3000.0

@@ -56,6 +56,7 @@ def _pumping(uploads: int, cycle: float, t: float) -> tuple[Simulation, list[flo
     to generate and 0.05 s to upload; returns it and the list its starts go to."""
     sim = Simulation.__new__(Simulation)
     sim.t, sim._pumped_at, sim.queue, sim.sim = t, 0.0, DeliveryQueue(), _Always()
+    sim.demand, sim.setup = None, False
     spec = ContributorSpec(
         id="c00-honest",
         strategy="honest",
