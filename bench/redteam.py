@@ -895,7 +895,14 @@ def control_unchanged_version(world: World, honest: Honest, groups: int) -> dict
     same weights) is published, then every prompt again under version 1."""
     before = dataclasses.replace(honest, reasons=Counter(honest.reasons))
     size = max(2, groups // 2)
-    run = Run(world, honest, -1.0, problems=world.problems[: size + 1], versions=2)
+    run = Run(
+        world,
+        honest,
+        -1.0,
+        {"assignment.max_prompt_share": 1.0},  # two keys answer every prompt of a tiny pool
+        problems=world.problems[: size + 1],
+        versions=2,
+    )
     people = [run.control, run.identity("honest-2", honest=True)]
     for i in range(size):
         run.honest(people[i % 2])
@@ -939,6 +946,9 @@ GRIND_ASK = 8
 """Assignments a grinder asks for every quarter ``ttl_s``."""
 LEAK_GROUPS = 16
 """Cheating groups the audit-draw leak probe plays (its keys' warm-ups come on top)."""
+LEAK_WARMUP = 10
+"""The fewest honest groups a leak-probe key warms up with: past probation (32 audited
+rollouts), so that some of its submissions are not drawn."""
 
 
 def grinding(world: World, honest: Honest, method: str, windows: int) -> dict:
@@ -1139,7 +1149,7 @@ def run_all(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     torch.set_num_threads(1)  # per-core figures; both sides of every check on one thread
     with tempfile.TemporaryDirectory() as tmp:
-        leak = LEAK_GROUPS * (args.warmup + 1)  # at most one warmed-up key per cheating group
+        leak = LEAK_GROUPS * (max(args.warmup, LEAK_WARMUP) + 1)  # a warmed-up key per group
         world = world_for(
             Path(tmp), pool=4 * (args.groups + args.warmup * args.identities) + leak + 200
         )
@@ -1163,7 +1173,7 @@ def run_all(args: argparse.Namespace) -> dict:
                 results[name]["tolerated"] = attack.tolerated
         log("grinding and the audit-draw leak")
         grind = {m: grinding(world, honest, m, windows=2) for m in GRIND_METHODS}
-        leak = audit_draw_leak(world, honest, LEAK_GROUPS, args.warmup)
+        leak = audit_draw_leak(world, honest, LEAK_GROUPS, max(args.warmup, LEAK_WARMUP))
         log("honest controls")
         controls = {
             "duplicate_prompt_text": control_duplicate_text(world, honest, args.groups),
