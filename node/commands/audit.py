@@ -120,7 +120,7 @@ def _origin(store) -> str | None:  # noqa: ANN001
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # noqa: PLC0415
+    from rollout.progress import progress  # noqa: PLC0415
 
     store = open_store(args.ledger, readonly=True)
     try:
@@ -128,15 +128,15 @@ def run_verify(args: argparse.Namespace) -> int:
         witnesses = [parse_verifier(w) for w in args.witness]
         total = _safe_size(store)
         blobs = _blobs(args)
-        with tqdm(
-            total=total, unit="entry", disable=args.json or total < 50_000, file=sys.stderr
+        with progress(
+            total, "verifying", "entries", enabled=not args.json and total >= 50_000
         ) as bar:
+
+            def advance(entries: int) -> None:
+                bar.update(entries - bar.n)
+
             report = verify_ledger(
-                store,
-                log_key=log_key,
-                witnesses=witnesses,
-                blobs=blobs,
-                progress=lambda n: bar.update(n - bar.n),
+                store, log_key=log_key, witnesses=witnesses, blobs=blobs, progress=advance
             )
         try:
             check_blob_references(store, blobs, report)
