@@ -70,7 +70,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from bench._util import emit  # noqa: E402
 from harness.adversaries.base import STRATEGIES, Context, make_strategy  # noqa: E402
@@ -85,6 +84,7 @@ from rewards.base import Problem  # noqa: E402
 from rewards.tasks.base import generate  # noqa: E402
 from rollout.backends import GeneratedCompletion, TransformersBackend  # noqa: E402
 from rollout.oracle import TransformersOracle  # noqa: E402
+from rollout.progress import tracked  # noqa: E402
 from rollout.worker import answer, header_fields, honest_request, open_assignment  # noqa: E402
 from verify.challenge import audit_subject, should_audit  # noqa: E402
 from verify.envelope import build_envelope, completion_digest, verify_envelope  # noqa: E402
@@ -1158,7 +1158,7 @@ def run_all(args: argparse.Namespace) -> dict:
         if args.only:
             table = {k: f for k, f in table.items() if k in args.only.split(",")}
         results: dict[str, dict] = {}
-        for name, make in tqdm(table.items(), desc="attacks", file=sys.stderr, mininterval=2):
+        for name, make in tracked(table.items(), "attacks", "attacks"):
             began = time.perf_counter()
             audit = play(world, honest, make, args.groups, 1.0)
             default = play(world, honest, make, args.groups, -1.0, args.warmup, args.identities)

@@ -30,9 +30,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-from tqdm import tqdm  # noqa: E402
 
 from bench._util import emit  # noqa: E402
+from rollout.progress import tracked  # noqa: E402
 from trainer.publish import StagePublisher, publishable_state  # noqa: E402
 
 CODECS: dict[str, tuple[str, dict[str, object]]] = {
@@ -109,7 +109,7 @@ def measure(model, tokenizer, args) -> tuple[dict, dict[str, StagePublisher]]:
     rows = _supervised_rows(tokenizer, args.task, 4_096, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
-    for _ in tqdm(range(args.steps), desc="train + publish", unit="step", file=sys.stderr):
+    for _ in tracked(range(args.steps), "train + publish", "steps"):
         model.train()
         idx = torch.randint(len(rows), (args.batch,), generator=gen).tolist()
         ids, labels, mask = _batch(rows, idx, tokenizer.pad_token_id)

@@ -253,14 +253,14 @@ def _train(
 
     Raises ``BudgetExceeded`` when the wall clock (counted from ``wall0``) passes
     ``s.trainer.budget_s`` before the last step."""
-    from tqdm import tqdm
+    from rollout.progress import progress as progress_bar
 
     run, log = sim.run, sim.log
     every_version = s.trainer.eval_every_version and s.run == "scenario"
     budget = s.trainer.budget_s or float("inf")
     steps = s.trainer.steps
     trained, evaluated, train_s = 0, 0, 0.0
-    bar = tqdm(total=steps, desc=f"{run:>10}", unit="step", disable=not progress)
+    bar = progress_bar(steps, f"{run:>10}", "steps", enabled=progress)
     while loop.version < steps:
         elapsed = time.monotonic() - wall0
         if elapsed >= budget:

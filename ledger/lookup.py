@@ -7,6 +7,7 @@ only the proof file and the trusted public keys.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,8 +67,26 @@ def contributor_report(store: LedgerStore, key: bytes, blobs: FileBlobStore | No
         "failed": 0 if state is None else state.failed,
         "slashed": 0 if state is None else state.slashed,
         "stored_matches_replay": stored == replayed,
+        "summary": summarize(history),
         "history": history,
         "slashes": slashes,
+    }
+
+
+def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counts over one contributor's entries (``describe`` views): entries by type, verdicts
+    accepted and rejected (by reason), audited, and slashes by reason."""
+    verdicts = [h for h in history if h["type"] in ("verdict", "verdict_drawn")]
+    rejected = Counter(h["reason"] or "?" for h in verdicts if not h["accepted"])
+    return {
+        "entries_by_type": dict(Counter(h["type"] for h in history)),
+        "verdicts": len(verdicts),
+        "accepted": sum(1 for h in verdicts if h["accepted"]),
+        "rejected": sum(rejected.values()),
+        "rejected_by_reason": dict(rejected.most_common()),
+        "audited": sum(1 for h in verdicts if h["audited"]),
+        "audited_rejected": sum(1 for h in verdicts if h["audited"] and not h["accepted"]),
+        "slashes_by_reason": dict(Counter(h["reason"] for h in history if h["type"] == "slash")),
     }
 
 

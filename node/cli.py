@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import pkgutil
 import sys
 from collections.abc import Callable, Sequence
@@ -59,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A group without a leaf command: show the help of the deepest parser reached.
         getattr(args, "_parser", parser).print_help()
         return 2
+    if not sys.stderr.isatty():
+        # Hugging Face's bars (weights loading, shards) redraw with carriage returns that a
+        # log keeps as one growing line; our own bars print plain lines there instead.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         code = func(args)
     except ProofTrainError as exc:

@@ -23,8 +23,12 @@ import time
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from verify.errors import ConfigError
+
+if TYPE_CHECKING:
+    from rollout.progress import Progress
 
 FETCH_INFO = "fetch.json"
 DTYPES = ("float32", "bfloat16")
@@ -116,12 +120,17 @@ def sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def fetch_model(name: str, out: str | Path, *, dtype: str = "float32") -> FetchRecord:
-    """Write packaged model ``name`` to ``out`` as a plain model directory, in ``dtype``.
+def fetch_model(
+    name: str, out: str | Path, *, dtype: str = "float32", progress: bool = False
+) -> FetchRecord:
+    """Write packaged model ``name`` to ``out`` as a plain model directory, in ``dtype``
+    (``progress``: a bar over its steps on stderr).
 
     The directory is written beside ``out`` and renamed into place, so an
     interrupted fetch leaves nothing that looks like a model.
     """
+    from rollout.progress import progress as progress_bar
+
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
     model = packaged(name)
@@ -130,16 +139,22 @@ def fetch_model(name: str, out: str | Path, *, dtype: str = "float32") -> FetchR
     start = time.perf_counter()
     out = Path(out)
     tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    _write_plain_directory(src, tmp, dtype)
-    record = _record(model, src, tmp, dtype, time.perf_counter() - start)
+    with progress_bar(FETCH_STEPS, f"fetching {name}", "steps", enabled=progress) as bar:
+        _write_plain_directory(src, tmp, dtype, bar)
+        bar.set_postfix_str("hashing the source and the weights")
+        record = _record(model, src, tmp, dtype, time.perf_counter() - start)
+        bar.update(1)
+        bar.set_postfix_str("")
     (tmp / FETCH_INFO).write_text(json.dumps(asdict(record), indent=2) + "\n", encoding="utf-8")
-    if out.exists():
-        _replace_dir(out)
-    tmp.rename(out)
+    _move_into_place(tmp, out)
     return record
 
 
-def _write_plain_directory(src: Path, out: Path, dtype: str) -> None:
+FETCH_STEPS = 5
+
+
+def _write_plain_directory(src: Path, out: Path, dtype: str, bar: Progress) -> None:
+    """Steps 1 to 4 of :data:`FETCH_STEPS` (the fifth hashes what they wrote)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -148,7 +163,10 @@ def _write_plain_directory(src: Path, out: Path, dtype: str) -> None:
     torch_dtype = getattr(torch, dtype)
     # The GGUF-loaded model refuses save_pretrained; a plain model built from its config
     # (without the quantisation record) takes the dequantised weights and saves normally.
+    bar.set_postfix_str(f"reading and dequantising {src.name}")
     quantised = load_pretrained_lm(src.parent, gguf_file=src.name, dtype=torch.float32)
+    bar.update(1)
+    bar.set_postfix_str("building the plain model")
     config = AutoConfig.from_pretrained(str(src.parent), gguf_file=src.name)
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
@@ -156,9 +174,20 @@ def _write_plain_directory(src: Path, out: Path, dtype: str) -> None:
     with MODEL_BUILD_LOCK:
         plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
+    bar.update(1)
+    bar.set_postfix_str(f"saving {dtype} weights")
     plain.to(torch_dtype).save_pretrained(str(out))
+    bar.update(1)
+    bar.set_postfix_str("saving the tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(str(src.parent), gguf_file=src.name)
     tokenizer.save_pretrained(str(out))
+    bar.update(1)
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    if out.exists():
+        _replace_dir(out)
+    tmp.rename(out)
 
 
 def _record(model: PackagedModel, src: Path, out: Path, dtype: str, seconds: float) -> FetchRecord:
@@ -222,9 +251,53 @@ def fetched(path: str | Path) -> FetchRecord | None:
 def ensure_model(name: str, *, dtype: str = "float32", out: str | Path | None = None) -> Path:
     """A fetched directory of ``name``, fetching it once into the cache if it is not there."""
     path = Path(out) if out is not None else default_model_dir(name, dtype)
-    record = fetched(path)
-    if record is not None and record.model == name and record.dtype == dtype:
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fetch_model(name, path, dtype=dtype)
+    fetch_or_reuse(name, path, dtype=dtype)
     return path
+
+
+def fetch_or_reuse(
+    name: str,
+    out: str | Path | None = None,
+    *,
+    dtype: str = "float32",
+    force: bool = False,
+    progress: bool = False,
+) -> tuple[FetchRecord, str]:
+    """``name`` in ``dtype`` at ``out`` (default: the cache, :func:`default_model_dir`), and
+    how it got there: already at ``out``, copied from the cache, or fetched (into the cache,
+    then copied). Dequantising takes minutes on a CPU; a copy takes seconds. ``force``
+    fetches again whatever is there."""
+    cache = default_model_dir(name, dtype)
+    path = Path(out) if out is not None else cache
+    if path.exists() and fetched(path) is None:
+        raise ConfigError(
+            f"{path} exists and is not a fetched model directory; choose another --out"
+        )
+    if not force:
+        record = _matching(path, name, dtype)
+        if record is not None:
+            return record, "already fetched"
+        record = _matching(cache, name, dtype)
+        if record is not None:
+            _copy_dir(cache, path)
+            return record, f"copied from the cache {cache}"
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    record = fetch_model(name, cache, dtype=dtype, progress=progress)
+    if path.resolve() != cache.resolve():
+        _copy_dir(cache, path)
+    return record, f"fetched in {record.seconds:.1f} s"
+
+
+def _matching(path: Path, name: str, dtype: str) -> FetchRecord | None:
+    record = fetched(path)
+    return record if record is not None and (record.model, record.dtype) == (name, dtype) else None
+
+
+def _copy_dir(src: Path, out: Path) -> None:
+    """Copy a fetched directory beside ``out``, then rename it into place."""
+    import shutil
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.copytree(src, tmp)
+    _move_into_place(tmp, out)

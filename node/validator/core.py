@@ -657,9 +657,12 @@ class Validator:
             self._checks.release(reserved)
 
     # -- trainer side ----------------------------------------------------------
-    def samples(self, cursor: int, limit: int = 256) -> SampleBatch:
-        """Accepted samples in ledger order from ledger index ``cursor``."""
-        return trainer_side.read_samples(self.ledger, self.state, cursor, limit)
+    def samples(
+        self, cursor: int, limit: int = 256, verdict_times: list[int] | None = None
+    ) -> SampleBatch:
+        """Accepted samples in ledger order from ledger index ``cursor`` (and, into
+        ``verdict_times``, when each one's verdict was recorded)."""
+        return trainer_side.read_samples(self.ledger, self.state, cursor, limit, verdict_times)
 
     def publish_policy(self, sealed_manifest: SignedManifest) -> int:
         """Record a trainer-signed manifest as the new current policy version.

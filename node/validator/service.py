@@ -40,13 +40,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
+import platform
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
+from importlib import metadata
 from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
 from starlette.types import Receive, Scope, Send
 
 from node.validator import affinity
@@ -146,11 +157,75 @@ class Metrics:
             registry=self.registry,
         )
 
+        # -- what a dashboard of the node reads; no label takes more values than listed here
+        self.contributors = Gauge(
+            "prooftrain_contributors",
+            "contributors by state: registered (ever), banned, active (a verdict in the "
+            f"last {ACTIVE_WINDOW_S} seconds)",
+            ["state"],
+            registry=self.registry,
+        )
+        self.policy_published = Gauge(
+            "prooftrain_policy_published_timestamp_seconds",
+            "when the current policy version was published (version 0: when the log was created)",
+            registry=self.registry,
+        )
+        self.policy_age = Gauge(
+            "prooftrain_policy_age_seconds",
+            "seconds since the current policy version was published",
+            registry=self.registry,
+        )
+        self.checkpoint_size = Gauge(
+            "prooftrain_ledger_checkpoint_size",
+            "entries the latest signed checkpoint covers",
+            registry=self.registry,
+        )
+        self.checkpoint_age = Gauge(
+            "prooftrain_ledger_checkpoint_age_seconds",
+            "seconds the oldest entry no signed checkpoint covers has waited for one "
+            "(0: the latest checkpoint covers the whole log)",
+            registry=self.registry,
+        )
+        self.sample_wait = Histogram(
+            "prooftrain_trainer_sample_wait_seconds",
+            "seconds from an accepted sample's verdict to the trainer's first read of it",
+            buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 4 * 3600),
+            registry=self.registry,
+        )
+        self.trainer_cursor = Gauge(
+            "prooftrain_trainer_cursor",
+            "the ledger index the trainer's latest sample read reached (NaN: no read since start)",
+            registry=self.registry,
+        )
+        self.trainer_lag = Gauge(
+            "prooftrain_trainer_cursor_lag_entries",
+            "ledger entries past the trainer's cursor (NaN: no read since start)",
+            registry=self.registry,
+        )
+        self.trainer_cursor.set(math.nan)
+        self.trainer_lag.set(math.nan)
+        Info("prooftrain_build", "the node's software", registry=self.registry).info(
+            {"version": _version(), "python": platform.python_version()}
+        )
+        ProcessCollector(registry=self.registry)  # process_*: CPU, memory, open files, start
+        PlatformCollector(registry=self.registry)  # python_info
+
     def admitted_batch(self, groups: int, wall_s: float, cpu_s: float) -> None:
         """One batch of ``groups`` submissions admitted in ``wall_s`` seconds, ``cpu_s`` on a CPU."""
         self.batch_groups.observe(groups)
         self.admitting.inc(wall_s)
         self.admitting_cpu.inc(cpu_s)
+
+
+ACTIVE_WINDOW_S = 600
+"""A contributor with a verdict this recent counts as active (``prooftrain_contributors``)."""
+
+
+def _version() -> str:
+    try:
+        return metadata.version("prooftrain")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _unplace(
@@ -219,7 +294,14 @@ async def _serve(node: Serving, threads: int, summary_s: float) -> AsyncIterator
             undo.callback(_unplace, validator, placement, node.executor_threads)
         else:
             placement = None
-        activity = ActivityLog(validator.ledger, metrics, lambda: node.waiting_calls, summary_s)
+        activity = ActivityLog(
+            validator.ledger,
+            metrics,
+            lambda: node.waiting_calls,
+            summary_s,
+            clock_ms=node.clock_ms,
+            active_window_s=ACTIVE_WINDOW_S,
+        )
         activity.start()
         undo.callback(activity.stop)  # after the intake closes: its last entries are logged too
         undo.callback(lambda: running.pop("prechecks").close() if "prechecks" in running else None)

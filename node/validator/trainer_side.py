@@ -46,8 +46,15 @@ from verify.types import (
 )
 
 
-def read_samples(ledger: Ledger, state: StateStore, cursor: int, limit: int) -> SampleBatch:
-    """Accepted samples in ledger order from ledger index ``cursor``, at most ``limit``."""
+def read_samples(
+    ledger: Ledger,
+    state: StateStore,
+    cursor: int,
+    limit: int,
+    verdict_times: list[int] | None = None,
+) -> SampleBatch:
+    """Accepted samples in ledger order from ledger index ``cursor``, at most ``limit``; the
+    ``at_ms`` of each one's verdict is appended to ``verdict_times`` when given."""
     out: list[AcceptedSample] = []
     next_cursor = cursor
     for index, rec in ledger.entries(cursor):
@@ -74,6 +81,8 @@ def read_samples(ledger: Ledger, state: StateStore, cursor: int, limit: int) -> 
                     computed=sample.envelope_digest,
                 )
             out.append(msgspec.structs.replace(sample, ledger_index=index))
+            if verdict_times is not None:
+                verdict_times.append(rec.at_ms)
             if len(out) >= limit:
                 break
     return SampleBatch(cursor, next_cursor, out)

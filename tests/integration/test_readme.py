@@ -33,7 +33,9 @@ Background processes run as a shell runs them: a command ending in `` &`` is
 started and left running, ``kill $(jobs -p)`` sends SIGTERM to every one still
 running, and ``wait`` waits for them all: each must exit with 0, or by that SIGTERM,
 and print no traceback; ``kill $!`` and ``wait $!`` do the same for the last one
-started only. ``> FILE`` at the end of a command writes its output to FILE.
+started only, ``NAME=$(jobs -p | tail -n N)`` names the last N started, and
+``kill $NAME`` and ``wait $NAME`` do the same for those. ``> FILE`` at the end of a
+command writes its output to FILE.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import IO
@@ -185,6 +188,16 @@ class Jobs:
         self.work = work
         self.running: list[tuple[str, subprocess.Popen, IO[str]]] = []
         self.killed: set[int] = set()
+        self.named: dict[str, set[int]] = {}
+        """``NAME=$(jobs -p | tail -n N)``: NAME -> the process ids of the last N jobs."""
+
+    def name(self, name: str, last: int) -> None:
+        self.named[name] = {proc.pid for _, proc, _ in self.running[-last:]}
+
+    def _chosen(self, last: bool, name: str | None) -> list[tuple[str, subprocess.Popen, IO[str]]]:
+        if name is not None:
+            return [job for job in self.running if job[1].pid in self.named[name]]
+        return self.running[-1:] if last else list(self.running)
 
     def start(self, cmd: str, argv: list[str]) -> None:
         log = open(self.work / f"job{len(self.running)}.log", "w+")  # noqa: SIM115  (closed in wait)
@@ -193,21 +206,21 @@ class Jobs:
         )
         self.running.append((cmd, proc, log))
 
-    def kill(self, last: bool = False) -> None:
-        """SIGTERM to every job still running (``kill $(jobs -p)``), or to the last one (``kill $!``)."""
-        for _, proc, _ in self.running[-1:] if last else self.running:
+    def kill(self, last: bool = False, name: str | None = None) -> None:
+        """SIGTERM to every job still running (``kill $(jobs -p)``), to the last one
+        (``kill $!``), or to the named ones (``kill $NAME``)."""
+        for _, proc, _ in self._chosen(last, name):
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
                 self.killed.add(proc.pid)
 
-    def wait(self, last: bool = False) -> None:
-        """Wait for every job (``wait``), or for the last one (``wait $!``); each must have exited
-        with 0 (or, if ``kill`` reached it before it set up its clean stop, by the SIGTERM
-        itself) and without a traceback."""
+    def wait(self, last: bool = False, name: str | None = None) -> None:
+        """Wait for every job (``wait``), for the last one (``wait $!``) or for the named ones
+        (``wait $NAME``); each must have exited with 0 (or, if ``kill`` reached it before it
+        set up its clean stop, by the SIGTERM itself) and without a traceback."""
         failures = []
-        waited, self.running = (
-            (self.running[-1:], self.running[:-1]) if last else (self.running, [])
-        )
+        waited = self._chosen(last, name)
+        self.running = [job for job in self.running if job not in waited]
         for cmd, proc, log in waited:
             rc = proc.wait(timeout=120)
             log.seek(0)
@@ -233,6 +246,12 @@ def _run(
             cmd = cmd.replace(old, new)
     for old, new in subs.items():
         cmd = cmd.replace(old, new)
+    if named := re.fullmatch(r"(\w+)=\$\(jobs -p \| tail -n (\d+)\)", cmd):
+        jobs.name(named[1], int(named[2]))
+        return None
+    if named := re.fullmatch(r"(kill|wait) \$(\w+)", cmd):
+        (jobs.kill if named[1] == "kill" else jobs.wait)(name=named[2])
+        return None
     if cmd in ("kill $(jobs -p)", "kill $!"):
         jobs.kill(last=cmd.endswith("$!"))
         return None
@@ -256,6 +275,58 @@ def _run(
     if out is not None:
         out.write_text(result.stdout)
     return result
+
+
+STAND_IN = """
+import pathlib, signal, sys, time
+out, delay = pathlib.Path(sys.argv[1]), float(sys.argv[2])
+def stop(*_):
+    signalled = time.time()
+    time.sleep(delay)  # a contributor finishing the groups it is uploading
+    out.write_text(f"{signalled} {time.time()}")
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+out.with_suffix(".ready").touch()
+while True:
+    time.sleep(0.05)
+"""
+
+
+def test_the_deployment_stops_the_contributors_before_the_validator(tmp_path: Path) -> None:
+    """The README's network block, run against stand-ins (a validator started before it, its
+    contributors, no trainer) that note when SIGTERM reached them and when they exited: the
+    validator is signalled only after every contributor has finished and exited."""
+    block = next(
+        b for b in readme_blocks() if any(" trainer " in c and "--validator" in c for c in b)
+    )
+    jobs = Jobs(tmp_path)
+
+    def stand_in(cmd: str, name: str, delay: float) -> None:
+        jobs.start(
+            cmd, [sys.executable, "-c", STAND_IN, str(tmp_path / f"{name}.times"), str(delay)]
+        )
+
+    stand_in("validator", "validator", 0.0)
+    contributors = []
+    try:
+        for cmd in block:
+            if cmd.startswith(".venv/bin/prooftrain contributor"):
+                contributors.append(f"contributor{len(contributors)}")
+                stand_in(cmd, contributors[-1], 0.5)
+            elif not cmd.startswith(".venv/bin/prooftrain trainer"):
+                for name in ["validator", *contributors]:  # each stand-in handles SIGTERM by now
+                    while not (tmp_path / f"{name}.ready").exists():
+                        time.sleep(0.05)
+                _run(cmd, tmp_path, {}, jobs)
+        assert not jobs.running, "the block leaves jobs running"
+    finally:
+        jobs.kill()
+        for _, proc, _ in jobs.running:
+            proc.wait(timeout=60)
+    assert len(contributors) == 3
+    times = {n: (tmp_path / f"{n}.times").read_text().split() for n in ["validator", *contributors]}
+    validator_signalled = float(times["validator"][0])
+    assert all(validator_signalled >= float(times[c][1]) for c in contributors)
 
 
 def _pg_dsn(request: pytest.FixtureRequest) -> str | None:

@@ -9,7 +9,7 @@ import sys
 
 from ledger.log import Ledger
 from ledger.merkle import leaf_hash
-from ledger.records import VerdictRecorded
+from ledger.records import ContributorRegistered, VerdictRecorded
 from verify.errors import Reason
 from verify.keys import SigningKey
 
@@ -69,3 +69,51 @@ def test_audit_cli(tmp_path) -> None:
     bad = cli("verify", str(path), "--key", vkey)
     assert bad.returncode == 1
     assert bad.stdout.startswith("FAILED: first discrepancy at entry 12:")
+
+
+def test_audit_contributor_prints_a_summary_first_and_entries_on_request(tmp_path) -> None:
+    path = tmp_path / "ledger.db"
+    c = contributor(0)
+
+    def verdict(i: int, accepted: bool, reason: str, audited: bool) -> VerdictRecorded:
+        env = i.to_bytes(32, "big")
+        evidence = b"" if accepted else env
+        return VerdictRecorded(
+            c, i.to_bytes(16, "big"), 0, env, accepted, reason, audited, evidence, i
+        )
+
+    verdicts = [
+        verdict(1, True, "", True),
+        verdict(2, True, "", False),
+        verdict(3, True, "", False),
+        verdict(4, False, Reason.LOGPROB_MISMATCH.value, True),
+        verdict(5, False, Reason.LOGPROB_MISMATCH.value, True),
+        verdict(6, False, Reason.GROUP_REJECTED.value, False),
+    ]
+    with Ledger.open(path, signing_key=SigningKey.from_seed(b"\x04" * 32), origin=ORIGIN) as ledger:
+        ledger.append_many([ContributorRegistered(c, "c0", 0), *verdicts], checkpoint=True)
+        ledger.slash(c, Reason.LOGPROB_MISMATCH, b"evidence", "logprob 3.1 vs 2.0")
+        ledger.checkpoint()
+
+    who = cli("contributor", str(path), c.hex())
+    assert who.returncode == 0, who.stderr
+    lines = who.stdout.splitlines()
+    assert lines[0].startswith(f"contributor {c.hex()}: BANNED, score ")
+    assert lines[2:6] == [
+        "  verdicts 6: accepted 3, rejected 3 (logprob_mismatch 2, group_rejected 1)",
+        "  audited 3 (rejected 2 of them)",
+        "  slashes 1 (logprob_mismatch 1)",
+        "  8 ledger entries: contributor_registered 1, slash 1, verdict 6",
+    ]
+    assert "  (--history lists all 8 entries)" in lines
+    assert not any(line.startswith("  #") for line in lines)  # no entry without --history
+    assert "slash #8 [logprob_mismatch] logprob 3.1 vs 2.0" in who.stdout
+
+    full = cli("contributor", str(path), c.hex(), "--history")
+    assert full.returncode == 0, full.stderr
+    assert full.stdout.splitlines()[:6] == lines[:6]
+    assert sum(line.startswith("  #") for line in full.stdout.splitlines()) == 8
+
+    doc = json.loads(cli("contributor", str(path), c.hex(), "--json").stdout)
+    assert doc["summary"]["rejected_by_reason"] == {"logprob_mismatch": 2, "group_rejected": 1}
+    assert len(doc["history"]) == 8

@@ -179,3 +179,34 @@ def test_a_calibration_on_too_few_tokens_is_refused_with_what_to_run(
             batch_sizes=(1,),
             backends=("transformers",),
         )
+
+
+def test_calibration_progress_moves_inside_a_setting_as_plain_lines(
+    tiny_model, codec, prompts, capsys, monkeypatch
+) -> None:
+    import rollout.progress
+
+    monkeypatch.setattr(rollout.progress, "PLAIN_EVERY_S", 0.0)  # a line per update
+    calibrate(
+        tiny_model,
+        prompts[:3],
+        stop_token_ids=[codec.eos_token_id],
+        generation_dtypes=("float32",),
+        backends=("transformers",),
+        batch_sizes=(2,),
+        layouts=("unpacked",),
+        group_size=2,
+        max_tokens=4,
+        min_tokens=0,
+        progress=True,
+    )
+    lines = [line for line in capsys.readouterr().err.split("\n") if "calibrating" in line]
+    assert all("\r" not in line for line in lines)  # stderr is not a terminal: no redrawn bar
+    # 3 prompts x 2 rollouts generated, then the same 6 recomputed in the only setting
+    assert lines[0].startswith("calibrating: 0/12 rollouts (0%)")
+    assert any(line.startswith("calibrating: 2/12 rollouts") for line in lines)
+    assert any(
+        line.startswith("calibrating: 6/12 rollouts") and "0/1 settings" in line for line in lines
+    )
+    assert lines[-1].startswith("calibrating: 12/12 rollouts (100%)")
+    assert lines[-1].endswith("1/1 settings")

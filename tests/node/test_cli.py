@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -36,3 +37,12 @@ def test_top_level_help_and_bad_command() -> None:
     assert bad.returncode == 2 and "invalid choice" in bad.stderr
     bare = subprocess.run([*CLI, "keys"], capture_output=True, text=True)
     assert bare.returncode == 2 and "ACTION" in bare.stdout
+
+
+def test_hugging_face_bars_are_off_when_stderr_is_a_log(monkeypatch, capsys) -> None:
+    from node.cli import main
+
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "")  # restored after the test
+    monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
+    assert main(["models", "list"]) == 0  # pytest's captured stderr is not a terminal
+    assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1"

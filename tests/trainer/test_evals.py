@@ -198,3 +198,21 @@ def test_eval_cli_table_and_json(model_dir, tmp_path):
         timeout=300,
     )
     assert missing.returncode == 1 and missing.stderr.startswith("error:")
+
+
+def test_eval_cli_reports_progress_as_lines_in_a_log(model_dir):
+    run = subprocess.run(
+        [sys.executable, "-m", "node.cli", "eval", str(model_dir), "-n", "12", "-k", "2"]
+        + ["--batch-size", "8", "--device", "cpu"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "\r" not in run.stderr  # stderr is a pipe: whole lines, no redrawn bar
+    lines = run.stderr.splitlines()
+    # 12 greedy completions and 12 x 2 sampled ones, in batches of 8
+    assert lines[0].startswith("evaluating: 0/36 completions (0%)")
+    assert lines[-1].startswith("evaluating: 36/36 completions (100%)")
+    assert "pass@1 (greedy)" in run.stdout

@@ -28,6 +28,7 @@ from verify.keys import PublicKey
 if TYPE_CHECKING:
     from node.validator.core import Validator
     from node.validator.service import Metrics
+    from verify.types import SampleBatch
 
 MSGPACK = "application/msgpack"
 MSGPACK_BYTES = MSGPACK.encode()
@@ -185,6 +186,19 @@ class Serving:
         """Validator calls waiting or running (the queue-depth gauge)."""
         self.running: dict[str, Any] = {}
         """The admission queue ("intake") and precheck pool ("prechecks"), while serving."""
+        self.read_through = 0
+        """The highest cursor a trainer's sample read reached (0: none yet); samples below it
+        were read."""
+
+    def samples_read(self, batch: SampleBatch, verdict_times: list[int]) -> None:
+        """A trainer read ``batch`` (``verdict_times``: its samples' verdicts' ``at_ms``): how
+        long each sample read for the first time waited, and where the trainer's cursor is."""
+        now_ms = self.clock_ms()
+        for sample, at_ms in zip(batch.samples, verdict_times, strict=True):
+            if sample.ledger_index >= self.read_through:
+                self.metrics.sample_wait.observe(max(0, now_ms - at_ms) / 1000)
+        self.read_through = max(self.read_through, batch.next_cursor)
+        self.metrics.trainer_cursor.set(batch.next_cursor)
 
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:

@@ -56,8 +56,11 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
         },
     )
     async def prometheus() -> Response:
-        metrics.ledger_size.set(await call(validator.ledger.size))  # what /healthz says, now
+        size = await call(validator.ledger.size)
+        metrics.ledger_size.set(size)  # what /healthz says, now
         metrics.policy_version.set(validator.versions.current)
+        if node.read_through:
+            metrics.trainer_lag.set(size - node.read_through)
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/info")

@@ -85,5 +85,7 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
         await node.trainer_only(request, b"")
         if cursor < 0 or not 1 <= limit <= 4_096:
             raise ApiError(Reason.MALFORMED, "cursor must be >= 0 and limit in [1, 4096]")
-        batch = await node.call(lambda: validator.samples(cursor, limit))
+        times: list[int] = []
+        batch = await node.call(lambda: validator.samples(cursor, limit, times))
+        node.samples_read(batch, times)
         return Response(canonical_bytes(batch), media_type=MSGPACK)
