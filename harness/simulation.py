@@ -278,16 +278,18 @@ class Simulation:
         if body is None:  # kept back: the assignment expires unanswered
             m.uploading, m.free_at = free_after(m.uploading, ready, m.spec.uploads)
             return
-        delay = self.sim.delay(m.spec.id, "submit")
-        # A lost group is given up after IDLE_RETRY_S; the assignment expires unanswered.
-        done = ready + (IDLE_RETRY_S if delay is None else delay)
+        # A group lost on the wire is sent again IDLE_RETRY_S later, as a contributor resends
+        # the groups it holds pending (node.contributor); never given up, so a lossy link costs
+        # time, not an abandoned assignment.
+        done = ready
+        while (delay := self.sim.delay(m.spec.id, "submit")) is None:
+            done += IDLE_RETRY_S
+        done += delay
         m.uploading, m.free_at = free_after([*m.uploading, done], ready, m.spec.uploads)
         if self.demand is not None:
-            self.demand.claim(version, lost_at=done if delay is None else None)
-            if delay is not None:
-                self._version_of[_assignment_of(body)] = version
-        if delay is not None:
-            self.queue.push((m, body, m.key.public.raw), done)
+            self.demand.claim(version)
+            self._version_of[_assignment_of(body)] = version
+        self.queue.push((m, body, m.key.public.raw), done)
 
     def _set_up(self, m: Member, version: int, at: float) -> float | None:
         """When ``m``, asking for work at ``at``, can start generating its assignment of

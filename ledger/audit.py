@@ -310,6 +310,7 @@ def _check_draws(report: AuditReport, draws: DrawAudit) -> None:
             )
         )
     report.draws_checked = draws.checked
+    report.warnings.extend(draws.warnings[:20])
     if draws.unchecked:
         report.warnings.append(
             f"{draws.unchecked} audit draws are of an epoch whose secret is not revealed yet: "

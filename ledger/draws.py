@@ -14,7 +14,9 @@ log in order and reports, per verdict:
   completion for the same prompt text in the log;
 - an accepted or discarded verdict drawn at a rate below every rate the
   contributor's replayed reputation gave it between its assignment and its
-  verdict (a validator auditing a friend less than the log requires);
+  verdict (a validator auditing a friend less than the log requires), unless
+  every draw of its epoch has that one rate (a fixed network rate, applied to
+  everyone alike: a warning);
 - a plain ``VerdictRecorded`` after the log's first ``DrawnVerdict``.
 
 A verdict's epoch is the last ``EpochCommitted`` before it: a secret is
@@ -87,6 +89,7 @@ class DrawAudit:
         self.checked = 0
         self.unchecked = 0
         """Drawn verdicts whose epoch secret is not revealed yet."""
+        self.warnings: list[str] = []
 
     def feed(self, index: int, record: Record) -> None:
         if isinstance(record, EpochCommitted):
@@ -115,8 +118,16 @@ class DrawAudit:
         self._drawn.append((index, v, self._epoch, rates.lowest(issued, index)))
 
     def findings(self) -> list[DrawFinding]:
-        """Every disagreement found; call once the whole log is fed."""
+        """Every disagreement found; call once the whole log is fed. An epoch whose every
+        counted draw has one rate is a fixed network rate (``rules.audit_rate``), the same
+        for everyone: its rates are not held to reputation's, and :attr:`warnings` says so."""
         out = list(self._found)
+        rates: dict[int | None, set[float]] = {}
+        for _, v, epoch, _ in self._drawn:
+            if v.accepted or v.reason in DISCARDS:
+                rates.setdefault(epoch, set()).add(v.audit_rate)
+        fixed = {e: next(iter(r)) for e, r in rates.items() if len(r) == 1}
+        flagged: set[int | None] = set()
         for index, v, epoch, lowest in self._drawn:
             secret = None if epoch is None else self._secrets.get(epoch)
             if secret is None:
@@ -144,6 +155,14 @@ class DrawAudit:
                     )
                 )
             if (v.accepted or v.reason in DISCARDS) and v.audit_rate < lowest:
+                if epoch in fixed:
+                    if epoch not in flagged:
+                        flagged.add(epoch)
+                        self.warnings.append(
+                            f"epoch {epoch}: every draw at the fixed rate {fixed[epoch]!r}, "
+                            "below what reputation gives some contributors (rules.audit_rate)"
+                        )
+                    continue
                 out.append(
                     DrawFinding(
                         index,

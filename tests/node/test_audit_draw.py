@@ -114,3 +114,14 @@ def test_audit_verify_catches_a_validator_whose_audits_disagree_with_its_draws(
     assert all(words in f.what for f in report.findings), [str(f) for f in report.findings]
     if lie != "rate":
         assert len(report.findings) == 1
+
+
+def test_a_fixed_network_rate_below_reputation_is_a_warning_not_a_finding(
+    make_validator, backend, codec
+) -> None:
+    """``rules.audit_rate = 0`` (the no-defence ablation) draws everyone alike: no favouritism."""
+    v = make_validator({"rules.audit_rate": 0.0, "audit.epoch_groups": 2})
+    _honest_run(v, backend, codec, 4)
+    report = verify_ledger(v.ledger.store, log_key=v.ledger.verifier)
+    assert report.ok, [str(f) for f in report.findings]
+    assert any("fixed rate 0.0" in w for w in report.warnings), report.warnings
