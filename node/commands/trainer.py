@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,11 +71,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
     from node.commands.keys import load_key_file  # noqa: PLC0415
+    from node.remote_resume import DEFAULT_CHECKPOINT_DIR  # noqa: PLC0415
     from node.remote_trainer import run_remote  # noqa: PLC0415
 
     if args.trainer_key is None:
         raise ConfigError("--validator needs --trainer-key (the key the validator trusts)")
     key = load_key_file(args.trainer_key)
+    if cfg.checkpoint_dir is None:
+        cfg = cfg.model_copy(update={"checkpoint_dir": DEFAULT_CHECKPOINT_DIR})
+    stop = _stop_on_sigterm()
     sink = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
     try:
         history = run_remote(
@@ -83,12 +89,35 @@ def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
             progress=not args.quiet,
             resume=args.resume,
             on_metrics=_metrics_writer(sink),
+            stop=stop.is_set,
         )
     finally:
         if sink is not None:
             sink.close()
+    if history.stopped_at is not None:
+        print(
+            f"trainer: stopped by SIGTERM at policy version {history.stopped_at}; checkpoint "
+            f"in {cfg.checkpoint_dir}: the same command continues from there",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 0
     print(eval_table(history.evals))
     return 0
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets: the loop checkpoints and returns. A second SIGTERM exits at once."""
+    stop = threading.Event()
+
+    def on_term(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            print("trainer: second SIGTERM: exiting without a checkpoint", file=sys.stderr)
+            raise SystemExit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    return stop
 
 
 def _metrics_writer(sink):  # type: ignore[no-untyped-def]

@@ -29,7 +29,6 @@ from rollout.sync import PolicySync
 from tests.integration.test_policy_flow import ALICE, TRAINER, _validator
 from trainer.buffer import StarvedError
 from trainer.config import load_trainer_config
-from verify.errors import ConfigError
 
 
 def _config(model: Path, tmp: Path, **extra):  # type: ignore[no-untyped-def]
@@ -109,9 +108,21 @@ def test_remote_trainer_publishes_versions_contributors_follow(
         for name, value in sync.state_at(3).items():
             assert torch.equal(value, worker._sync.state_at(3)[name]), name
 
-        # A second trainer cannot start over a validator that is past the base version.
-        with pytest.raises(ConfigError, match="policy version 3"):
-            run_remote(_config(tiny_model, tmp_path / "other"), url, TRAINER, progress=False)
+        # A trainer without a checkpoint of this run rebuilds version 3 from the validator's
+        # chain: the published copy contributors hold, bit for bit, and continues from there.
+        other = tmp_path / "other"
+        assert run_remote(_config(tiny_model, other), url, TRAINER, progress=False).metrics == []
+        saved = torch.load(other / "ckpt" / "v00000003" / "stage0.pt", weights_only=False)
+        rebuilt = sync.state_at(3)
+        for name, value in saved["publish"]["publisher"]["own"].items():
+            assert torch.equal(value, rebuilt[name]), name
+        for name, value in saved["stage"].items():
+            if name in rebuilt:
+                assert torch.equal(value, rebuilt[name]), name
+        assert saved["buffer"]["held"] == []
+        assert saved["buffer"]["cursor"] == 1 + max(
+            i for i, r in v.ledger.entries() if isinstance(r, PolicyPublished)
+        )
 
 
 def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
