@@ -163,6 +163,8 @@ def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
                     "--steps",
                     "1",
                     "--quiet",
+                    "--checkpoint-dir",
+                    str(tmp_path / "ckpt"),
                     *[a for k, val in sets.items() for a in ("--set", f"{k}={json.dumps(val)}")],
                 ],
                 capture_output=True,
