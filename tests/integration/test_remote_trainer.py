@@ -10,6 +10,7 @@ its own rebuild of the version it assigned.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -195,3 +196,29 @@ def test_failed_starts_record_the_base_eval_once(tmp_path: Path, tiny_model: Pat
         assert ValidatorClient(url, TRAINER).recorded_evals() == [0]
     evals = [r.version for _, r in v.ledger.entries() if isinstance(r, EvalRecorded)]
     assert evals == [0]
+
+
+def test_a_kill_between_publication_and_checkpoint_resumes_and_publishes_on(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The checkpoint is one version behind the validator (killed after publishing 3): the
+    journaled step 3 is re-run without publishing it, the published copy is the validator's
+    version 3, and the next start publishes 4 on top of it."""
+    torch.set_num_threads(1)
+    v = _validator(tmp_path, tiny_model)
+    ckpt = tmp_path / "ckpt"
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        with _contributing(url, tiny_model, tmp_path / "alice"):
+            run_remote(_config(tiny_model, tmp_path), url, TRAINER, progress=False, poll_s=0.05)
+            (ckpt / "latest").write_text("v00000002")  # checkpoint 3 never happened
+            shutil.rmtree(ckpt / "v00000003")
+            cfg = _config(tiny_model, tmp_path, steps=4)
+            run_remote(cfg, url, TRAINER, progress=False, poll_s=0.05)
+        assert v.versions.current == 4
+        published = [r.version for _, r in v.ledger.entries() if isinstance(r, PolicyPublished)]
+        assert published == [1, 2, 3, 4]
+        saved = torch.load(ckpt / "v00000004" / "stage0.pt", weights_only=False)
+        client = ValidatorClient(url, ALICE)
+        sync = PolicySync(tiny_model, TRAINER.public, client.manifest, client.blob, 1)
+        for name, value in saved["publish"]["publisher"]["own"].items():
+            assert torch.equal(value, sync.state_at(4)[name]), name
