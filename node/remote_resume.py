@@ -31,7 +31,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch import nn
@@ -46,6 +46,7 @@ from trainer.stages import Stage
 from verify.errors import ConfigError
 from verify.keys import PublicKey
 from verify.manifest import manifest_digest
+from verify.types import SignedManifest
 
 DEFAULT_CHECKPOINT_DIR = Path("runs/trainer/checkpoints")
 """``checkpoint_dir`` of a trainer against a validator when the config sets none."""
@@ -114,7 +115,7 @@ def rebuild_from_chain(
     trainer: PublicKey,
     url: str,
     directory: Path | None,
-) -> tuple[dict[str, torch.Tensor], Any]:
+) -> tuple[dict[str, torch.Tensor], SignedManifest]:
     """Version ``version``'s published weights (and its sealed manifest) from ``client``;
     ``base_model``: the base model (float32). ConfigError saying why and what to do when it
     fails."""
@@ -147,7 +148,7 @@ def resync_publisher(
     stage: Stage,
     state: dict[str, torch.Tensor],
     version: int,
-    sealed: Any,
+    sealed: SignedManifest,
 ) -> None:
     """Point ``hook`` at version ``version``: its published copy ``state`` (rebuilt from the
     chain), its parent the validator's manifest ``sealed``."""
@@ -172,48 +173,70 @@ def continue_run(
     cfg: TrainerConfig,
     client: ValidatorClient,
     policy_index: int | None,
-    rebuild: Callable[[int], tuple[dict[str, torch.Tensor], Any]],
+    rebuild: Callable[[int], tuple[dict[str, torch.Tensor], SignedManifest]],
 ) -> None:
     """Bring ``loop`` (built on the base model) to the validator's version ``plan.published``."""
-    P, directory = plan.published, plan.directory
-    if plan.start == "fresh":
-        return
     if plan.start in ("checkpoint", "journal"):
-        assert directory is not None
-        loop.resume(directory)
-        at = loop.version
-        if at and (hook.parent is None or manifest_digest(hook.parent) != _digest(client, at)):
-            raise ConfigError(
-                f"the checkpoint in {directory} (policy version {at}) is not of the chain the "
-                f"validator holds: it is another run's; move {directory} away or pass another "
-                "--checkpoint-dir"
-            )
-        if P > at:
-            loop.replay_published(P)
-            log(f"re-ran versions {at + 1}..{P} from the step journal in {directory}")
-        if hook.publisher.version != P:
-            state, sealed = rebuild(P)
-            resync_publisher(hook, cfg, loop.stage, state, P, sealed)
-        log(f"resumed at policy version {P} from the checkpoint in {directory}")
-        return
-    state, sealed = rebuild(P)
+        _from_checkpoint(plan, loop, hook, cfg, client, rebuild)
+    elif plan.start == "chain":
+        _from_chain(plan, loop, hook, cfg, policy_index, rebuild)
+
+
+def _from_checkpoint(
+    plan: Plan,
+    loop: TrainerLoop,
+    hook: PublishHook,
+    cfg: TrainerConfig,
+    client: ValidatorClient,
+    rebuild: Callable[[int], tuple[dict[str, torch.Tensor], SignedManifest]],
+) -> None:
+    head, directory = plan.published, plan.directory
+    assert directory is not None
+    loop.resume(directory)
+    at = loop.version
+    if at and (hook.parent is None or manifest_digest(hook.parent) != _digest(client, at)):
+        raise ConfigError(
+            f"the checkpoint in {directory} (policy version {at}) is not of the chain the "
+            f"validator holds: it is another run's; move {directory} away or pass another "
+            "--checkpoint-dir"
+        )
+    if head > at:
+        loop.replay_published(head)
+        log(f"re-ran versions {at + 1}..{head} from the step journal in {directory}")
+    if hook.publisher.version != head:  # the re-run steps were not published again
+        state, sealed = rebuild(head)
+        resync_publisher(hook, cfg, loop.stage, state, head, sealed)
+    source = "checkpoint" if plan.start == "checkpoint" else "step journal"
+    log(f"resumed at policy version {head} from the {source} in {directory}")
+
+
+def _from_chain(
+    plan: Plan,
+    loop: TrainerLoop,
+    hook: PublishHook,
+    cfg: TrainerConfig,
+    policy_index: int | None,
+    rebuild: Callable[[int], tuple[dict[str, torch.Tensor], SignedManifest]],
+) -> None:
+    head, directory = plan.published, plan.directory
+    if policy_index is None:
+        raise ConfigError(
+            f"the validator does not say where version {head} was published in its ledger "
+            "(/v1/info has no policy_index); upgrade it"
+        )
+    state, sealed = rebuild(head)
     params = dict(loop.stage.named_parameters())
     if set(params) != set(state):
         raise ConfigError("the rebuilt policy does not name the trainer stage's parameters")
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(state[name])
-    resync_publisher(hook, cfg, loop.stage, state, P, sealed)
-    loop.version = P
-    if policy_index is None:
-        raise ConfigError(
-            "the validator does not say where version "
-            f"{P} was published in its ledger (/v1/info has no policy_index); upgrade it"
-        )
-    loop.buffer.cursor = policy_index + 1
+    resync_publisher(hook, cfg, loop.stage, state, head, sealed)
+    loop.version = head
+    loop.buffer.cursor = policy_index + 1  # every sample trained for versions <= head is before
     log(
         f"no checkpoint {f'in {directory}' if directory else '(no checkpoint_dir)'}: rebuilt "
-        f"policy version {P} from the validator's chain of signed updates; fresh optimizer "
+        f"policy version {head} from the validator's chain of signed updates; fresh optimizer "
         "moments (optimizer state is not in the chain); samples from ledger index "
         f"{policy_index + 1} on"
     )
