@@ -16,6 +16,10 @@ The trainer holds the trainer key; the validator holds the ledger. Each step:
    of by this trainer key (``GET /v1/trainer/evals``, read at start: an earlier
    start that failed) is not evaluated again.
 
+Where it starts: always at the validator's current version, from its own
+checkpoint or, without one, from the chain of signed updates the validator
+holds (``node.remote_resume``).
+
 One stage (S = 1) only: a pipeline job publishes from several processes and
 needs rank 0 to gather their shard digests (``trainer.publish.gather_distributed``).
 """
@@ -31,6 +35,7 @@ import torch
 from transformers import AutoTokenizer
 
 from node.client import ValidatorClient
+from node.remote_resume import continue_run, plan_start, rebuild_from_chain
 from rollout.loading import load_pretrained_lm
 from rollout.sync import base_model_digest
 from trainer.base_model import ensure_base_model
@@ -70,13 +75,14 @@ def run_remote(
     on_metrics: Callable[[int, Metrics], None] | None = None,
     resume: bool = False,
     poll_s: float = 0.5,
+    stop: Callable[[], bool] | None = None,
 ) -> History:
     """Train against the validator at ``url`` with trainer key ``key``; returns the history.
 
-    The validator must have been started with this trainer's public key, at
-    the base version (or, with ``resume``, at the version of the checkpoint's
-    publications: the loop replays journaled steps the validator already
-    holds instead of publishing them again).
+    The validator must have been started with this trainer's public key. The
+    run continues from the validator's policy version (``node.remote_resume``);
+    ``resume`` (``--resume``) only makes a missing checkpoint worth a line.
+    ``stop()`` turning true ends the run after a checkpoint (``TrainerLoop``).
     """
     if cfg.stages != 1:
         raise ConfigError("remote mode trains a one-stage policy (stages = 1)")
@@ -91,11 +97,8 @@ def run_remote(
     model_dir = Path(cfg.model_dir) if cfg.model_dir else ensure_base_model(cfg.task)
     check_base_model(model_dir, base_model_digest(model_dir), info, url)
     published = int(info["policy_version"])
-    if published and not resume:
-        raise ConfigError(
-            f"the validator is at policy version {published}; start from a "
-            "checkpoint of that run with --resume"
-        )
+    directory = None if cfg.checkpoint_dir is None else Path(cfg.checkpoint_dir)
+    plan = plan_start(directory, published, asked=resume)
     if progress:
         print(describe(cfg, model_dir), flush=True)
     torch.set_num_threads(cfg.threads)
@@ -104,7 +107,8 @@ def run_remote(
     stage = load_stage(model_dir, 0, 1)
     p = cfg.publish
     publisher = StagePublisher.for_stage(stage, 0, p.codec, p.codec_params, p.snapshot_every)
-    hook = PublishHook(publisher, client, base_digest=base_model_digest(model_dir), trainer_key=key)
+    base_digest = base_model_digest(model_dir)
+    hook = PublishHook(publisher, client, base_digest=base_digest, trainer_key=key)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     template = load_pretrained_lm(model_dir, dtype=torch.float32).eval()
 
@@ -113,10 +117,10 @@ def run_remote(
     def evaluate_version(version: int) -> EvalReport | None:
         if version in recorded:  # recorded once per version, however often the trainer starts
             return None
-        if publisher.version != version:
-            raise ConfigError(f"the published copy is at {publisher.version}, not {version}")
+        if hook.publisher.version != version:
+            raise ConfigError(f"the published copy is at {hook.publisher.version}, not {version}")
         model = copy.deepcopy(template)
-        publisher.load_into(model)
+        hook.publisher.load_into(model)
         report = evaluate_heldout(model, tokenizer, cfg.task, cfg.eval_problems, cfg.seed)
         digest = manifest_digest(hook.parent) if version and hook.parent is not None else b""
         client.record_eval(
@@ -142,14 +146,24 @@ def run_remote(
         publish=hook,
         evaluate=evaluate_version,
         on_metrics=on_metrics,
+        stop=stop,
         progress=progress,
     )
     loop.wait = (
         waiting_reporter(loop.buffer, cfg, poll_s) if progress else (lambda: time.sleep(poll_s))
     )
     try:
-        if resume and cfg.checkpoint_dir is not None:
-            loop.resume(Path(cfg.checkpoint_dir), published=published)
+        continue_run(
+            plan,
+            loop,
+            hook,
+            cfg,
+            client,
+            info.get("policy_index"),
+            lambda v: rebuild_from_chain(
+                client, v, template, base_digest, key.public, url, directory
+            ),
+        )
         if loop.version != published:
             raise ConfigError(
                 f"the validator is at policy version {published} but the trainer "

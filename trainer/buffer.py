@@ -9,6 +9,8 @@ Invariants:
   (``take``), dropped as stale, or still held by the buffer. ``state()`` holds
   the cursor *and* the held samples, so a checkpoint taken between steps
   resumes without training a sample twice or skipping one.
+- A ``fill`` that raises (a stop while it waits, a starved source) takes
+  nothing: the groups it had taken are held again, ahead of the others.
 - Staleness is judged at use time: a group of policy version ``p`` taken at
   trainer version ``v`` is dropped when ``v - p > max_staleness``
   (``sync=True``: when ``p != v``).
@@ -146,6 +148,21 @@ class SampleBuffer:
         deadline = time.monotonic() + timeout_s
         got = Taken(groups=[])
         self.filling = got  # progress so far, for a ``wait`` that reports it
+        try:
+            return self._fill(got, n_groups, version, wait, deadline, timeout_s)
+        except BaseException:
+            self._put_back(got.groups)  # a fill that does not return takes no group
+            raise
+
+    def _fill(
+        self,
+        got: Taken,
+        n_groups: int,
+        version: int,
+        wait: Callable[[], None] | None,
+        deadline: float,
+        timeout_s: float,
+    ) -> Taken:
         while True:
             arrived = self.poll()
             part = self.take(n_groups - len(got.groups), version)
@@ -163,6 +180,12 @@ class SampleBuffer:
                 )
             if arrived == 0:
                 (wait or (lambda: time.sleep(0.2)))()
+
+    def _put_back(self, groups: list[tuple[AcceptedSample, ...]]) -> None:
+        """Hold ``groups`` again, ahead of everything held (they arrived first)."""
+        back = {g[0].assignment_id: list(g) for g in groups}
+        self._held += sum(len(g) for g in groups)
+        self._pending = {**back, **self._pending}
 
     def _drop(self, aid: bytes) -> None:
         self._held -= len(self._pending.pop(aid))

@@ -115,7 +115,8 @@ class TrainerConfig(_Section):
     eval_problems: int = Field(default=300, ge=1, le=100_000)
     """Held-out problems per eval (greedy pass@1)."""
     checkpoint_dir: Path | None = None
-    """Where checkpoints go; None disables them."""
+    """Where checkpoints go; None disables them (``prooftrain trainer --validator`` then uses
+    ``runs/trainer/checkpoints``)."""
     checkpoint_every: int = Field(default=100, ge=1)
     seed: int = Field(default=0, ge=0)
     threads: int = Field(default=1, ge=1, le=256)

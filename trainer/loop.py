@@ -22,6 +22,11 @@ steps up to ``v`` without publishing them, each checked against its journal
 line (same samples, same aggregation weights, same resulting parameters), and
 steps past ``v`` are re-run, checked and published by ``run``. No version is
 published twice and no sample is trained twice or skipped.
+
+Stopping: when ``stop()`` turns true (a SIGTERM handler sets it) the loop
+finishes the step in progress, or abandons the wait for samples (the groups
+taken so far go back to the buffer), writes a checkpoint of the last completed
+step and returns with ``History.stopped_at`` set.
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ class History:
 
     metrics: list[Metrics] = field(default_factory=list)
     evals: dict[int, EvalReport] = field(default_factory=dict)
+    stopped_at: int | None = None
+    """The version the loop stopped at when ``stop()`` ended it early."""
+
+
+class Stopped(ProofTrainError):
+    """Raised from the wait for samples when the loop was asked to stop."""
 
 
 def staleness_metrics(hist: dict[int, int]) -> Metrics:
@@ -97,6 +108,7 @@ class TrainerLoop:
         weights: Weights | None = None,
         on_metrics: Callable[[int, Metrics], None] | None = None,
         wait: Callable[[], None] | None = None,
+        stop: Callable[[], bool] | None = None,
         progress: bool = True,
     ) -> None:
         self.cfg = cfg
@@ -104,6 +116,7 @@ class TrainerLoop:
         self.stage = runner.stage
         self.publish, self.evaluate, self.weights = publish, evaluate, weights
         self.on_metrics, self.wait, self.progress = on_metrics, wait, progress
+        self.stop = stop
         self.optimizer = torch.optim.AdamW(
             [p for p in self.stage.parameters() if p.requires_grad],
             lr=cfg.lr,
@@ -145,7 +158,7 @@ class TrainerLoop:
         taken = self.buffer.fill(
             self.cfg.batch_groups,
             self.version,
-            wait=self.wait,
+            wait=self._wait,
             timeout_s=self.cfg.starve_timeout_s,
         )
         t1 = time.monotonic()
@@ -193,6 +206,14 @@ class TrainerLoop:
         )
         return metrics
 
+    def _stopping(self) -> bool:
+        return self.stop is not None and self.stop()
+
+    def _wait(self) -> None:
+        if self._stopping():
+            raise Stopped(f"stopped while waiting for samples for version {self.version + 1}")
+        (self.wait or (lambda: time.sleep(0.2)))()
+
     def _set_lr(self) -> None:
         """The scheduled learning rate of step ``version`` (pure in the version: resumable)."""
         lr = self.cfg.lr * lr_multiplier(
@@ -219,7 +240,15 @@ class TrainerLoop:
             unit="step",
         )
         while self.version < target:
-            metrics = self.train_step()
+            try:
+                if self._stopping():
+                    raise Stopped(f"stopped at version {self.version}")
+                metrics = self.train_step()
+            except Stopped:
+                self.history.stopped_at = self.version
+                if self.cfg.checkpoint_dir is not None:
+                    self.save(self.cfg.checkpoint_dir)
+                break
             self.history.metrics.append(metrics)
             if self.on_metrics is not None:
                 self.on_metrics(self.version, metrics)
@@ -296,11 +325,13 @@ class TrainerLoop:
         """
         loaded = self._load(directory)
         if published is not None and published > self.version:
-            self._replay(published)
+            self.replay_published(published)
             return True
         return loaded
 
-    def _replay(self, target: int) -> None:
+    def replay_published(self, target: int) -> None:
+        """Re-run the journaled steps up to ``target`` without publishing them (see the
+        module docstring); the publish hook stays where the checkpoint left it."""
         publish, self.publish = self.publish, None
         try:
             while self.version < target:

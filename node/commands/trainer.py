@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -67,13 +69,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
+def _run_remote(cfg: TrainerConfig, args: argparse.Namespace, stop: threading.Event) -> int:
     from node.commands.keys import load_key_file  # noqa: PLC0415
+    from node.remote_resume import DEFAULT_CHECKPOINT_DIR  # noqa: PLC0415
     from node.remote_trainer import run_remote  # noqa: PLC0415
 
     if args.trainer_key is None:
         raise ConfigError("--validator needs --trainer-key (the key the validator trusts)")
     key = load_key_file(args.trainer_key)
+    if cfg.checkpoint_dir is None:
+        cfg = cfg.model_copy(update={"checkpoint_dir": DEFAULT_CHECKPOINT_DIR})
     sink = open(args.metrics, "a") if args.metrics else None  # noqa: SIM115
     try:
         history = run_remote(
@@ -83,12 +88,43 @@ def _run_remote(cfg: TrainerConfig, args: argparse.Namespace) -> int:
             progress=not args.quiet,
             resume=args.resume,
             on_metrics=_metrics_writer(sink),
+            stop=stop.is_set,
         )
     finally:
         if sink is not None:
             sink.close()
+    if history.stopped_at is not None:
+        return _stopped(history.stopped_at, cfg, "the same command continues from there")
     print(eval_table(history.evals))
     return 0
+
+
+def _stopped(version: int, cfg: TrainerConfig, how: str) -> int:
+    saved = (
+        f"checkpoint in {cfg.checkpoint_dir}: {how}"
+        if cfg.checkpoint_dir is not None
+        else "no checkpoint_dir, nothing saved"
+    )
+    print(
+        f"trainer: stopped by SIGTERM at policy version {version}; {saved}",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 0
+
+
+def _stop_on_sigterm() -> threading.Event:
+    """An event SIGTERM sets: the loop checkpoints and returns. A second SIGTERM exits at once."""
+    stop = threading.Event()
+
+    def on_term(signum: int, _frame: object) -> None:
+        if stop.is_set():
+            print("trainer: second SIGTERM: exiting without a checkpoint", file=sys.stderr)
+            raise SystemExit(128 + signum)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    return stop
 
 
 def _metrics_writer(sink):  # type: ignore[no-untyped-def]
@@ -120,6 +156,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    stop = _stop_on_sigterm()  # first: a SIGTERM during start-up stops before the first step
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
     from node.local import run_local  # noqa: PLC0415
@@ -128,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     cfg = load_trainer_config(args.config, _overrides(args))
     if args.validator:
-        return _run_remote(cfg, args)
+        return _run_remote(cfg, args, stop)
+    if cfg.stages > 1:  # torchrun's default handling: it stops the stages
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     if cfg.stages > 1 and "RANK" not in os.environ:
         from trainer.launch import run_torchrun  # noqa: PLC0415
 
@@ -163,11 +202,19 @@ def run(args: argparse.Namespace) -> int:
     network = _caught_up_network(cfg) if args.resume and cfg.checkpoint_dir else None
     try:
         history, net = run_local(
-            cfg, network=network, progress=not args.quiet, on_metrics=on_metrics, resume=args.resume
+            cfg,
+            network=network,
+            progress=not args.quiet,
+            on_metrics=on_metrics,
+            resume=args.resume,
+            stop=stop.is_set,
         )
     finally:
         if sink is not None:
             sink.close()
+    if history.stopped_at is not None:
+        net.close()
+        return _stopped(history.stopped_at, cfg, "--resume continues from there")
     try:
         print(
             f"network: {dict(net.stats.verdicts)} audited={net.stats.audited} "

@@ -62,11 +62,13 @@ def run_local(
     progress: bool = True,
     on_metrics: Callable[[int, Metrics], None] | None = None,
     resume: bool = False,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[History, LocalNetwork]:
     """Train a one-stage policy against an in-process network; returns the history and network.
 
     Evaluates held-out greedy pass@1 at version 0, every ``eval_every`` steps and at the end.
-    The caller closes the returned network.
+    ``stop()`` turning true ends the run after a checkpoint (``TrainerLoop``). The caller
+    closes the returned network.
     """
     if cfg.stages != 1:
         raise ConfigError("the in-process network trains a one-stage policy (stages = 1)")
@@ -95,6 +97,7 @@ def run_local(
         evaluate=evaluate_version,
         weights=net.weights,
         on_metrics=on_metrics,
+        stop=stop,
         progress=progress,
     )
     if (

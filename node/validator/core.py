@@ -212,7 +212,7 @@ class Validator:
         answered: set[bytes] = set()
         pending: dict[bytes, AssignmentIssued] = {}
         last_epoch = 0
-        for _, rec in self.ledger.entries():
+        for index, rec in self.ledger.entries():
             if isinstance(rec, ContributorRegistered):
                 self._registered.add(rec.contributor)
             elif isinstance(rec, AssignmentIssued):
@@ -226,7 +226,7 @@ class Validator:
                     self._used_prompts.discard((issued.prompt_id, issued.policy_version))
                     self._shares[(rec.contributor, issued.policy_version)] -= 1
             elif isinstance(rec, PolicyPublished):
-                self.versions.restore(rec.version, rec.manifest_digest)
+                self.versions.restore(rec.version, rec.manifest_digest, index)
             elif isinstance(rec, EpochCommitted):
                 last_epoch = max(last_epoch, rec.epoch)
         self._cursor = len(self._used_prompts)

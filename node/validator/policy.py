@@ -97,6 +97,7 @@ class PolicyVersions:
         self.trainer = trainer
         self.loader = loader
         self._digests: dict[int, bytes] = {0: base_digest}
+        self._indices: dict[int, int] = {}
         self._lock = threading.Lock()
 
     @property
@@ -126,7 +127,22 @@ class PolicyVersions:
             self._digests[manifest.version] = digest
         return manifest.version, manifest.parent_digest, digest
 
-    def restore(self, version: int, digest: bytes) -> None:
-        """Re-learn a version from the ledger at start-up (already verified when recorded)."""
+    def restore(self, version: int, digest: bytes, index: int | None = None) -> None:
+        """Re-learn a version from the ledger at start-up (already verified when recorded);
+        ``index``: the ledger index of its ``policy_published`` entry."""
         with self._lock:
             self._digests[version] = digest
+            if index is not None:
+                self._indices[version] = index
+
+    def recorded(self, version: int, index: int) -> None:
+        """``version``'s ``policy_published`` entry is at ledger index ``index``."""
+        with self._lock:
+            self._indices[version] = index
+
+    def ledger_index(self, version: int) -> int | None:
+        """The ledger index of ``version``'s ``policy_published`` entry (None for the base,
+        or a version not recorded by this node). Every sample a trainer trained on to make
+        ``version`` comes before it in the ledger."""
+        with self._lock:
+            return self._indices.get(version)

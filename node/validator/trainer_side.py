@@ -115,7 +115,7 @@ def publish_policy(
     if ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
         ledger.blobs.put(canonical_bytes(sealed_manifest))
     with lock:
-        ledger.append_many(
+        (index,) = ledger.append_many(
             [
                 PolicyPublished(
                     version,
@@ -127,6 +127,7 @@ def publish_policy(
             ],
             checkpoint=True,
         )
+    versions.recorded(version, index)
     return version
 
 

@@ -10,6 +10,7 @@ its own rebuild of the version it assigned.
 from __future__ import annotations
 
 import contextlib
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ from rollout.sync import PolicySync
 from tests.integration.test_policy_flow import ALICE, TRAINER, _validator
 from trainer.buffer import StarvedError
 from trainer.config import load_trainer_config
-from verify.errors import ConfigError
 
 
 def _config(model: Path, tmp: Path, **extra):  # type: ignore[no-untyped-def]
@@ -109,9 +109,21 @@ def test_remote_trainer_publishes_versions_contributors_follow(
         for name, value in sync.state_at(3).items():
             assert torch.equal(value, worker._sync.state_at(3)[name]), name
 
-        # A second trainer cannot start over a validator that is past the base version.
-        with pytest.raises(ConfigError, match="policy version 3"):
-            run_remote(_config(tiny_model, tmp_path / "other"), url, TRAINER, progress=False)
+        # A trainer without a checkpoint of this run rebuilds version 3 from the validator's
+        # chain: the published copy contributors hold, bit for bit, and continues from there.
+        other = tmp_path / "other"
+        assert run_remote(_config(tiny_model, other), url, TRAINER, progress=False).metrics == []
+        saved = torch.load(other / "ckpt" / "v00000003" / "stage0.pt", weights_only=False)
+        rebuilt = sync.state_at(3)
+        for name, value in saved["publish"]["publisher"]["own"].items():
+            assert torch.equal(value, rebuilt[name]), name
+        for name, value in saved["stage"].items():
+            if name in rebuilt:
+                assert torch.equal(value, rebuilt[name]), name
+        assert saved["buffer"]["held"] == []
+        assert saved["buffer"]["cursor"] == 1 + max(
+            i for i, r in v.ledger.entries() if isinstance(r, PolicyPublished)
+        )
 
 
 def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
@@ -152,6 +164,8 @@ def test_trainer_cli_in_remote_mode(tmp_path: Path, tiny_model: Path) -> None:
                     "--steps",
                     "1",
                     "--quiet",
+                    "--checkpoint-dir",
+                    str(tmp_path / "ckpt"),
                     *[a for k, val in sets.items() for a in ("--set", f"{k}={json.dumps(val)}")],
                 ],
                 capture_output=True,
@@ -182,3 +196,29 @@ def test_failed_starts_record_the_base_eval_once(tmp_path: Path, tiny_model: Pat
         assert ValidatorClient(url, TRAINER).recorded_evals() == [0]
     evals = [r.version for _, r in v.ledger.entries() if isinstance(r, EvalRecorded)]
     assert evals == [0]
+
+
+def test_a_kill_between_publication_and_checkpoint_resumes_and_publishes_on(
+    tmp_path: Path, tiny_model: Path
+) -> None:
+    """The checkpoint is one version behind the validator (killed after publishing 3): the
+    journaled step 3 is re-run without publishing it, the published copy is the validator's
+    version 3, and the next start publishes 4 on top of it."""
+    torch.set_num_threads(1)
+    v = _validator(tmp_path, tiny_model)
+    ckpt = tmp_path / "ckpt"
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        with _contributing(url, tiny_model, tmp_path / "alice"):
+            run_remote(_config(tiny_model, tmp_path), url, TRAINER, progress=False, poll_s=0.05)
+            (ckpt / "latest").write_text("v00000002")  # checkpoint 3 never happened
+            shutil.rmtree(ckpt / "v00000003")
+            cfg = _config(tiny_model, tmp_path, steps=4)
+            run_remote(cfg, url, TRAINER, progress=False, poll_s=0.05)
+        assert v.versions.current == 4
+        published = [r.version for _, r in v.ledger.entries() if isinstance(r, PolicyPublished)]
+        assert published == [1, 2, 3, 4]
+        saved = torch.load(ckpt / "v00000004" / "stage0.pt", weights_only=False)
+        client = ValidatorClient(url, ALICE)
+        sync = PolicySync(tiny_model, TRAINER.public, client.manifest, client.blob, 1)
+        for name, value in saved["publish"]["publisher"]["own"].items():
+            assert torch.equal(value, sync.state_at(4)[name]), name

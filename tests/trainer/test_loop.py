@@ -244,3 +244,31 @@ def test_cli_two_stage_pipeline_smoke(tiny: Path, tmp_path: Path) -> None:
         "stage0.pt",
         "stage1.pt",
     ]
+
+
+def test_a_stop_while_waiting_for_samples_checkpoints_and_loses_no_group(
+    tiny: Path, tmp_path: Path
+) -> None:
+    cfg = TrainerConfig(
+        model_dir=tiny,
+        steps=3,
+        batch_groups=2,
+        rules=NetworkRules(max_staleness=100),
+        eval_every=0,
+        checkpoint_dir=tmp_path / "ckpt",
+        checkpoint_every=100,
+        starve_timeout_s=5,
+    )
+    published: list[int] = []
+    loop = make_loop(tiny, ListSource(groups_of(3)), cfg, published)
+    loop.stop = lambda: loop.version == 1  # asked to stop while step 2 waits for a group
+    seen = trained(loop)
+    history = loop.run()
+    assert history.stopped_at == 1 and published == [1] and seen == [0, 1]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "v00000001"
+
+    resumed = make_loop(tiny, ListSource(groups_of(6)), cfg, published)
+    assert resumed.resume(tmp_path / "ckpt") and len(resumed.buffer) == 4  # group 2, held
+    seen_after = trained(resumed)
+    assert resumed.run().stopped_at is None
+    assert published == [1, 2, 3] and seen + seen_after == list(range(6))

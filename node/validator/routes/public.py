@@ -70,6 +70,8 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
             "validator_key": validator.key.public.hex(),
             "origin": validator.ledger.origin,
             "policy_version": validator.versions.current,
+            # where a trainer without a checkpoint resumes its sample cursor (after this entry)
+            "policy_index": validator.versions.ledger_index(validator.versions.current),
             "trainer_key": node.trainer.hex() if node.trainer else None,
             "checkpoint": cp.to_text() if cp else None,
             "network": network,
