@@ -1,10 +1,11 @@
-"""Numeric-answer exact match (arithmetic, GSM8K-style word problems, MATH answers).
+"""Numeric-answer exact match (arithmetic, MATH answers; GSM8K reads its answer line with
+:mod:`rewards.answer_line`).
 
 Extraction, in order; the first rule that applies decides:
 
 1. ``\\boxed{...}``: every boxed answer in the completion must be the same
    value, else the completion scores 0 (no hedging over several boxes).
-2. ``#### answer`` (GSM8K): the text after the last ``####``.
+2. ``#### answer``: the text after the last ``####``.
 3. Otherwise the last number in the completion.
 
 Values compare as exact rationals (``1,234`` = ``1234`` = ``1234.0``,
@@ -201,5 +202,5 @@ class NumericMatch:
 
 
 NUMERIC = NumericMatch()
-for _task in ("numeric", "arithmetic", "gsm8k", "math"):
+for _task in ("numeric", "arithmetic", "math"):
     register(NUMERIC, task_type=_task)
