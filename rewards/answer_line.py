@@ -23,8 +23,10 @@ read leniently about presentation and strictly about content:
 
 What compares: the number read and the reference answer as exact rationals
 (``42`` = ``42.00`` = ``42.0``); a line that is a LaTeX fraction or other
-plain answer compares with :func:`rewards.numeric.answers_match`. Every GSM8K
-answer is a plain number, so ``math-verify`` never decides a GSM8K reward.
+plain answer compares with :func:`rewards.numeric.answers_match`. That
+consults ``math-verify`` only for a reference that is not a plain number (a
+JSONL file's), and every answer of the ``gsm8k`` generator is one, so
+``math-verify`` never decides their rewards.
 
 Truncation: the validator scores decoded text, which does not say whether
 generation stopped on a stop token or at ``max_tokens``; a completion cut
@@ -41,10 +43,10 @@ from rewards.base import Problem
 from rewards.numeric import (
     MAX_COMPLETION_CHARS,
     MAX_NUMBER_CHARS,
-    _boxed_contents,
-    _canonical,
-    _gold_value,
     answers_match,
+    boxed_contents,
+    canonical_answer,
+    reference_value,
 )
 from rewards.registry import register
 
@@ -89,7 +91,7 @@ def read_number(line: str) -> Fraction | None:
 
 
 def _matches(answer: str, gold: str) -> bool:
-    value, gold_value = read_number(answer), _gold_value(gold)
+    value, gold_value = read_number(answer), reference_value(gold)
     if value is not None and gold_value is not None and value == gold_value:
         return True
     return answers_match(answer.replace("\u2212", "-"), gold)
@@ -103,9 +105,9 @@ class FinalAnswerMatch:
     def __call__(self, completion: str, problem: Problem) -> float:
         if len(completion) > MAX_COMPLETION_CHARS:
             return 0.0
-        boxed = _boxed_contents(completion)
+        boxed = boxed_contents(completion)
         if boxed:
-            if len({_canonical(b) for b in boxed}) != 1:
+            if len({canonical_answer(b) for b in boxed}) != 1:
                 return 0.0
             return 1.0 if _matches(boxed[-1], problem.answer) else 0.0
         line = answer_line(completion)

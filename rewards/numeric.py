@@ -78,7 +78,7 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
-def _boxed_contents(text: str) -> list[str]:
+def boxed_contents(text: str) -> list[str]:
     """Contents of every ``\\boxed{...}`` with balanced braces (linear scan)."""
     out: list[str] = []
     start = text.find(_BOXED)
@@ -103,9 +103,9 @@ def extract_answer(completion: str) -> str | None:
     """The single answer string a completion commits to, or ``None``."""
     if len(completion) > MAX_COMPLETION_CHARS:
         return None
-    boxed = _boxed_contents(completion)
+    boxed = boxed_contents(completion)
     if boxed:
-        values = {_canonical(b) for b in boxed}
+        values = {canonical_answer(b) for b in boxed}
         return boxed[-1] if len(values) == 1 else None
     if "####" in completion:
         tail = completion.rsplit("####", 1)[1].strip()
@@ -132,7 +132,7 @@ def _last_number(text: str, window: int = 128) -> str | None:
         window *= 4
 
 
-def _canonical(answer: str) -> str:
+def canonical_answer(answer: str) -> str:
     value = parse_number(answer)
     return str(value) if value is not None else _normalise_text(answer)
 
@@ -145,7 +145,7 @@ def _normalise_text(s: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gold_value(gold: str) -> Fraction | None:
+def reference_value(gold: str) -> Fraction | None:
     """``parse_number`` of a reference answer: every completion of a group compares with the
     same one, and parsing it took about a sixth of the time to score a completion."""
     return parse_number(gold)
@@ -153,7 +153,7 @@ def _gold_value(gold: str) -> Fraction | None:
 
 def answers_match(predicted: str, gold: str) -> bool:
     """Whether the extracted answer equals the reference (exactly, as values)."""
-    p, g = parse_number(predicted), _gold_value(gold)
+    p, g = parse_number(predicted), reference_value(gold)
     if g is not None:
         return p is not None and p == g
     if _normalise_text(predicted) == _normalise_text(gold):

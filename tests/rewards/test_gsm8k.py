@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from rewards import Problem
 from rewards.numeric import NUMERIC
@@ -142,6 +144,11 @@ def test_plain_answer_lines_still_score_one(completion: str, answer: str) -> Non
 )
 def test_wrong_hedged_or_missing_answers_score_zero(completion: str) -> None:
     assert reward("gsm8k", completion, gsm8k("42")) == 0.0
+
+
+@given(st.text(alphabet=st.sampled_from("#### 0123456789,.-$*_`=/\u2212\u00a0\u202fab\n")))
+def test_any_completion_scores_zero_or_one_without_raising(completion: str) -> None:
+    assert reward("gsm8k", completion, gsm8k("1234")) in (0.0, 1.0)
 
 
 def test_the_instruction_holds_nothing_that_could_score() -> None:
