@@ -1,10 +1,11 @@
-"""Numeric-answer exact match (arithmetic, GSM8K-style word problems, MATH answers).
+"""Numeric-answer exact match (arithmetic, MATH answers; GSM8K reads its answer line with
+:mod:`rewards.answer_line`).
 
 Extraction, in order; the first rule that applies decides:
 
 1. ``\\boxed{...}``: every boxed answer in the completion must be the same
    value, else the completion scores 0 (no hedging over several boxes).
-2. ``#### answer`` (GSM8K): the text after the last ``####``.
+2. ``#### answer``: the text after the last ``####``.
 3. Otherwise the last number in the completion.
 
 Values compare as exact rationals (``1,234`` = ``1234`` = ``1234.0``,
@@ -77,7 +78,7 @@ def parse_number(text: str) -> Fraction | None:
         return None
 
 
-def _boxed_contents(text: str) -> list[str]:
+def boxed_contents(text: str) -> list[str]:
     """Contents of every ``\\boxed{...}`` with balanced braces (linear scan)."""
     out: list[str] = []
     start = text.find(_BOXED)
@@ -102,9 +103,9 @@ def extract_answer(completion: str) -> str | None:
     """The single answer string a completion commits to, or ``None``."""
     if len(completion) > MAX_COMPLETION_CHARS:
         return None
-    boxed = _boxed_contents(completion)
+    boxed = boxed_contents(completion)
     if boxed:
-        values = {_canonical(b) for b in boxed}
+        values = {canonical_answer(b) for b in boxed}
         return boxed[-1] if len(values) == 1 else None
     if "####" in completion:
         tail = completion.rsplit("####", 1)[1].strip()
@@ -131,7 +132,7 @@ def _last_number(text: str, window: int = 128) -> str | None:
         window *= 4
 
 
-def _canonical(answer: str) -> str:
+def canonical_answer(answer: str) -> str:
     value = parse_number(answer)
     return str(value) if value is not None else _normalise_text(answer)
 
@@ -144,7 +145,7 @@ def _normalise_text(s: str) -> str:
 
 
 @functools.lru_cache(maxsize=4096)
-def _gold_value(gold: str) -> Fraction | None:
+def reference_value(gold: str) -> Fraction | None:
     """``parse_number`` of a reference answer: every completion of a group compares with the
     same one, and parsing it took about a sixth of the time to score a completion."""
     return parse_number(gold)
@@ -152,7 +153,7 @@ def _gold_value(gold: str) -> Fraction | None:
 
 def answers_match(predicted: str, gold: str) -> bool:
     """Whether the extracted answer equals the reference (exactly, as values)."""
-    p, g = parse_number(predicted), _gold_value(gold)
+    p, g = parse_number(predicted), reference_value(gold)
     if g is not None:
         return p is not None and p == g
     if _normalise_text(predicted) == _normalise_text(gold):
@@ -201,5 +202,5 @@ class NumericMatch:
 
 
 NUMERIC = NumericMatch()
-for _task in ("numeric", "arithmetic", "gsm8k", "math"):
+for _task in ("numeric", "arithmetic", "math"):
     register(NUMERIC, task_type=_task)

