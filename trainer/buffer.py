@@ -78,6 +78,10 @@ class SampleBuffer:
         self.sync = sync
         self.filling: Taken | None = None
         """What the ``fill`` in progress (or the last one) has released and dropped so far."""
+        self.stale_dropped_total = 0
+        """Rollouts dropped as stale by every ``take`` since this buffer was made."""
+        self.uniform_dropped_total = 0
+        """Rollouts in uniform-reward groups consumed untrained since this buffer was made."""
         # assignment id -> members seen so far, in arrival (ledger) order of first member
         self._pending: dict[bytes, list[AcceptedSample]] = {}
         self._held = 0
@@ -130,6 +134,8 @@ class SampleBuffer:
                 continue
             out.groups.append(group)
             out.staleness[age] += len(group)
+        self.stale_dropped_total += out.stale_dropped
+        self.uniform_dropped_total += out.uniform_dropped
         return out
 
     def fill(

@@ -86,7 +86,8 @@ def waiting_reporter(
     log: Callable[[str], None] | None = None,
 ) -> Callable[[], None]:
     """A ``wait`` for ``TrainerLoop``: sleeps ``poll_s``, and every ``every_s`` seconds says what
-    the trainer waits for (``SampleBuffer.filling``: usable groups so far, and what was dropped)."""
+    the trainer waits for (``SampleBuffer.filling``: usable groups so far for this step) and what
+    was dropped since start (``SampleBuffer.*_dropped_total``, across every step)."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
     last = [time.monotonic()]
 
@@ -97,8 +98,9 @@ def waiting_reporter(
             last[0] = now
             log(
                 f"waiting for samples: {len(got.groups)}/{cfg.batch_groups} usable groups for this "
-                f"step (batch_groups); dropped so far: {got.uniform_dropped} rollouts in groups whose "
-                f"rewards were all equal (skip_uniform_groups), {got.stale_dropped} rollouts older "
+                f"step (batch_groups); dropped since start: {buffer.uniform_dropped_total} rollouts in "
+                "groups whose rewards were all equal (skip_uniform_groups), "
+                f"{buffer.stale_dropped_total} rollouts older "
                 f"than max_staleness = {cfg.rules.max_staleness}; {len(buffer)} rollouts held in incomplete "
                 "groups"
             )

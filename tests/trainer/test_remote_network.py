@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from trainer.buffer import Taken
+from tests.trainer.test_loop import ListSource, groups_of
+from tests.trainer.test_rl import group
+from trainer.buffer import SampleBuffer, Taken
 from trainer.config import TrainerConfig
 from trainer.remote_network import adopt_network, check_base_model, waiting_reporter
 from verify.errors import ConfigError
@@ -48,7 +50,8 @@ def test_another_base_model_is_refused(tmp_path: Path) -> None:
 
 def test_the_waiting_trainer_says_what_it_waits_for() -> None:
     class Buffer:
-        filling = Taken(groups=[[], []], stale_dropped=3, uniform_dropped=8)
+        filling = Taken(groups=[[], []])
+        stale_dropped_total, uniform_dropped_total = 3, 8
 
         def __len__(self) -> int:
             return 5
@@ -67,3 +70,41 @@ def test_the_waiting_trainer_says_what_it_waits_for() -> None:
         "8 rollouts in groups whose rewards were all equal" in lines[0]
         and "3 rollouts older" in lines[0]
     )
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_the_dropped_counts_cover_every_fill_since_start() -> None:
+    """Issue 48 item 9: the second fill's wait reports the drops of both fills, not its own."""
+
+    def stale_and_uniform(start: int) -> list:
+        uniform = group(bytes([0xF0 + start]) * 16, [0.0] * 4, version=3)
+        return groups_of(1, version=0, start=start) + list(uniform)
+
+    # one page per fill: the first takes the usable group 1, the second only drops
+    samples = stale_and_uniform(0) + groups_of(1, version=3, start=1) + stale_and_uniform(2)
+    buf = SampleBuffer(ListSource(samples), max_staleness=2, page=12)
+    first = buf.fill(1, 4, wait=lambda: None, timeout_s=1)
+    assert len(first.groups) == 1 and (first.stale_dropped, first.uniform_dropped) == (4, 4)
+
+    lines: list[str] = []
+    report = waiting_reporter(
+        buf,
+        TrainerConfig.model_validate({"batch_groups": 1}),
+        poll_s=0.0,
+        every_s=0.0,
+        log=lines.append,
+    )
+
+    def wait() -> None:
+        report()
+        raise _Stop
+
+    with pytest.raises(_Stop):
+        buf.fill(1, 4, wait=wait, timeout_s=5)
+    assert (buf.stale_dropped_total, buf.uniform_dropped_total) == (8, 8)
+    assert "0/1 usable groups" in lines[0] and "dropped since start" in lines[0]
+    assert "8 rollouts in groups whose rewards were all equal" in lines[0]
+    assert "8 rollouts older than max_staleness" in lines[0]
