@@ -49,17 +49,25 @@ def progress(
     enabled: bool = True,
     every: float | None = None,
     file: IO[str] | None = None,
+    initial: float = 0,
 ) -> Progress:
-    """A bar counting ``total`` ``unit``s (None: unknown) on ``file`` (default stderr): tqdm
-    when ``file`` is a terminal, plain lines every ``every`` seconds (default
+    """A bar counting ``total`` ``unit``s (None: unknown) from ``initial`` on ``file`` (default
+    stderr): tqdm when ``file`` is a terminal, plain lines every ``every`` seconds (default
     ``PLAIN_EVERY_S``) otherwise, silent when not ``enabled``."""
     from tqdm import tqdm  # noqa: PLC0415 - a command that shows no progress never loads it
 
     stream = file if file is not None else sys.stderr
     if not enabled or _isatty(stream):
-        return tqdm(total=total, desc=desc, unit=unit, disable=not enabled, file=stream)
+        return tqdm(
+            total=total, desc=desc, unit=unit, disable=not enabled, file=stream, initial=initial
+        )
     return PlainProgress(
-        total, desc, unit, every=PLAIN_EVERY_S if every is None else every, file=stream
+        total,
+        desc,
+        unit,
+        every=PLAIN_EVERY_S if every is None else every,
+        file=stream,
+        initial=initial,
     )
 
 
@@ -89,8 +97,11 @@ class PlainProgress:
         every: float = PLAIN_EVERY_S,
         file: IO[str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        initial: float = 0,
     ) -> None:
-        self.n: float = 0
+        self.n: float = initial
+        self.initial = initial
+        """Counted before this bar started: not part of the rate the ETA is drawn from."""
         self.total = total
         self.desc, self.unit, self.every = desc, unit, every
         self.file = file if file is not None else sys.stderr
@@ -132,8 +143,9 @@ class PlainProgress:
         if self.total:
             parts[0] += f" ({100 * self.n / self.total:.0f}%)"
         parts.append(f"{_interval(elapsed)} elapsed")
-        if self.total and 0 < self.n < self.total and not self.closed:
-            parts.append(f"ETA {_interval(elapsed * (self.total - self.n) / self.n)}")
+        done = self.n - self.initial
+        if self.total and done > 0 and self.n < self.total and not self.closed:
+            parts.append(f"ETA {_interval(elapsed * (self.total - self.n) / done)}")
         if self.postfix:
             parts.append(self.postfix)
         return ", ".join(parts)

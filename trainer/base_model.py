@@ -29,13 +29,13 @@ from pathlib import Path
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
-from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from rewards import reward
 from rewards.tasks import generate as generate_problems
 from rewards.tasks import get_task
 from rollout.loading import MODEL_BUILD_LOCK
+from rollout.progress import progress as progress_bar
 from trainer.generate import SamplingParams, generate
 from trainer.tokenizer import build_char_tokenizer
 from verify.manifest import base_model_digest
@@ -220,12 +220,7 @@ def build_base_model(
         )
         gen = torch.Generator().manual_seed(seed)
         acc, step = 0.0, 0
-        bar = tqdm(
-            total=config.max_steps,
-            desc=f"base model {config.task}",
-            disable=not progress,
-            unit="step",
-        )
+        bar = progress_bar(config.max_steps, f"base model {config.task}", "step", enabled=progress)
         for step in range(1, config.max_steps + 1):
             model.train()
             idx = torch.randint(len(rows), (config.batch_size,), generator=gen).tolist()

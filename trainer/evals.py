@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -172,8 +172,12 @@ def evaluate(
     batch_size: int = 64,
     problems: Sequence[Problem] | None = None,
     device: str | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> EvalReport:
-    """Evaluate on ``problems`` or on ``n`` generated ``task``/``split`` problems (``seed``)."""
+    """Evaluate on ``problems`` or on ``n`` generated ``task``/``split`` problems (``seed``).
+
+    ``progress`` is called with the number of completions each generated batch finished:
+    ``eval_completions(len(problems), k, samples)`` in all."""
     if isinstance(model, tuple):
         policy, tokenizer = model
         name = getattr(policy.config, "_name_or_path", "") or type(policy).__name__
@@ -190,7 +194,12 @@ def evaluate(
     max_new = max_new_tokens or default_max_new_tokens(problems, tokenizer)
     prompts = [p.prompt for p in problems]
     greedy = generate(
-        policy, tokenizer, prompts, SamplingParams(max_new_tokens=max_new), batch_size=batch_size
+        policy,
+        tokenizer,
+        prompts,
+        SamplingParams(max_new_tokens=max_new),
+        batch_size=batch_size,
+        progress=progress,
     )
     rewards = [reward(p.task, o.text, p) for p, o in zip(problems, greedy, strict=True)]
     correct = sum(r == 1.0 for r in rewards)
@@ -202,7 +211,7 @@ def evaluate(
             len(problems),
         )
     ]
-    if k > 1 or samples > 1:
+    if _samples_drawn(k, samples):
         sampled = generate(
             policy,
             tokenizer,
@@ -210,6 +219,7 @@ def evaluate(
             SamplingParams(max_new_tokens=max_new, temperature=temperature, seed=seed),
             num_samples=samples,
             batch_size=batch_size,
+            progress=progress,
         )
         per_problem = []
         for i, p in enumerate(problems):
@@ -238,6 +248,17 @@ def evaluate(
         "max_new_tokens": max_new,
     }
     return EvalReport(name, problems[0].task, split, len(problems), tuple(metrics), settings)
+
+
+def eval_completions(problems: int, k: int, samples: int | None = None) -> int:
+    """How many completions ``evaluate`` generates for ``problems`` problems: one greedy each,
+    plus ``samples`` (default ``k``) sampled each when pass@k is drawn."""
+    samples = samples if samples is not None else k
+    return problems + (problems * samples if _samples_drawn(k, samples) else 0)
+
+
+def _samples_drawn(k: int, samples: int) -> bool:
+    return k > 1 or samples > 1
 
 
 def evaluate_heldout(

@@ -15,7 +15,7 @@ pass recomputes — whatever temperature was used to pick the token.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -138,8 +138,12 @@ def generate(
     *,
     num_samples: int = 1,
     batch_size: int = 64,
+    progress: Callable[[int], object] | None = None,
 ) -> list[Completion]:
-    """``num_samples`` completions per prompt, prompt-major: ``[p0s0, p0s1, ..., p1s0, ...]``."""
+    """``num_samples`` completions per prompt, prompt-major: ``[p0s0, p0s1, ..., p1s0, ...]``.
+
+    ``progress`` is called after each batch with the number of completions it finished
+    (``len(prompts) * num_samples`` in all), for a bar with an ETA."""
     params = params or SamplingParams()
     if num_samples < 1 or batch_size < 1:
         raise ValueError("num_samples and batch_size must be >= 1")
@@ -167,6 +171,8 @@ def generate(
                         finished=finished,
                     )
                 )
+            if progress is not None:
+                progress(len(chunk))
     finally:
         model.train(was_training)
     return completions

@@ -42,8 +42,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
+from rollout.progress import progress as progress_bar
 from trainer.batch import build_batch
 from trainer.buffer import SampleBuffer, SampleSource
 from trainer.config import TrainerConfig
@@ -232,12 +232,8 @@ class TrainerLoop:
         rank0 = self.runner.rank == 0
         if self.version == 0 and self._due(self.cfg.eval_every, start=True):
             self._eval()
-        bar = tqdm(
-            total=target,
-            initial=self.version,
-            disable=not (self.progress and rank0),
-            desc="train",
-            unit="step",
+        bar = progress_bar(
+            target, "train", "step", enabled=self.progress and rank0, initial=self.version
         )
         while self.version < target:
             try:

@@ -23,7 +23,6 @@ from typing import TypeVar
 
 import torch
 from msgspec import Struct
-from tqdm import tqdm
 
 from ledger import merkle
 from ledger import release_layout as L
@@ -42,6 +41,7 @@ from ledger.release import verify_release
 from ledger.release_replay import chain_start, tensor_digest
 from ledger.release_view import evals_json
 from ledger.storage import LedgerStore, open_store
+from rollout.progress import progress as progress_bar
 from rollout.sync import write_model_dir
 from trainer.release_card import CURVE_PNG, CardFacts, plot_curve, render_card
 from verify.errors import ConfigError, LedgerError, Reason, VerificationError
@@ -203,13 +203,16 @@ def build_release(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
-        steps = tqdm(total=5, desc="release", disable=not progress, unit="step")
+        steps = progress_bar(5, "release", "step", enabled=progress)
+        steps.set_postfix_str("rebuilding the weights from the chain")
         state = _rebuild(base_model, trainer_key, chain, blob_store, version)
         write_model_dir(tmp, base_model, state, L.MODEL_WEIGHTS)
         _write_chain(tmp, base_model, chain, blob_store, ship_chain)
         steps.update(1)
+        steps.set_postfix_str("copying the ledger")
         verdicts = _write_ledger(tmp, view, version)
         steps.update(1)
+        steps.set_postfix_str("evaluating base and release")
         curve = _write_curve(tmp, view, statements, version)
         table = _write_table(
             tmp,
@@ -223,8 +226,10 @@ def build_release(
             version,
             chain,
             now_ms,
+            progress,
         )
         steps.update(1)
+        steps.set_postfix_str("writing the card and signing")
         (tmp / L.EVALS_FILE).write_bytes(evals_json(version, table, curve))
         digests = [manifest_digest(s) for s in chain]
         facts = CardFacts(
@@ -245,6 +250,7 @@ def build_release(
         (tmp / L.CARD_FILE).write_text(render_card(facts, table, curve, plot=plot))
         _sign(tmp, trainer_key, view, version, digests, state, verdicts, base_model, now_ms)
         steps.update(1)
+        steps.set_postfix_str("verifying the release")
         verify_release(
             tmp,
             trainer_key=trainer_key.public,
@@ -253,6 +259,7 @@ def build_release(
             base_model=None if ship_chain else base_model,
         )
         steps.update(1)
+        steps.set_postfix_str("done")
         steps.close()
         tmp.chmod(0o755)
         os.replace(tmp, out)
@@ -368,32 +375,39 @@ def _write_table(
     version: int,
     chain: list[SignedManifest],
     now_ms: int | None,
+    progress: bool,
 ) -> list[tuple[EvalStatement, EvalStatement]]:
-    from trainer.evals import eval_statement, evaluate
+    """Evaluate the base model and the release on every task (the longest step: a bar of its
+    own, counting completions), and write the signed statements."""
+    from trainer.evals import eval_completions, eval_statement, evaluate
 
     stamp = now_ms if now_ms is not None else time.time_ns() // 1_000_000
     digest = manifest_digest(chain[-1]) if chain else b""
     table = []
-    for task in tasks:
-        pair = []
-        for which, model_dir, v, d in (
-            ("base", base_model, 0, b""),
-            ("release", tmp, version, digest),
-        ):
-            report = evaluate(model_dir, task, split, n=problems, k=k, seed=seed)
-            sealed = eval_statement(
-                report,
-                version=v,
-                manifest_digest=d,
-                task=task,
-                split=split,
-                seed=seed,
-                key=key,
-                created_at_ms=stamp,
-            )
-            _write(tmp, L.table_path(task, which), canonical_bytes(sealed))
-            pair.append(open_sealed(EvalStatement, sealed, key.public))
-        table.append((pair[0], pair[1]))
+    total = 2 * len(tasks) * eval_completions(problems, k)
+    with progress_bar(total, "release eval", "completions", enabled=progress) as bar:
+        for task in tasks:
+            pair = []
+            for which, model_dir, v, d in (
+                ("base", base_model, 0, b""),
+                ("release", tmp, version, digest),
+            ):
+                report = evaluate(
+                    model_dir, task, split, n=problems, k=k, seed=seed, progress=bar.update
+                )
+                sealed = eval_statement(
+                    report,
+                    version=v,
+                    manifest_digest=d,
+                    task=task,
+                    split=split,
+                    seed=seed,
+                    key=key,
+                    created_at_ms=stamp,
+                )
+                _write(tmp, L.table_path(task, which), canonical_bytes(sealed))
+                pair.append(open_sealed(EvalStatement, sealed, key.public))
+            table.append((pair[0], pair[1]))
     return table
 
 

@@ -5,10 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rollout.progress import Progress
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -51,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from rewards.tasks import generate as generate_problems  # noqa: PLC0415
     from rewards.tasks import load_jsonl  # noqa: PLC0415
     from rollout.progress import progress  # noqa: PLC0415
-    from trainer.evals import evaluate, load_policy, report_json  # noqa: PLC0415
+    from trainer.evals import eval_completions, evaluate, load_policy, report_json  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()  # keep the output to our own table and bar
     split = args.split
@@ -62,47 +58,25 @@ def run(args: argparse.Namespace) -> int:
         problems = originals(args.task)[: args.num_problems]
     else:
         problems = generate_problems(args.task, split, args.num_problems, args.seed)
-    samples = args.samples if args.samples is not None else args.k
-    sampled = len(problems) * samples if args.k > 1 or samples > 1 else 0
     policy, tokenizer = load_policy(args.model_dir, args.device)
-    total = len(problems) + sampled
+    total = eval_completions(len(problems), args.k, args.samples)
     with progress(total, "evaluating", "completions") as bar:
-        handle = policy.register_forward_pre_hook(_BatchCounter(bar), with_kwargs=True)
-        try:
-            report = evaluate(
-                (policy, tokenizer),
-                args.task,
-                "heldout" if split == "originals" else split,
-                k=args.k,
-                samples=args.samples,
-                temperature=args.temperature,
-                seed=args.seed,
-                max_new_tokens=args.max_new_tokens,
-                batch_size=args.batch_size,
-                problems=problems,
-            )
-        finally:
-            handle.remove()
-        bar.update(total - bar.n)
+        report = evaluate(
+            (policy, tokenizer),
+            args.task,
+            "heldout" if split == "originals" else split,
+            k=args.k,
+            samples=args.samples,
+            temperature=args.temperature,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            batch_size=args.batch_size,
+            problems=problems,
+            progress=bar.update,
+        )
     report = dataclasses.replace(report, model=str(args.model_dir), split=split)
     print(report_json(report) if args.json else report.to_table())
     return 0
-
-
-class _BatchCounter:
-    """A forward pre-hook on the evaluated model that moves ``bar`` by one batch of
-    completions when the next batch starts. Generation calls the model once per batch
-    without a KV cache (the prompts), then once per new token with one."""
-
-    def __init__(self, bar: Progress) -> None:
-        self.bar = bar
-        self.running = 0
-
-    def __call__(self, module: object, args: tuple, kwargs: dict) -> None:
-        if kwargs.get("past_key_values") is None and kwargs.get("cache") is None:
-            self.bar.update(self.running)
-            ids = kwargs.get("input_ids", args[0] if args else None)
-            self.running = len(ids) if ids is not None else 0
 
 
 def originals(task: str) -> list:

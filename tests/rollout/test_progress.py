@@ -70,3 +70,13 @@ def test_tracked_yields_every_item_and_counts_them(capsys) -> None:
     assert list(tracked(range(3), "steps")) == [0, 1, 2]
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("steps: 0/3 it (0%)") and lines[-1].startswith("steps: 3/3 it")
+
+
+def test_a_resumed_count_draws_its_eta_from_this_run_only() -> None:
+    out, clock = io.StringIO(), Clock()
+    bar = PlainProgress(100, "train", "step", every=30, file=out, clock=clock, initial=50)
+    for _ in range(10):
+        clock.t += 3.0  # 10 steps in 30 s: 40 left take 2 min
+        bar.update(1)
+    assert out.getvalue().splitlines()[-1] == ("train: 60/100 step (60%), 30s elapsed, ETA 2m00s")
+    assert progress(9, "x", file=io.StringIO(), initial=4).n == 4

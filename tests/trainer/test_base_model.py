@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from trainer.base_model import (
     BUILD_INFO,
@@ -164,3 +165,19 @@ def test_full_build_is_deterministic_and_weak_but_not_hopeless(tmp_path):
     assert a.seconds < 300
     report = evaluate(a.path, "arithmetic", "heldout", n=500, k=1, device="cpu")
     assert 0.10 <= report.metric("pass@1 (greedy)").value <= 0.40
+
+
+def test_build_progress_in_a_log_is_whole_lines(tmp_path, capsys):
+    """stderr is not a terminal here: plain lines, no redrawn bar (the library's own bars are
+    off, as ``prooftrain base-model build`` turns them off)."""
+    config = TINY.model_copy(update={"max_steps": 4, "eval_every": 2})
+    hf_logging.disable_progress_bar()
+    try:
+        build_base_model(config, 0, tmp_path / "m", progress=True)
+    finally:
+        hf_logging.enable_progress_bar()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("base model arithmetic: ")]
+    assert lines[0].startswith("base model arithmetic: 0/4 step (0%)")
+    assert lines[-1].startswith("base model arithmetic: 4/4 step (100%)")

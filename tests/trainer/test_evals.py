@@ -13,6 +13,7 @@ from rewards.tasks import generate as generate_problems
 from trainer.base_model import BaseModelConfig, build_base_model
 from trainer.evals import (
     EvalReport,
+    eval_completions,
     evaluate,
     load_policy,
     mean_interval,
@@ -154,6 +155,16 @@ def test_evaluate_accepts_a_loaded_policy_and_explicit_problems(policy):
     problems = generate_problems("reverse_text", "heldout", 8, seed=0)
     report = evaluate(policy, problems=problems, k=1, split="heldout")
     assert report.task == "reverse_text" and len(report.metrics) == 3
+
+
+def test_evaluate_counts_every_completion_as_its_batch_finishes(policy):
+    problems = generate_problems("arithmetic", "heldout", 10, seed=0)
+    counts: list[int] = []
+    evaluate(policy, problems=problems, k=2, samples=3, batch_size=8, progress=counts.append)
+    # 10 greedy in batches of 8, then 10 x 3 sampled in batches of 8
+    assert counts == [8, 2, 8, 8, 8, 6]
+    assert sum(counts) == eval_completions(10, 2, 3) == 40
+    assert eval_completions(10, 1) == 10
 
 
 def test_eval_cli_table_and_json(model_dir, tmp_path):

@@ -155,6 +155,28 @@ def test_checkpoint_resume_trains_every_group_exactly_once(tiny: Path, tmp_path:
     assert not list((tmp_path / "ckpt").glob("*/.*tmp*"))
 
 
+def test_training_progress_in_a_log_is_whole_lines(
+    tiny: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """stderr is not a terminal here: plain lines, no redrawn bar."""
+    cfg = TrainerConfig(
+        model_dir=tiny,
+        steps=2,
+        batch_groups=2,
+        rules=NetworkRules(max_staleness=100),
+        eval_every=0,
+        starve_timeout_s=1,
+    )
+    loop = make_loop(tiny, ListSource(groups_of(4)), cfg, [])
+    loop.progress = True
+    loop.run()
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("train: ")]
+    assert lines[0].startswith("train: 0/2 step (0%)")
+    assert lines[-1].startswith("train: 2/2 step (100%)") and "reward=" in lines[-1]
+
+
 def test_config_rejects_unknown_keys_and_bad_bounds(tmp_path: Path) -> None:
     bad = tmp_path / "t.toml"
     bad.write_text("[trainer]\nlr = 1e-4\nlearning_rate = 3\n")

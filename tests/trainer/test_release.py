@@ -192,6 +192,14 @@ def test_cli_builds_verifies_and_names_a_tampered_file(world: World, tmp_path: P
         "1",
     )
     assert built.returncode == 0, built.stderr
+    # stderr is a pipe: whole progress lines, the eval step counted in completions with an ETA
+    assert "\r" not in built.stderr
+    lines = built.stderr.splitlines()
+    assert any(line.startswith("release: 0/5 step (0%)") for line in lines)
+    assert any(line.startswith("release: 5/5 step (100%)") for line in lines)
+    evals = [line for line in lines if line.startswith("release eval: ")]
+    assert evals[0].startswith("release eval: 0/") and "completions" in evals[0]
+    assert "(100%)" in evals[-1]
     keys = ["--trainer-key", TRAINER.public.hex(), "--validator-key", VALIDATOR.public.hex()]
     ok = _cli("release", "verify", str(out), *keys)
     assert ok.returncode == 0, ok.stdout + ok.stderr
