@@ -856,7 +856,15 @@ def play(
             for _ in range(warmup):
                 run.honest(me)
             rates.append(run.v.ledger.audit_rate(me.key.public.raw))
-        crafted = attack.craft(run, me)
+        try:
+            crafted = attack.craft(run, me)
+        except AdmissionError as exc:
+            if exc.reason is not Reason.ASSIGNMENT_LIMIT:
+                raise
+            # Its discards hold its places (two ttl each): it waits for one to free.
+            tally.refused[_reason(exc)] += 1
+            run.clock.advance(2 * TTL_MS + 1)
+            continue
         if crafted is not None:
             differs = crafted.differs if crafted.differs is not None else run.differs(crafted, me)
             tally.add(run.submit(crafted.raw), differs)
