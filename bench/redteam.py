@@ -1052,7 +1052,7 @@ def audit_draw_leak(
     rate with ``warmup`` honest groups, then samples at temperature 0.9 while claiming 1.0.
     Before each submission, honest or not, the audit queue is held by another group's spot
     check with probability ``busy`` (a flood), and a refused group is re-signed and sent again
-    (at most 8 times). A banned key comes back as a fresh one, warmed up again, until
+    (at most 32 times). A banned key comes back as a fresh one, warmed up again, until
     ``groups`` cheating groups are played. ``refused_drawn`` / ``refused_undrawn``: the
     refusal rate of submissions the draw would audit / would not, under the flood;
     ``groups_to_ban``: the cheating groups each key got in before its ban, with the flood and
@@ -1070,7 +1070,9 @@ def audit_draw_leak(
                 for _ in range(warmup):
                     got = probe.group(me)
                     honest.groups += 1
-                    honest.false_rejections += not isinstance(got, SubmitResult) or rejected(got)
+                    if not isinstance(got, SubmitResult) or rejected(got):
+                        honest.false_rejections += 1
+                        honest.reasons.update(_first_reasons(got))
             mine += 1
             probe.group(me, temperature=0.9)
         if me is not None and probe.run.banned(me):
@@ -1099,13 +1101,14 @@ class _Flooded:
 
     def group(self, me: Identity, **changes: Any) -> Outcome:
         """A group of ``me``'s generated with ``changes``, re-signed and sent again while it
-        is refused (at most 8 times)."""
+        is refused (at most 32 times: at ``busy`` 0.5 a group is refused every time once in
+        4e9)."""
         run = self.run
         a = run.assign(me)
         gen = run.generate(me, a, **changes)
         comps = [(c.group_index, list(c.token_ids), c.logprobs) for c in gen]
         slots = run.v._checks._audit_slots  # noqa: SLF001 (another group's spot check holds it)
-        for _ in range(8):
+        for _ in range(32):
             raw = run.sign(me, a, comps)
             drawn = _drawn(run, a, raw, me)
             held = self.rng.random() < self.busy and slots.acquire(blocking=False)
