@@ -952,7 +952,7 @@ def _control(run: Run, honest: Honest, before: Honest, **extra: object) -> dict:
 GRIND_METHODS = ("abandon", "missing_member", "unsupported_precision", "late", "stale")
 GRIND_ASK = 8
 """Assignments a grinder asks for every quarter ``ttl_s``."""
-LEAK_GROUPS = 16
+LEAK_GROUPS = 48
 """Cheating groups the audit-draw leak probe plays (its keys' warm-ups come on top)."""
 LEAK_WARMUP = 10
 """The fewest honest groups a leak-probe key warms up with: past probation (32 audited

@@ -192,6 +192,7 @@ def _local_network(s: Scenario, model_dir: Path, work: Path) -> LocalNetwork:
         seed=s.task.seed,
         rules=s.rules,
         groups_per_fetch=0,
+        ttl_s=v.assignment_ttl_s,
     )
     work.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)  # tiny models: more threads only contend on a shared machine

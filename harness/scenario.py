@@ -211,6 +211,12 @@ class ValidatorSpec(_Section):
     """Completion length limit."""
     temperature: float = Field(default=1.0, gt=0, le=4)
     """Sampling temperature of every assignment."""
+    assignment_ttl_s: float = Field(default=30.0, gt=0, le=86_400)
+    """``assignment.ttl_s`` of the run's validator, in wall-clock seconds (the validator's
+    clock): an abandoned or discarded assignment (a stale answer among them) holds its
+    contributor's place until one more ttl past its expiry. A deployment's 600 s is hundreds
+    of this harness's steps; 30 s keeps a held place to a few dozen steps here, as 600 s is
+    a few dozen minute-long steps there."""
     registration_work_bits: int = Field(default=0, ge=0, le=32)
     """The network's registration proof of work (``registration.work_bits`` of a validator,
     ``verify.registration``): a key registered during the run (a whitewashing strategy's

@@ -127,6 +127,9 @@ class LocalSettings:
     codec_params: tuple[tuple[str, object], ...] = ()
     snapshot_every: int = 50
     """Every N-th version is a full snapshot; 0 never."""
+    ttl_s: float = 600.0
+    """``assignment.ttl_s``: an unanswered assignment expires this many (wall) seconds after
+    it is issued; an abandoned or discarded one holds its contributor's place one more."""
 
 
 @dataclass
@@ -164,7 +167,10 @@ class LocalNetwork:
             node=NodeSection(checkpoint_every=256),
             rules=s.rules.model_copy(update={"max_staleness": window}),
             assignment=AssignmentSection(
-                group_size=s.group_size, max_tokens=s.max_tokens, temperature=s.temperature
+                group_size=s.group_size,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                ttl_s=s.ttl_s,
             ),
             audit=AuditSection(epoch_groups=64),
         )
