@@ -78,19 +78,21 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
         key = await node.caller(request, body)
         try:
             fields = msgspec.json.decode(body or b"{}")
-            name, work = fields.get("name", ""), fields.get("work")
+            name, work = fields.get("name", ""), fields.get("work", 0)
         except (msgspec.DecodeError, AttributeError):
             name = work = None
-        if (  # as declared: a string of at most 256 characters, and a nonce or nothing
+        if (  # as declared: a string of at most 256 characters, and a nonce if any
             not isinstance(name, str)
             or len(name) > 256
-            or not (work is None or (isinstance(work, int) and 0 <= work < 2**63))
+            or isinstance(work, bool)
+            or not (isinstance(work, int) and 0 <= work < 2**63)
         ):
             raise ApiError(
                 Reason.MALFORMED,
                 'body must be JSON {"name": "<at most 256 characters>", "work": <nonce>}',
             )
-        added = await node.call(lambda: validator.register(key.raw, name, work))
+        nonce = work if "work" in fields else None
+        added = await node.call(lambda: validator.register(key.raw, name, nonce))
         return {"registered": added, "fingerprint": key.fingerprint}
 
     @app.post(
