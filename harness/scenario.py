@@ -225,8 +225,8 @@ class ValidatorSpec(_Section):
     population's first keys registered before the run began. 0: registration is free."""
     registration_eval_s: float = Field(default=0.05, gt=0, le=10)
     """Seconds of one scrypt evaluation at log2 N 14 on the reference hardware
-    (``verify.registration.seconds_per_evaluation``; measured 0.05 s on one idle core of the
-    CI machine)."""
+    (``verify.registration.seconds_per_evaluation``: 0.029 s, best of 10, on one core of a
+    2-core CI-class machine at load 2, 0.12 s at load 6; 0.05 s is between)."""
 
     def registration_cost_s(self) -> float:
         """Reference seconds a new key's registration proof costs (expected)."""
