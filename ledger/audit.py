@@ -130,8 +130,7 @@ def _audit(
     progress: Callable[[int], None] | None,
 ) -> None:
     divergence: list[tuple[int, Record]] = []
-    draws = DrawAudit()
-    leaves, replay, genesis = _check_entries(store, report, blobs, progress, divergence, draws)
+    leaves, replay, genesis, draws = _check_entries(store, report, blobs, progress, divergence)
     report.size = size = len(leaves)
     levels = _check_nodes(store, report, leaves)
     if genesis is None:
@@ -186,12 +185,13 @@ def _check_entries(
     blobs: FileBlobStore | None,
     progress: Callable[[int], None] | None,
     divergence: list[tuple[int, Record]],
-    draws: DrawAudit,
-) -> tuple[list[bytes], Replay, LogCreated | None]:
+) -> tuple[list[bytes], Replay, LogCreated | None, DrawAudit]:
     """Check every entry; collect the divergence entries and divergence slashes into
-    ``divergence``, and feed every record to ``draws``."""
+    ``divergence``, and every audit draw (``ledger.draws``) with the reputation it was made
+    under."""
     leaves: list[bytes] = []
     replay = Replay()
+    draws = DrawAudit(replay)
     genesis: LogCreated | None = None
     commits: dict[int, bytes] = {}
     for idx, stored_leaf, body in store.entries():
@@ -284,9 +284,8 @@ def _check_entries(
         ):
             divergence.append((idx, record))
         if genesis is not None:
-            replay.feed(idx, record)
-            draws.feed(idx, record)
-    return leaves, replay, genesis
+            draws.feed(idx, record, replay.feed(idx, record))
+    return leaves, replay, genesis, draws
 
 
 def _check_admission(

@@ -40,7 +40,7 @@ from ledger.records import (
     Record,
     VerdictRecorded,
 )
-from ledger.reputation import DISCARDS, Replay, audit_rate
+from ledger.reputation import DISCARDS, Replay, ReputationState, audit_rate
 from verify.challenge import audit_subject, should_audit
 
 
@@ -52,11 +52,16 @@ class DrawFinding:
     computed: object = None
 
 
+def assignment_subject(assignment_id: bytes) -> bytes:
+    """What an assignment's own draw is keyed by (the draw of a discard or an abandonment)."""
+    return audit_subject(assignment_id, GROUP_DRAW, b"")
+
+
 def draw_subject(v: DrawnVerdict) -> bytes:
     """What ``v``'s draw was keyed by: its member's completion, or its assignment's own draw."""
     if v.completion:
         return audit_subject(v.assignment_id, v.group_index, v.completion)
-    return audit_subject(v.assignment_id, GROUP_DRAW, b"")
+    return assignment_subject(v.assignment_id)
 
 
 @dataclass
@@ -75,15 +80,17 @@ class _Rates:
 
 
 class DrawAudit:
-    """Feed every record in log order (:meth:`feed`), then :meth:`findings`."""
+    """Feed every record in log order with the reputation state ``replay`` folded it into
+    (:meth:`feed`), then :meth:`findings`."""
 
-    def __init__(self) -> None:
-        self._replay = Replay()
+    def __init__(self, replay: Replay) -> None:
+        self._replay = replay
         self._epoch: int | None = None
         self._secrets: dict[int, bytes] = {}
         self._issued: dict[bytes, tuple[int, bytes]] = {}
         self._rates: dict[bytes, _Rates] = {}
-        self._drawn: list[tuple[int, DrawnVerdict, int | None, float]] = []
+        self._drawn: list[tuple[int, DrawnVerdict, int | None, float, bytes]] = []
+        """(index, verdict, its epoch, the lowest rate reputation allowed, its prompt digest)."""
         self._completions: Counter[tuple[bytes, bytes]] = Counter()
         self._found: list[DrawFinding] = []
         self.checked = 0
@@ -91,7 +98,8 @@ class DrawAudit:
         """Drawn verdicts whose epoch secret is not revealed yet."""
         self.warnings: list[str] = []
 
-    def feed(self, index: int, record: Record) -> None:
+    def feed(self, index: int, record: Record, state: ReputationState | None) -> None:
+        """``state``: what ``record`` made of its contributor's reputation (``Replay.feed``)."""
         if isinstance(record, EpochCommitted):
             self._epoch = record.epoch
         elif isinstance(record, EpochRevealed):
@@ -104,7 +112,6 @@ class DrawAudit:
             self._found.append(
                 DrawFinding(index, "verdict without its audit draw after drawn verdicts began")
             )
-        state = self._replay.feed(index, record)
         if state is not None and self._replay.params is not None:
             rates = self._rates.setdefault(state.contributor, _Rates())
             rates.at.append(index)
@@ -115,7 +122,7 @@ class DrawAudit:
         if v.completion:
             self._completions[(prompt, v.completion)] += 1
         rates = self._rates.get(v.contributor, _Rates())
-        self._drawn.append((index, v, self._epoch, rates.lowest(issued, index)))
+        self._drawn.append((index, v, self._epoch, rates.lowest(issued, index), prompt))
 
     def findings(self) -> list[DrawFinding]:
         """Every disagreement found; call once the whole log is fed. An epoch whose every
@@ -123,12 +130,12 @@ class DrawAudit:
         for everyone: its rates are not held to reputation's, and :attr:`warnings` says so."""
         out = list(self._found)
         rates: dict[int | None, set[float]] = {}
-        for _, v, epoch, _ in self._drawn:
+        for _, v, epoch, _, _ in self._drawn:
             if v.accepted or v.reason in DISCARDS:
                 rates.setdefault(epoch, set()).add(v.audit_rate)
         fixed = {e: next(iter(r)) for e, r in rates.items() if len(r) == 1}
         flagged: set[int | None] = set()
-        for index, v, epoch, lowest in self._drawn:
+        for index, v, epoch, lowest, prompt in self._drawn:
             secret = None if epoch is None else self._secrets.get(epoch)
             if secret is None:
                 self.unchecked += 1
@@ -146,7 +153,7 @@ class DrawAudit:
                 )
             elif v.accepted and v.audited and not (drawn or v.forced):
                 out.append(DrawFinding(index, "accepted and audited without being drawn or forced"))
-            if v.forced and self._completions[(self._issued_prompt(v), v.completion)] < 2:
+            if v.forced and self._completions[(prompt, v.completion)] < 2:
                 out.append(
                     DrawFinding(
                         index,
@@ -173,6 +180,3 @@ class DrawAudit:
                     )
                 )
         return out
-
-    def _issued_prompt(self, v: DrawnVerdict) -> bytes:
-        return self._issued.get(v.assignment_id, (-1, b""))[1]

@@ -171,7 +171,7 @@ def audit_rate(state: ReputationState | None, params: ReputationParams) -> float
     Unknown and banned contributors, and new ones on probation (fewer than
     ``PROBATION_ROLLOUTS`` audited rollouts), are always checked.
     """
-    if state is None or state.banned or state.passed + state.failed < PROBATION_ROLLOUTS:
+    if state is None or state.banned or on_probation(state):
         return 1.0
     good = max(state.alpha - params.prior_pass, 0.0)
     bad = max(state.beta - params.prior_fail, 0.0)
@@ -187,9 +187,12 @@ def aggregation_weight(state: ReputationState | None, params: ReputationParams) 
     while it is on probation (a fresh key cannot buy full weight with a few honest groups)."""
     if state is None:
         state = initial(b"", params)
-    if state.passed + state.failed < PROBATION_ROLLOUTS:
-        return min(state.score, PROBATION_WEIGHT)
-    return state.score
+    return min(state.score, PROBATION_WEIGHT) if on_probation(state) else state.score
+
+
+def on_probation(state: ReputationState) -> bool:
+    """Fewer than ``PROBATION_ROLLOUTS`` audited rollouts (drawn discards among them)."""
+    return state.passed + state.failed < PROBATION_ROLLOUTS
 
 
 class Replay:

@@ -68,8 +68,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ledger.divergence import DetectorKey, replay
+from ledger.draws import assignment_subject
 from ledger.log import Ledger
-from ledger.records import GROUP_DRAW
 from ledger.reputation import DISCARDS
 from node.config import ValidatorConfig
 from node.validator.affinity import Placement, spread
@@ -203,7 +203,7 @@ class GroupChecks:
             failed.discard = True
             failed.audit_rate = self.audit_rate(a.contributor_key)
             failed.audited = should_audit(
-                secret, audit_subject(a.assignment_id, GROUP_DRAW, b""), failed.audit_rate
+                secret, assignment_subject(a.assignment_id), failed.audit_rate
             )
         # The slot is taken before the draw, drawn or not: a refusal must say nothing about
         # which members would have been audited.

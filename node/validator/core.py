@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from ledger.draws import assignment_subject
 from ledger.log import Ledger, now_ms
 from ledger.records import (
     GROUP_DRAW,
@@ -75,7 +76,7 @@ from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
 from node.validator.state import StateStore
 from rewards.base import Problem
-from verify.challenge import audit_subject, should_audit
+from verify.challenge import should_audit
 from verify.envelope import Limits, already_verified, decode_group, group_digest, verify_envelope
 from verify.errors import AdmissionError, DecodeError, LedgerError, Reason, VerificationError
 from verify.keys import SigningKey
@@ -370,9 +371,7 @@ class Validator:
         """The verdict of an assignment that expired unanswered, with the assignment's draw."""
         a = item.wire
         rate = self._checks.audit_rate(a.contributor_key)
-        drawn = should_audit(
-            self._epochs.current, audit_subject(a.assignment_id, GROUP_DRAW, b""), rate
-        )
+        drawn = should_audit(self._epochs.current, assignment_subject(a.assignment_id), rate)
         return DrawnVerdict(
             a.contributor_key,
             a.assignment_id,
