@@ -202,5 +202,5 @@ class NumericMatch:
 
 
 NUMERIC = NumericMatch()
-for _task in ("numeric", "arithmetic", "math"):
+for _task in ("numeric", "arithmetic", "addition", "math"):
     register(NUMERIC, task_type=_task)

@@ -5,6 +5,12 @@ its end-of-sequence token). Scored by :mod:`rewards.numeric`. Split key:
 the prompt itself. The default space holds 16,200 prompts: about 14,600
 train and 1,600 held-out. Samplers that need more prompts than that draw
 with repetition (e.g. from ``generate(..., n=8000)``).
+
+``addition`` asks the same sums as a question an instruct model reads through
+its chat template (``"What is 47 + 85? Reply with the number only."``): 8,100
+prompts, about 810 of them held out. The last number of the reply is its
+answer, so "47 + 85 = 132" scores 1 and "47 + 85 = 122" scores 0; no operand
+equals its sum, so copying a number from the prompt never scores.
 """
 
 from __future__ import annotations
@@ -18,12 +24,19 @@ from rewards.tasks.base import Split, draw_distinct, register_task
 
 
 class ArithmeticTask:
-    name = "arithmetic"
-
-    def __init__(self, min_digits: int = 2, max_digits: int = 2, ops: str = "+-") -> None:
+    def __init__(
+        self,
+        min_digits: int = 2,
+        max_digits: int = 2,
+        ops: str = "+-",
+        *,
+        name: str = "arithmetic",
+        template: str = "{a}{op}{b}=",
+    ) -> None:
         if not 1 <= min_digits <= max_digits <= 9 or not ops or set(ops) - set("+-"):
             raise TaskError("arithmetic needs 1 <= min_digits <= max_digits <= 9 and ops in '+-'")
         self.min_digits, self.max_digits, self.ops = min_digits, max_digits, ops
+        self.name, self.template = name, template
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)
@@ -32,7 +45,7 @@ class ArithmeticTask:
     def _sampler(self, rng: random.Random) -> Iterator[tuple[str, object]]:
         while True:
             a, op, b = self._operand(rng), rng.choice(self.ops), self._operand(rng)
-            prompt = f"{a}{op}{b}="
+            prompt = self.template.format(a=a, op=op, b=b)
             yield prompt, str(a + b if op == "+" else a - b)
 
     def space_size(self) -> int:
@@ -60,3 +73,8 @@ class ArithmeticTask:
 
 
 register_task(ArithmeticTask())
+register_task(
+    ArithmeticTask(
+        ops="+", name="addition", template="What is {a} {op} {b}? Reply with the number only."
+    )
+)
