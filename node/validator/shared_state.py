@@ -19,6 +19,8 @@ to the log, with the same semantics as :class:`node.validator.state.StateStore`:
 What belongs to one node stays in its own SQLite state file (``local``):
 the assignments it issued (only the issuing node tracks their expiry) and
 its epoch secrets (unrevealed ones are that node's secret until it reveals them).
+A body, answer or manifest that node stored there before its state was shared
+(a deployment from before) is still read from it, on that node.
 
 Crash safety: :meth:`store_samples` commits the bodies before it returns, and
 the caller appends their verdicts after, so every accepted verdict in the log
@@ -136,7 +138,7 @@ class SharedStateStore:
             "SELECT body FROM state_bodies WHERE envelope_digest = %s AND assignment_id = %s",
             (envelope_digest, assignment_id),
         )
-        return None if row is None else bytes(row[0])
+        return self.local.sample(envelope_digest, assignment_id) if row is None else bytes(row[0])
 
     def seen_completions(
         self, prompt_digest: bytes, digests: list[bytes], assignment_id: bytes
@@ -174,7 +176,9 @@ class SharedStateStore:
             "SELECT group_digest, verdicts FROM state_submissions WHERE assignment_id = %s",
             (assignment_id,),
         )
-        return None if row is None else (bytes(row[0]), bytes(row[1]))
+        return (
+            self.local.submission(assignment_id) if row is None else (bytes(row[0]), bytes(row[1]))
+        )
 
     def put_manifest(self, version: int, sealed: bytes) -> None:
         with self._transaction() as cur:
@@ -186,7 +190,7 @@ class SharedStateStore:
 
     def manifest(self, version: int) -> bytes | None:
         row = self._one("SELECT sealed FROM state_manifests WHERE version = %s", (version,))
-        return None if row is None else bytes(row[0])
+        return self.local.manifest(version) if row is None else bytes(row[0])
 
     # -- this node's own
     def put_assignment(self, assignment_id: bytes, sealed: bytes) -> None:

@@ -57,6 +57,8 @@ def test_state_shared_by_two_nodes_local_parts_stay_local(
         assert b.assignment(A1) is None and b.unrevealed_epochs() == []  # each node's own
         assert a.assignment(A1) == b"sealed assignment"
         assert a.unrevealed_epochs() == [(1, b"s" * 32)]
+        a.local.put_samples([(A2, [(_d(4), b"stored before")])], [])  # a deployment from before
+        assert a.sample(_d(4), A2) == b"stored before" and b.sample(_d(4), A2) is None
         with pytest.raises(TypeError):
             a.put_samples([(A2, [(b"short", b"x")])], [])
         assert b.sample(b"short", A2) is None
