@@ -19,6 +19,9 @@ Invariants:
   took about a tenth of a loaded node's admission time. So a change another
   process appended is seen once this ledger next appends. A ledger that has
   not appended asks the store every time.
+- Entries other writers appended (other validators of one PostgreSQL log) are
+  told apart from this ledger's own (:meth:`Ledger.others`), so a node
+  replays only what it did not write itself.
 """
 
 from __future__ import annotations
@@ -73,6 +76,8 @@ class Ledger:
         self._states: dict[bytes, ReputationState | None] = {}
         """Reputation states as of ``_known_size``, the size this ledger's last append left."""
         self._known_size: int | None = None
+        self._mine: list[range] = []
+        """Index ranges this ledger appended (merged when adjacent; pruned by ``others``)."""
 
     @classmethod
     def open(
@@ -151,6 +156,7 @@ class Ledger:
         *,
         checkpoint: bool = False,
         before_commit: Callable[[], object] | None = None,
+        check: Callable[[int], object] | None = None,
         _genesis: bool = False,
     ) -> range:
         """Append records in one transaction; return their indices.
@@ -158,7 +164,12 @@ class Ledger:
         ``before_commit``: called once the records are written into the transaction and
         just before it commits; what it raises rolls the transaction back and propagates.
         A caller whose records refer to data it is still making durable waits for it
-        there, so that wait overlaps the work of the append instead of preceding it."""
+        there, so that wait overlaps the work of the append instead of preceding it.
+
+        ``check``: called with the log's size once the writer lock is held, before
+        anything is written; it may read every entry below that size (no other writer
+        can append until this transaction ends), and what it raises appends nothing.
+        A record that must not be appended twice by two writers racing is checked there."""
         bodies = []
         for rec in records:
             if isinstance(rec, LogCreated) and not _genesis:
@@ -166,7 +177,7 @@ class Ledger:
             check_record(rec)
             bodies.append(canonical_bytes(rec))
         with self._write_lock:
-            return self._append_locked(records, bodies, checkpoint, before_commit, _genesis)
+            return self._append_locked(records, bodies, checkpoint, before_commit, check, _genesis)
 
     def _append_locked(
         self,
@@ -174,12 +185,15 @@ class Ledger:
         bodies: list[bytes],
         checkpoint: bool,
         before_commit: Callable[[], object] | None,
+        check: Callable[[int], object] | None,
         _genesis: bool,
     ) -> range:
         with self.store.write() as tx:
             size = tx.size()
             if size != self._known_size:  # another writer appended: what we knew may be stale
                 self._states.clear()
+            if check is not None:
+                check(size)
             if _genesis:
                 if size != 0:
                     raise LedgerError(
@@ -214,6 +228,10 @@ class Ledger:
         # committed: the states read and written are current as of the new size
         self._states.update((key, states.get(key)) for key in keys)
         self._known_size = size + len(records)
+        if self._mine and self._mine[-1].stop == size:
+            self._mine[-1] = range(self._mine[-1].start, size + len(records))
+        else:
+            self._mine.append(range(size, size + len(records)))
         return range(size, size + len(records))
 
     def slash(
@@ -337,6 +355,30 @@ class Ledger:
         """Decoded records from index ``start`` (a cursor: pass the next index to resume)."""
         for idx, _leaf, body in self.store.entries(start, stop):
             yield idx, decode_record(body)
+
+    def others(self, start: int, stop: int | None = None) -> tuple[int, list[tuple[int, Record]]]:
+        """The entries from ``start`` up to ``stop`` (default: the log's size) that other
+        writers appended, decoded, with the index to resume from (``stop`` or the size).
+
+        Called under the writer lock (from a ``check`` of :meth:`append_many`) it reads
+        inside that transaction; a range this ledger appended itself is skipped unread."""
+        with self._write_lock:  # the size and what this ledger appended, taken together
+            end = self.store.size() if stop is None else stop
+            mine = [r for r in self._mine if r.stop > start]
+            self._mine[: len(self._mine) - len(mine)] = []  # nobody asks below ``start`` again
+            written = sum(max(0, min(r.stop, end) - max(r.start, start)) for r in mine)
+            if written < end - start:  # another writer appended: reputation read from the store
+                self._states.clear()
+                self._known_size = None
+        out: list[tuple[int, Record]] = []
+        at = start
+        for own in [*mine, range(end, end)]:
+            if at < min(own.start, end):
+                out.extend(self.entries(at, min(own.start, end)))
+            at = max(at, own.stop)
+            if at >= end:
+                break
+        return end, out
 
     def find(self, leaf: bytes) -> int | None:
         return self.store.find_leaf(leaf)

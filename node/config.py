@@ -33,11 +33,14 @@ class NodeSection(_Section):
     """The node's own SQLite database beside the ledger (sample bodies, in ``<state_file>.bodies``,
     submission answers, assignments, manifests, unrevealed epoch secrets; mode 0600). Default:
     ``<ledger>.state`` for a SQLite ledger, ``runs/validator/node.state`` for a postgresql:// one.
-    Each validator sharing one PostgreSQL log needs its own."""
+    On a postgresql:// log it holds only this node's assignments and epoch secrets (the rest is
+    in PostgreSQL, read by every node: ``node.validator.shared_state``); each validator sharing
+    the log needs its own."""
     blob_dir: Path | None = None
     """The content-addressed blob store (policy updates and manifests, eval statements, large
     slash evidence; what `prooftrain release` and `audit verify --blobs` read). Default:
-    ``<ledger>.blobs`` for a SQLite ledger, ``runs/validator/blobs`` for a postgresql:// one."""
+    ``<ledger>.blobs`` for a SQLite ledger, ``runs/validator/blobs`` for a postgresql:// one.
+    Validators sharing one PostgreSQL log share this directory (a volume every node reaches)."""
     origin: str = "prooftrain/validator"
     """Checkpoint origin line: the log's name."""
     trainer_key: str = ""

@@ -9,7 +9,7 @@ from ledger.log import Ledger
 from node.config import ValidatorConfig
 from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
-from node.validator.state import StateStore
+from node.validator.state import State, StateStore
 from rewards.base import Problem
 from rewards.tasks.base import generate
 from rewards.tasks.jsonl import load_jsonl
@@ -79,7 +79,7 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
         cfg.node.ledger, signing_key=key, origin=cfg.node.origin, blobs=cfg.node.blob_path()
     )
     codec = HFTextCodec(model_dir)
-    state = StateStore(cfg.node.state_path())
+    state = open_state(cfg)
     trainer = trainer_key(cfg)
     versions = PolicyVersions(model_dir_digest(model_dir), trainer)
     oracle = TransformersOracle(
@@ -92,7 +92,22 @@ def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Vali
     )
 
 
-def policy_loader(model_dir: Path, trainer: PublicKey | None, state: StateStore, ledger: Ledger):  # type: ignore[no-untyped-def]
+def open_state(cfg: ValidatorConfig) -> State:
+    """The node's state store: its own SQLite file, or on a PostgreSQL log the shared tables
+    beside the log (what a trainer or another node reads) with its own file for the rest."""
+    local = StateStore(cfg.node.state_path())
+    if not cfg.node.is_postgres():
+        return local
+    from node.validator.shared_state import SharedStateStore  # noqa: PLC0415
+
+    try:
+        return SharedStateStore(cfg.node.ledger, local)
+    except BaseException:
+        local.close()
+        raise
+
+
+def policy_loader(model_dir: Path, trainer: PublicKey | None, state: State, ledger: Ledger):  # type: ignore[no-untyped-def]
     """version -> model: the base for 0; later versions rebuilt from the manifests and blobs
     this validator stored when the trainer published them (each checked again on the way)."""
     syncs: dict[str, object] = {}

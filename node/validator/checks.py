@@ -84,7 +84,7 @@ from node.validator.spot import (
     header_matches,
     spot_check_jobs,
 )
-from node.validator.state import StateStore
+from node.validator.state import State
 from rewards.base import Problem
 from verify.challenge import audit_subject, should_audit
 from verify.divergence import Detector, DivergenceTest, RolloutEvidence
@@ -153,7 +153,7 @@ class GroupChecks:
         self,
         cfg: ValidatorConfig,
         ledger: Ledger,
-        state: StateStore,
+        state: State,
         codec: TextCodec,
         oracle: DistributionOracle,
         versions: PolicyVersions,

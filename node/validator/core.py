@@ -61,6 +61,7 @@ from ledger.records import (
     DrawnVerdict,
     EpochCommitted,
     PolicyPublished,
+    Record,
     VerdictRecorded,
 )
 from ledger.reputation import DISCARDS
@@ -74,7 +75,7 @@ from node.validator.policy import PolicyVersions, TextCodec
 from node.validator.precheck import Prechecked
 from node.validator.record import SLASHED, GroupWrite, Recorder
 from node.validator.spot import SpotJob
-from node.validator.state import StateStore
+from node.validator.state import State
 from rewards.base import Problem
 from verify.challenge import should_audit
 from verify.envelope import Limits, already_verified, decode_group, group_digest, verify_envelope
@@ -130,7 +131,7 @@ class Validator:
         cfg: ValidatorConfig,
         key: SigningKey,
         ledger: Ledger,
-        state: StateStore,
+        state: State,
         codec: TextCodec,
         oracle: DistributionOracle,
         problems: Sequence[Problem],
@@ -185,6 +186,12 @@ class Validator:
         """(contributor, policy version) -> prompts of that version it holds: assigned to it
         and not given back (``assignment.max_prompt_share``)."""
         self._cursor = 0
+        self._shared = cfg.node.is_postgres()
+        """Other nodes append to this log too (``follow``)."""
+        self._followed = 0
+        """The ledger index ``follow`` resumes from."""
+        self._foreign: dict[bytes, AssignmentIssued] = {}
+        """Assignments other nodes issued, until their verdict (a discard gives the prompt back)."""
         self._restore()
 
     @property
@@ -214,6 +221,7 @@ class Validator:
         pending: dict[bytes, AssignmentIssued] = {}
         last_epoch = 0
         for index, rec in self.ledger.entries():
+            self._followed = index + 1
             if isinstance(rec, ContributorRegistered):
                 self._registered.add(rec.contributor)
             elif isinstance(rec, AssignmentIssued):
@@ -236,8 +244,45 @@ class Validator:
             if sealed is not None and (p := by_id.get(pending[aid].prompt_id)) is not None:
                 wire = decode(WorkAssignment, sealed.assignment, max_bytes=len(sealed.assignment))
                 self._track(Issued(sealed, wire, p, tuple(self.codec.encode(p.prompt))))
+        if self._shared:
+            self._epochs.follow = self.follow
         self._epochs.resume(last_epoch)
         self.ledger.checkpoint()  # a signed tree head from the start, for auditors and proofs
+
+    # -- following the log other nodes append to -------------------------------
+    def follow(self, stop: int | None = None) -> None:
+        """Learn what other nodes of a shared (PostgreSQL) log appended since the last call, up
+        to index ``stop`` (default: the log's end), as :meth:`_restore` learns the whole log at
+        start: registered keys, assigned prompts and shares, published policy versions (and
+        their ledger indices), committed epochs. Nothing to learn on a log this node alone
+        writes. Called before serving what depends on it; inside an append's ``check`` it reads
+        within that append's transaction."""
+        if not self._shared:
+            return
+        with self._lock:
+            self._followed, records = self.ledger.others(self._followed, stop)
+            for index, rec in records:
+                self._learn(index, rec)
+
+    def _learn(self, index: int, rec: Record) -> None:
+        """One entry another node appended (the lock is held)."""
+        if isinstance(rec, ContributorRegistered):
+            self._registered.add(rec.contributor)
+        elif isinstance(rec, AssignmentIssued):
+            self._foreign[rec.assignment_id] = rec
+            self._used_prompts.add((rec.prompt_id, rec.policy_version))
+            self._shares[(rec.contributor, rec.policy_version)] += 1
+        elif isinstance(rec, VerdictRecorded):
+            issued = self._foreign.get(rec.assignment_id)
+            if issued is not None and rec.reason in DISCARDS:  # its prompt came back
+                self._used_prompts.discard((issued.prompt_id, issued.policy_version))
+                self._shares[(rec.contributor, issued.policy_version)] -= 1
+            if rec.accepted or rec.reason != Reason.GROUP_REJECTED.value:  # the group's own
+                self._foreign.pop(rec.assignment_id, None)
+        elif isinstance(rec, PolicyPublished):
+            self.versions.restore(rec.version, rec.manifest_digest, index)
+        elif isinstance(rec, EpochCommitted):
+            self._epochs.seen(rec.epoch)
 
     def _load_assignment(self, aid: bytes) -> SignedAssignment | None:
         blob = self.state.assignment(aid)
@@ -250,6 +295,7 @@ class Validator:
         nonce: ``verify.registration``), which the ledger records with the key."""
         if len(contributor) != 32:
             raise AdmissionError("a contributor key is 32 bytes", reason=Reason.BAD_KEY)
+        self.follow()  # a key registered on another node is known here
         if contributor in self._registered:
             return False
         params = self.registration_work
@@ -261,16 +307,29 @@ class Validator:
                     reason=Reason.REGISTRATION_WORK,
                 )
             check_registration(contributor, self.ledger.origin, work, params)  # outside the lock
+
+        def unregistered(size: int) -> None:
+            """In the write transaction: no node registered the key before (once per key)."""
+            self.follow(size)
+            if contributor in self._registered:
+                raise _Registered
+
         with self._lock:
             if contributor in self._registered:
                 return False
-            self.ledger.append(
-                ContributorAdmitted(
-                    contributor, name[:256], self.clock(), work, params.bits, params.log2_n
+            try:
+                self.ledger.append_many(
+                    [
+                        ContributorAdmitted(
+                            contributor, name[:256], self.clock(), work, params.bits, params.log2_n
+                        )
+                        if params.bits and work is not None
+                        else ContributorRegistered(contributor, name[:256], self.clock())
+                    ],
+                    check=unregistered if self._shared else None,
                 )
-                if params.bits and work is not None
-                else ContributorRegistered(contributor, name[:256], self.clock())
-            )
+            except _Registered:
+                return False  # another node registered it a moment ago
             self._registered.add(contributor)
             return True
 
@@ -418,6 +477,7 @@ class Validator:
         out: list[SignedAssignment | AdmissionError] = []
         issued: list[Issued] = []
         with self._lock:
+            self.follow()  # keys, prompts and the policy version other nodes recorded
             self._sweep(self.clock())
             for contributor in contributors:
                 try:
@@ -669,6 +729,7 @@ class Validator:
         Every blob it names must already be in the blob store with the size and
         digest the manifest states, so contributors can always rebuild it.
         """
+        self.follow()  # the version another node published is the one this one extends
         return trainer_side.publish_policy(
             sealed_manifest,
             versions=self.versions,
@@ -686,12 +747,17 @@ class Validator:
         0, the base model). Its canonical sealed bytes go to the blob store,
         then ``EvalRecorded`` (with a new checkpoint) to the ledger.
         """
+        self.follow()
         return trainer_side.record_eval(
             sealed, versions=self.versions, ledger=self.ledger, lock=self._lock, clock=self.clock
         )
 
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_sealed(WorkAssignment, sealed, self.key.public)
+
+
+class _Registered(Exception):
+    """Another node registered the key first: nothing is appended (``Validator.register``)."""
 
 
 def _rank(request: object) -> int:

@@ -21,7 +21,10 @@ Invariants:
   reveal can never help the group it keyed.
 - Epoch numbers increase by one from the last ``EpochCommitted`` in the
   ledger; on start-up, every epoch the state store holds unrevealed is
-  revealed before a new one begins.
+  revealed before a new one begins. On a log several nodes append to, the
+  number is checked in the commitment's own write transaction (``follow``
+  learns the epochs other nodes committed): a number another node took is
+  never committed twice; the next free one is taken instead.
 - Once the validator serves requests, every epoch change happens under the
   lock it shares with the validator, so no assignment or registration record
   is appended between an ``EpochRevealed`` and the next ``EpochCommitted``.
@@ -35,7 +38,7 @@ from collections.abc import Callable
 from ledger.log import Ledger
 from ledger.records import EpochCommitted, EpochRevealed
 from node.config import ValidatorConfig
-from node.validator.state import StateStore
+from node.validator.state import State
 from verify.challenge import epoch_commitment
 
 
@@ -46,7 +49,7 @@ class EpochSecrets:
         self,
         cfg: ValidatorConfig,
         ledger: Ledger,
-        state: StateStore,
+        state: State,
         lock: threading.RLock,
         clock: Callable[[], int],
         entropy: Callable[[int], bytes],
@@ -60,6 +63,15 @@ class EpochSecrets:
         self._submissions = 0  # recorded submissions in the current epoch
         self.epoch = 0
         self._secret = b""
+        self.follow: Callable[[int], None] | None = None
+        """Learns, up to a ledger index, what other nodes appended (``Validator.follow``),
+        calling :meth:`seen` for each epoch they committed; None on a log this node alone
+        writes."""
+        self._taken = 0  # the last epoch another node committed
+
+    def seen(self, epoch: int) -> None:
+        """Another node committed ``epoch``: this node's next epoch comes after it."""
+        self._taken = max(self._taken, epoch)
 
     def resume(self, last_epoch: int) -> None:
         """Reveal epochs left unrevealed by a previous run, then start ``last_epoch + 1``."""
@@ -71,13 +83,32 @@ class EpochSecrets:
 
     def _start_next(self) -> None:
         with self._lock:
-            self.epoch += 1
-            self._secret = self.entropy(32)
-            self.state.put_epoch(self.epoch, self._secret)
-            self.ledger.append(
-                EpochCommitted(self.epoch, epoch_commitment(self.epoch, self._secret), self.clock())
-            )
+            while True:
+                epoch = max(self.epoch, self._taken) + 1
+                secret = self.entropy(32)
+                self.state.put_epoch(epoch, secret)
+                try:
+                    self.ledger.append_many(
+                        [EpochCommitted(epoch, epoch_commitment(epoch, secret), self.clock())],
+                        check=None if self.follow is None else self._free(epoch),
+                    )
+                except _Taken:  # never committed: nothing to reveal
+                    self.state.mark_revealed(epoch)
+                    continue
+                break
+            self.epoch, self._secret = epoch, secret
             self._submissions = 0
+
+    def _free(self, epoch: int) -> Callable[[int], None]:
+        """An append ``check``: no other node committed ``epoch`` or a later one."""
+
+        def check(size: int) -> None:
+            assert self.follow is not None
+            self.follow(size)
+            if self._taken >= epoch:
+                raise _Taken
+
+        return check
 
     @property
     def current(self) -> bytes:
@@ -114,3 +145,7 @@ class EpochSecrets:
             finally:
                 self._rolling = False
                 self._cv.notify_all()
+
+
+class _Taken(Exception):
+    """Another node committed the epoch number first (``EpochSecrets._start_next``)."""

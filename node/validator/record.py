@@ -44,7 +44,7 @@ from ledger.records import (
 from node.config import ValidatorConfig
 from node.validator.checks import Issued, Member
 from node.validator.commit import GroupCommitter, Steps
-from node.validator.state import StateStore
+from node.validator.state import State
 from verify.envelope import completion_digest
 from verify.errors import Reason
 from verify.keys import SigningKey
@@ -101,7 +101,7 @@ class Recorder:
         cfg: ValidatorConfig,
         key: SigningKey,
         ledger: Ledger,
-        state: StateStore,
+        state: State,
         lock: threading.RLock,
         clock: Callable[[], int],
     ) -> None:

@@ -29,7 +29,7 @@ import msgspec
 from ledger.log import Ledger
 from ledger.records import EvalRecorded, PolicyPublished, VerdictRecorded
 from node.validator.policy import PolicyVersions
-from node.validator.state import StateStore
+from node.validator.state import State
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import PublicKey
 from verify.manifest import check_blob, check_manifest
@@ -48,7 +48,7 @@ from verify.types import (
 
 def read_samples(
     ledger: Ledger,
-    state: StateStore,
+    state: State,
     cursor: int,
     limit: int,
     verdict_times: list[int] | None = None,
@@ -93,7 +93,7 @@ def publish_policy(
     *,
     versions: PolicyVersions,
     ledger: Ledger,
-    state: StateStore,
+    state: State,
     lock: threading.RLock,
     clock: Callable[[], int],
 ) -> int:

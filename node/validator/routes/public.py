@@ -42,6 +42,7 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
         size = await call(validator.ledger.size)
+        await call(validator.follow)
         metrics.ledger_size.set(size)
         return {"ok": True, "ledger_size": size, "policy_version": validator.versions.current}
 
@@ -65,6 +66,7 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
 
     @app.get("/v1/info")
     async def info() -> dict[str, Any]:
+        await call(validator.follow)  # a version another node of the log published
         cp = await call(validator.ledger.latest_checkpoint)
         return {
             "validator_key": validator.key.public.hex(),
