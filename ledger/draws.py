@@ -19,10 +19,13 @@ log in order and reports, per verdict:
   everyone alike: a warning);
 - a plain ``VerdictRecorded`` after the log's first ``DrawnVerdict``.
 
-A verdict's epoch is the last ``EpochCommitted`` before it: a secret is
-revealed only after every group drawn with it is recorded, and the next epoch
-is committed after that. Verdicts of an epoch not yet revealed are counted as
-unchecked, not judged.
+A verdict's epoch is the one it names (``EpochVerdict``: several validators
+appending to one log each draw under an epoch of their own), which must be
+committed before the verdict and not revealed yet (a draw under a revealed
+secret was predictable); a ``DrawnVerdict`` that names none belongs to the
+last ``EpochCommitted`` before it. A secret is revealed only after every group
+drawn with it is recorded. Verdicts of an epoch not yet revealed are counted
+as unchecked, not judged.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ledger.records import (
     DrawnVerdict,
     EpochCommitted,
     EpochRevealed,
+    EpochVerdict,
     Record,
     VerdictRecorded,
 )
@@ -86,6 +90,7 @@ class DrawAudit:
     def __init__(self, replay: Replay) -> None:
         self._replay = replay
         self._epoch: int | None = None
+        self._committed: set[int] = set()
         self._secrets: dict[int, bytes] = {}
         self._issued: dict[bytes, tuple[int, bytes]] = {}
         self._rates: dict[bytes, _Rates] = {}
@@ -102,6 +107,7 @@ class DrawAudit:
         """``state``: what ``record`` made of its contributor's reputation (``Replay.feed``)."""
         if isinstance(record, EpochCommitted):
             self._epoch = record.epoch
+            self._committed.add(record.epoch)
         elif isinstance(record, EpochRevealed):
             self._secrets[record.epoch] = record.secret
         elif isinstance(record, AssignmentIssued):
@@ -122,7 +128,18 @@ class DrawAudit:
         if v.completion:
             self._completions[(prompt, v.completion)] += 1
         rates = self._rates.get(v.contributor, _Rates())
-        self._drawn.append((index, v, self._epoch, rates.lowest(issued, index), prompt))
+        epoch = self._epoch
+        if isinstance(v, EpochVerdict):
+            epoch = v.epoch
+            if epoch not in self._committed:
+                self._found.append(
+                    DrawFinding(index, f"drawn under epoch {epoch}, not committed before it")
+                )
+            elif epoch in self._secrets:
+                self._found.append(
+                    DrawFinding(index, f"drawn under epoch {epoch}, whose secret was revealed")
+                )
+        self._drawn.append((index, v, epoch, rates.lowest(issued, index), prompt))
 
     def findings(self) -> list[DrawFinding]:
         """Every disagreement found; call once the whole log is fed. An epoch whose every

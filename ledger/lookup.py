@@ -76,7 +76,7 @@ def contributor_report(store: LedgerStore, key: bytes, blobs: FileBlobStore | No
 def summarize(history: list[dict[str, Any]]) -> dict[str, Any]:
     """Counts over one contributor's entries (``describe`` views): entries by type, verdicts
     accepted and rejected (by reason), audited, and slashes by reason."""
-    verdicts = [h for h in history if h["type"] in ("verdict", "verdict_drawn")]
+    verdicts = [h for h in history if h["type"] in ("verdict", "verdict_drawn", "verdict_epoch")]
     rejected = Counter(h["reason"] or "?" for h in verdicts if not h["accepted"])
     return {
         "entries_by_type": dict(Counter(h["type"] for h in history)),

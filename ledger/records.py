@@ -122,6 +122,14 @@ class DrawnVerdict(VerdictRecorded, tag="verdict_drawn", frozen=True):
     forced: bool
 
 
+class EpochVerdict(DrawnVerdict, tag="verdict_epoch", frozen=True):
+    """A ``DrawnVerdict`` naming the epoch whose secret drew it. Several validators appending
+    to one log each draw under an epoch of their own, so a verdict's epoch is not always the
+    last ``EpochCommitted`` before it."""
+
+    epoch: U64
+
+
 Increment = Annotated[float, Meta(ge=-1e12, le=1e12)]
 
 
@@ -202,6 +210,7 @@ Record = (
     | AssignmentIssued
     | VerdictRecorded
     | DrawnVerdict
+    | EpochVerdict
     | DivergenceRecorded
     | Slashed
     | PolicyPublished

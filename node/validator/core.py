@@ -58,8 +58,8 @@ from ledger.records import (
     AssignmentIssued,
     ContributorAdmitted,
     ContributorRegistered,
-    DrawnVerdict,
     EpochCommitted,
+    EpochVerdict,
     PolicyPublished,
     Record,
     VerdictRecorded,
@@ -399,12 +399,12 @@ class Validator:
         heapq.heappush(self._expiries, (when, item.wire.assignment_id, True))
 
     def _sweep(self, now: int) -> None:
-        """Expired, unanswered assignments are recorded as abandoned (``DrawnVerdict`` with
+        """Expired, unanswered assignments are recorded as abandoned (``EpochVerdict`` with
         reason ABANDONED, drawn like a discard: it counts against reputation when its draw
         picks it) and give their prompt back to the pool (abandoning a prompt does not keep
         it from training); one ``ttl_s`` later their contributor's place frees (abandoning
         costs that long). A late answer gets EXPIRED_ASSIGNMENT, unrecorded."""
-        abandoned: list[DrawnVerdict] = []
+        abandoned: list[EpochVerdict] = []
         while self._expiries and self._expiries[0][0] < now:
             when, aid, freed = heapq.heappop(self._expiries)
             if freed:
@@ -426,12 +426,12 @@ class Validator:
         if abandoned:
             self.ledger.append_many(abandoned)
 
-    def _abandonment(self, item: Issued, now: int) -> DrawnVerdict:
+    def _abandonment(self, item: Issued, now: int) -> EpochVerdict:
         """The verdict of an assignment that expired unanswered, with the assignment's draw."""
         a = item.wire
         rate = self._checks.audit_rate(a.contributor_key)
         drawn = should_audit(self._epochs.current, assignment_subject(a.assignment_id), rate)
-        return DrawnVerdict(
+        return EpochVerdict(
             a.contributor_key,
             a.assignment_id,
             GROUP_DRAW,
@@ -444,6 +444,7 @@ class Validator:
             b"",
             rate,
             False,
+            self._epochs.epoch,
         )
 
     def _check_outstanding(self, contributor: bytes) -> None:
@@ -710,7 +711,9 @@ class Validator:
         reserved: set[bytes] = set()
         try:
             yield from self._checks.judge(issued, members, secret, reserved)
-            return (yield from self._recorder.record(issued, members, group_digest))
+            return (
+                yield from self._recorder.record(issued, members, group_digest, self._epochs.epoch)
+            )
         finally:
             # recorded by now (accepted ones are in the store) or abandoned
             self._checks.release(reserved)

@@ -1,7 +1,7 @@
 """Recording a judged group (phase C of admission in ``core``): verdicts, slashes, bodies.
 
 For each member, in order (group-index order once the group is complete), the
-ledger gets ``DrawnVerdict`` (a ``VerdictRecorded`` with its audit draw's inputs) and, when its reason is in :data:`SLASHED`,
+ledger gets ``EpochVerdict`` (a ``VerdictRecorded`` with its audit draw's inputs and epoch) and, when its reason is in :data:`SLASHED`,
 ``Slashed`` right after it (evidence inline, or in the blob store when over
 4 KiB). Each member also gets a ``Verdict``, and the group's verdicts are
 signed once, together (``GroupVerdict``); accepted members get an
@@ -35,7 +35,7 @@ import numpy as np
 from ledger.log import Ledger
 from ledger.records import (
     DivergenceRecorded,
-    DrawnVerdict,
+    EpochVerdict,
     Record,
     Slashed,
     check_record,
@@ -112,10 +112,10 @@ class Recorder:
         self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
 
     def record(
-        self, issued: Issued, members: list[Member], group_digest: bytes
+        self, issued: Issued, members: list[Member], group_digest: bytes, epoch: int
     ) -> Steps[SignedGroupVerdict]:
         """Build the verdicts and seal them together, then store them durably before
-        returning them.
+        returning them. ``epoch``: the audit epoch whose secret drew them.
 
         Steps: yields the group's ``GroupWrite`` and continues once it is durable
         (:meth:`write`)."""
@@ -132,7 +132,7 @@ class Recorder:
             ev_digest = evidence_digest(m.evidence) if m.evidence else b""
             audited = m.audited or (m.reason in SLASHED) or m.reason is Reason.SAMPLING_DISTRIBUTION
             records.append(
-                DrawnVerdict(
+                EpochVerdict(
                     a.contributor_key,
                     a.assignment_id,
                     h.group_index,
@@ -145,6 +145,7 @@ class Recorder:
                     b"" if m.discard else m.completion,
                     m.audit_rate,
                     m.forced,
+                    epoch,
                 )
             )
             if m.divergence is not None:

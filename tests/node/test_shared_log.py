@@ -7,11 +7,12 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from ledger.audit import verify_ledger
 from ledger.log import Ledger
-from ledger.records import ContributorRegistered, EpochCommitted
+from ledger.records import ContributorRegistered, EpochCommitted, EpochRevealed, EpochVerdict
 from node.config import ValidatorConfig, load
 from node.validator.core import Validator
 from node.validator.policy import HFTextCodec, PolicyVersions, model_dir_digest
@@ -20,9 +21,11 @@ from node.validator.state import StateStore
 from rewards.tasks.base import generate
 from rollout.oracle import TransformersOracle
 from tests.ledger.conftest import PgServer, pg_server  # noqa: F401  (fixture)
+from tests.node.test_validator_core import honest_group, verdicts
 from verify.keys import SigningKey
 from verify.registration import WorkParams, solve
 from verify.spotcheck import FLOAT32_TOLERANCE
+from verify.types import canonical_bytes
 
 KEY = SigningKey.from_seed(b"\x05" * 32)
 ALICE = SigningKey.from_seed(b"\x61" * 32)
@@ -87,7 +90,7 @@ def node_pair(pg_server: PgServer, tmp_path: Path, tiny_model: Path, codec: HFTe
             state,
             codec,
             TransformersOracle({0: tiny_model}),
-            generate("arithmetic", "train", 16),
+            generate("arithmetic", "train", 64),
             PolicyVersions(model_dir_digest(tiny_model)),
             FLOAT32_TOLERANCE,
         )
@@ -145,3 +148,39 @@ def test_nodes_take_distinct_epochs_and_the_shared_log_audits_clean(node_pair) -
     assert (a._epochs.epoch, b._epochs.epoch) == (3, 2)
     report = verify_ledger(a.ledger.store, log_key=a.ledger.verifier)
     assert report.ok, [str(f) for f in report.findings]
+
+
+def test_draws_of_two_nodes_with_interleaved_epochs_audit_clean(node_pair, backend, codec) -> None:
+    """Each node draws under its own epoch while the other commits and reveals its own: every
+    verdict names the epoch that drew it, so `audit verify` redoes each draw with the right
+    secret (checked against the last epoch committed before it, half of them would not match)."""
+    rates = {"rules.audit_rate": -1.0, "audit.epoch_groups": 3, "assignment.max_prompt_share": 1.0}
+    a, b = node_pair("a", rates), node_pair("b", rates)
+    bob = SigningKey.from_seed(b"\x62" * 32)
+    for _ in range(12):
+        for v, key in ((a, ALICE), (b, bob)):
+            group = honest_group(v, backend, codec, key)
+            assert all(x.accepted for x in verdicts(v, v.submit(canonical_bytes(group))))
+    a.follow()
+    drawn = [r for _, r in a.ledger.entries() if isinstance(r, EpochVerdict)]
+    assert {r.audited for r in drawn} == {True, False} and min(r.audit_rate for r in drawn) < 0.7
+    epochs_of = {r.epoch for r in drawn}
+    assert len(epochs_of) >= 6  # both nodes rolled their epochs several times
+    report = verify_ledger(a.ledger.store, log_key=a.ledger.verifier)
+    assert report.ok, [str(f) for f in report.findings]
+    assert report.draws_checked >= 90
+
+
+def test_a_verdict_naming_an_epoch_already_revealed_is_a_finding(node_pair, backend, codec) -> None:
+    a = node_pair("a", {"rules.audit_rate": -1.0})
+    group = honest_group(a, backend, codec, ALICE)
+    a.submit(canonical_bytes(group))
+    (index, v), *_ = [(i, r) for i, r in a.ledger.entries() if isinstance(r, EpochVerdict)]
+    secret = a._epochs.current  # noqa: SLF001
+    a.ledger.append(EpochRevealed(v.epoch, secret, 1))
+    a.ledger.append(msgspec.structs.replace(v, assignment_id=b"\x09" * 16))
+    a.ledger.append(msgspec.structs.replace(v, epoch=v.epoch + 7))
+    report = verify_ledger(a.ledger.store, log_key=a.ledger.verifier)
+    messages = [str(f) for f in report.findings]
+    assert any(f"epoch {v.epoch}, whose secret was revealed" in m for m in messages), messages
+    assert any(f"epoch {v.epoch + 7}, not committed before it" in m for m in messages), messages
