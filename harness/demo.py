@@ -11,7 +11,9 @@ import shutil
 import time
 from pathlib import Path
 
-DEMO_SCENARIO = Path(__file__).resolve().parent.parent / "configs" / "scenarios" / "demo.toml"
+SCENARIOS = Path(__file__).resolve().parent.parent / "configs" / "scenarios"
+DEMO_SCENARIO = SCENARIOS / "demo.toml"
+REAL_SCENARIO = SCENARIOS / "smollm2_addition.toml"
 
 
 def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
@@ -29,7 +31,14 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     out_dir = run_scenario(s, out, progress=True)
     report = write_report(out_dir)
     runs = load_runs(out_dir)
-    release = release_demo(Path(out_dir), s.model.ensure(s.task.name, progress=False))
+    # A pretrained model's release evaluates greedy pass@1 only: sampling k completions per
+    # problem for base and release would take longer on a CPU than the training did.
+    release = release_demo(
+        Path(out_dir),
+        s.model.ensure(s.task.name, progress=False),
+        eval_problems=min(300, s.trainer.eval_problems),
+        k=8 if s.model.pretrained is None else 1,
+    )
     print()
     for line in summary_lines(runs):
         print(line)

@@ -111,10 +111,17 @@ def _improvement_line(o: Outcome, main: RunData) -> str:
     first = main.evals[0].pass_at_1 if main.evals else None
     last = main.evals[-1].pass_at_1 if main.evals else None
     return (
-        f"training improved: {_yn(o.improved)} (pass@1 {_f(first, '.3f')} -> {_f(last, '.3f')}; "
+        f"training improved: {_yn(o.improved)} (pass@1 {_f(first, '.3f')} -> {_f(last, '.3f')}, "
+        f"gain {_gain_text(main)} over the held-out problems; "
         f"ratio to honest baseline {_f(o.ratio, '.2f')}; no-defence worse: {_yn(o.no_defence_worse)}"
-        f"{_apart_text(o)}; one seed, no intervals)"
+        f"{_apart_text(o)}; one seed, no intervals over seeds)"
     )
+
+
+def _gain_text(r: RunData) -> str:
+    """The run's held-out gain with its 95% interval over the problems (``gain_interval``)."""
+    gain, ci = r.gain(), r.gain_interval()
+    return "n/a" if gain is None or ci is None else with_interval(gain, ci)
 
 
 def _meant_to_pass(strategy: str) -> bool:
@@ -168,7 +175,7 @@ def _runs_table(runs: dict[str, RunData]) -> list[str]:
                 "n/a"
                 if last is None
                 else f"{last.pass_at_1:.3f} [{last.ci_low:.3f}, {last.ci_high:.3f}]",
-                _f(r.gain()),
+                _gain_text(r),
                 str(r.steps[-1].step if r.steps else 0),
                 str(sum(s.samples for s in r.steps)),
                 f"{acc}/{len(r.verdicts)}",
@@ -179,7 +186,7 @@ def _runs_table(runs: dict[str, RunData]) -> list[str]:
             "run",
             "first pass@1",
             "last pass@1 [95% CI]",
-            "gain",
+            "gain [95% CI over problems]",
             "steps",
             "samples trained",
             "groups accepted",

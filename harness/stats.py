@@ -49,7 +49,8 @@ Statistic = Callable[[np.ndarray, np.ndarray], np.ndarray]
 @dataclass(frozen=True)
 class Interval:
     """A point estimate with its interval at ``level`` over ``n`` seeds; ``method`` is
-    ``t`` or ``bootstrap``. Bounds may be infinite (an unbounded ratio)."""
+    ``t`` or ``bootstrap`` (or ``newcombe``: a difference of two evals, over their problems,
+    ``n`` 2). Bounds may be infinite (an unbounded ratio)."""
 
     estimate: float
     low: float

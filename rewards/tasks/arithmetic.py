@@ -10,7 +10,8 @@ with repetition (e.g. from ``generate(..., n=8000)``).
 its chat template (``"What is 47 + 85? Reply with the number only."``): 8,100
 prompts, about 810 of them held out. The last number of the reply is its
 answer, so "47 + 85 = 132" scores 1 and "47 + 85 = 122" scores 0; no operand
-equals its sum, so copying a number from the prompt never scores.
+equals its sum, so copying a number from the prompt never scores. Its evals
+allow 12 new tokens, the length its scenario generates with.
 """
 
 from __future__ import annotations
@@ -32,11 +33,14 @@ class ArithmeticTask:
         *,
         name: str = "arithmetic",
         template: str = "{a}{op}{b}=",
+        default_max_tokens: int | None = None,
     ) -> None:
         if not 1 <= min_digits <= max_digits <= 9 or not ops or set(ops) - set("+-"):
             raise TaskError("arithmetic needs 1 <= min_digits <= max_digits <= 9 and ops in '+-'")
         self.min_digits, self.max_digits, self.ops = min_digits, max_digits, ops
         self.name, self.template = name, template
+        self.default_max_tokens = default_max_tokens
+        """Completion length an eval allows (None: the reference answer's plus slack)."""
 
     def _operand(self, rng: random.Random) -> int:
         digits = rng.randint(self.min_digits, self.max_digits)
@@ -75,6 +79,9 @@ class ArithmeticTask:
 register_task(ArithmeticTask())
 register_task(
     ArithmeticTask(
-        ops="+", name="addition", template="What is {a} {op} {b}? Reply with the number only."
+        ops="+",
+        name="addition",
+        template="What is {a} {op} {b}? Reply with the number only.",
+        default_max_tokens=12,  # room for "47 + 85 = 132" and its end token
     )
 )

@@ -203,7 +203,7 @@ def test_outcome_and_summary(run_dir: Path) -> None:
     lines = summary_lines(runs)
     assert len(lines) == 3
     assert "training improved: yes" in lines[0] and "0.81" in lines[0]
-    assert "one seed, no intervals" in lines[0]
+    assert "one seed, no intervals over seeds" in lines[0]
     assert "caught: 1/2" in lines[1] and "banned: 2/3" in lines[1]
     assert "honest contributors slashed: 0" in lines[2] and "ledger audit: ok" in lines[2]
 
@@ -284,7 +284,8 @@ def test_runs_stopped_at_different_steps_compare_at_the_last_step_all_evaluated(
     assert "(scenario 7, honest 10, no-defence 10;" in text
     assert "read at step 5, the last step every run evaluated" in text
     assert "| gains read at (mean of) | step 5 (runs ended apart) |" in compare_markdown([d])
-    assert "| scenario | 0.200 | 0.340 [0.290, 0.390] | +0.140 | 0 |" in text  # its own end
+    # its own end, the gain's interval from the evals' (each +-0.05): 0.14 +- hypot(0.05, 0.05)
+    assert "| scenario | 0.200 | 0.340 [0.290, 0.390] | +0.140 [+0.069, +0.211] | 0 |" in text
 
 
 def test_runs_sharing_no_eval_step_do_not_compare(tmp_path: Path) -> None:

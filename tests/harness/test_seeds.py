@@ -158,7 +158,7 @@ def test_reports_of_one_and_three_seeds() -> None:
     assert "## Seeds" not in one_md
     assert [h for h in _headings(three_md) if h != "## Seeds"] == _headings(one_md)
     assert len(summary_lines(one)) == len(summary_lines(three)) == 3
-    assert "one seed, no intervals" in summary_lines(one)[0]
+    assert "one seed, no intervals over seeds" in summary_lines(one)[0]
     assert "- One seed: every figure above is that seed's, without an interval" in one_md
     line = summary_lines(three)[0]
     assert line.startswith("training improved: yes at 95% (gain +0.210 [")

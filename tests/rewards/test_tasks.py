@@ -14,7 +14,7 @@ from rewards.tasks import (
     split_of,
 )
 
-TASKS = ("arithmetic", "countdown", "reverse_text")
+TASKS = ("arithmetic", "addition", "countdown", "reverse_text")
 
 
 @pytest.mark.parametrize("task", TASKS)
@@ -47,6 +47,20 @@ def test_arithmetic_format():
     assert p.prompt.endswith("=")
     assert int(p.answer) == (int(a) + int(b) if op == "+" else int(a) - int(b))
     assert p.answer not in p.prompt[:-1].split(op)  # the answer is not stated in the prompt
+
+
+def test_addition_asks_a_question_and_reads_the_last_number():
+    problems = generate("addition", "heldout", 300, seed=0)
+    assert len(problems) == 300 and get_task("addition").space_size() == 90 * 90
+    p = problems[0]
+    a, b = (int(x) for x in p.prompt.removeprefix("What is ").split("?")[0].split(" + "))
+    assert p.prompt == f"What is {a} + {b}? Reply with the number only." and int(p.answer) == a + b
+    assert reward("addition", f"{a} + {b} = {a + b}", p) == 1.0  # the model's own format
+    assert reward("addition", f"The answer is {a + b}.", p) == 1.0
+    assert reward("addition", f"{a} + {b} = {a + b - 10}", p) == 0.0
+    assert reward("addition", f"{a + b} or {b}", p) == 0.0  # only the last number is read
+    assert reward("addition", f"To add {a} and {b}, we need", p) == 0.0  # an operand is no sum
+    assert get_task("addition").default_max_tokens == 12
 
 
 def test_split_is_content_only():
