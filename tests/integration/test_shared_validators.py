@@ -45,8 +45,8 @@ def _config(work: Path, name: str, ledger: str, model: Path) -> str:
         f'[node]\nledger = "{ledger}"\ntrainer_key = "keys/trainer.key.pub"\n'
         f'admission_processes = 0\nblob_dir = "runs/blobs"\nstate_file = "runs/{name}.state"\n'
         f'[policy]\nmodel_dir = "{model}"\n[task]\npool = 256\n'
-        "[assignment]\ngroup_size = 4\nmax_tokens = 8\n[audit]\nqueue = 32\n"
-        "[rules]\nmax_staleness = 100\naudit_rate = 1.0\n"
+        "[assignment]\ngroup_size = 4\nmax_tokens = 8\n[audit]\nqueue = 32\nepoch_groups = 2\n"
+        "[rules]\nmax_staleness = 100\naudit_rate = -1.0\n"
         "[registration]\nwork_bits = 4\nwork_log2_n = 4\n"
     )
     return path.name
