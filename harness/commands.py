@@ -109,9 +109,9 @@ def run_run(args: argparse.Namespace) -> int:
     print("\n".join(summary_lines(load_runs(out))))
     print(f"report: {path}")
     if args.release:
-        from harness.demo import release_demo  # noqa: PLC0415
+        from harness.demo import release_scenario  # noqa: PLC0415
 
-        release = release_demo(out, scenario.model.ensure(scenario.task.name, progress=False))
+        release = release_scenario(out, scenario)
         print(f"release: {release} (verified; seed 0's scenario run)")
     return 0
 

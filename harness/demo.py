@@ -10,6 +10,10 @@ from __future__ import annotations
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from harness.scenario import Scenario
 
 SCENARIOS = Path(__file__).resolve().parent.parent / "configs" / "scenarios"
 DEMO_SCENARIO = SCENARIOS / "demo.toml"
@@ -31,14 +35,7 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     out_dir = run_scenario(s, out, progress=True)
     report = write_report(out_dir)
     runs = load_runs(out_dir)
-    # A pretrained model's release evaluates greedy pass@1 only: sampling k completions per
-    # problem for base and release would take longer on a CPU than the training did.
-    release = release_demo(
-        Path(out_dir),
-        s.model.ensure(s.task.name, progress=False),
-        eval_problems=min(300, s.trainer.eval_problems),
-        k=8 if s.model.pretrained is None else 1,
-    )
+    release = release_scenario(Path(out_dir), s)
     print()
     for line in summary_lines(runs):
         print(line)
@@ -54,6 +51,19 @@ def run_demo(out: str | Path, scenario: str | Path = DEMO_SCENARIO) -> int:
     )
     result = outcome(runs)
     return 0 if result.audit_ok and not result.honest_slashed else 1
+
+
+def release_scenario(out_dir: Path, s: Scenario) -> Path:
+    """:func:`release_demo` of scenario ``s``'s run in ``out_dir``, evaluated on at most 300 of
+    its held-out problems. A pretrained model's release reports greedy pass@1 only: sampling
+    k completions per problem for base and release would take longer on a CPU than its
+    training did."""
+    return release_demo(
+        out_dir,
+        s.model.ensure(s.task.name, progress=False),
+        eval_problems=min(300, s.trainer.eval_problems),
+        k=8 if s.model.pretrained is None else 1,
+    )
 
 
 def release_demo(out_dir: Path, base_model: Path, *, eval_problems: int = 300, k: int = 8) -> Path:

@@ -7,8 +7,8 @@ tiny configuration changes, and nothing else:
 * the base model is the cached demo build copied into ``runs/base-model``
   (the build command then reports it cached instead of training again);
 * the scenarios are replaced by a two-step, three-contributor scenario (the
-  real-model one by a one-step run of three SmolLM2 contributors, one of them
-  generating with an int8 copy, on 8-token completions);
+  real-model ones by a one-step run of three SmolLM2 contributors, one of them
+  generating with an int8 copy, on 8-token completions of their own task);
 * the validator the README starts listens on a free 127.0.0.1 port instead of
   8470, with eight-token completions, no precheck worker and a deeper audit
   queue; ``configs/trainer.toml`` keeps all-equal-reward groups and evaluates
@@ -80,6 +80,8 @@ eval_problems = 16
 run_honest_baseline = false
 run_no_defence = false
 """
+REAL_SCENARIOS = {"smollm2_gsm8k": "gsm8k", "smollm2_addition": "addition"}
+"""The real-model scenarios, each replaced by ``TINY_REAL_SCENARIO`` on its own task."""
 TINY_REAL_SCENARIO = """
 name = "smollm2_gsm8k"
 [task]
@@ -140,9 +142,12 @@ def _prepare(work: Path, port: int, real_port: int) -> None:
 
     shutil.copytree(ROOT / "configs", work / "configs")
     for scenario in (work / "configs" / "scenarios").glob("*.toml"):
+        task = REAL_SCENARIOS.get(scenario.stem)
         scenario.write_text(
-            TINY_REAL_SCENARIO
-            if scenario.stem == "smollm2_gsm8k"
+            TINY_REAL_SCENARIO.replace("smollm2_gsm8k", scenario.stem).replace(
+                'name = "gsm8k"', f'name = "{task}"'
+            )
+            if task
             else TINY_SCENARIO.format(name=scenario.stem)
         )
     node = (work / "configs" / "validator.toml").read_text()
