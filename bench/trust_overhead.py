@@ -93,6 +93,8 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -108,6 +110,19 @@ from bench._phases import PhaseClock, Target, aggregation_peak, peak_rss_mib, pe
 from bench._util import emit  # noqa: E402
 
 RATIO_TARGET = 0.8
+"""TRL ratio target (prooftrain with its prefill unshared / TRL)."""
+TRUST_TARGETS = {"demo": None, "14m": 0.85, "smollm2-135m": 0.9}
+"""trust_ratio targets per ``--scaling`` size (issue 49)."""
+TRUST_BASELINE = (
+    "prooftrain with the trust layer off (bench/_trust_off.py): the same trainer loop, model, "
+    "generation engine (shared prefill), batch shape, loss, optimizer and steps, with no "
+    "signing, admission, spot checks, per-contributor gradients, robust aggregation, "
+    "publication or ledger"
+)
+TRL_BASELINE = (
+    "TRL GRPOTrainer; prooftrain (trust on) with its shared prefill off "
+    "(TransformersBackend(share_prefill=False)): both sides prefill every completion's prompt"
+)
 TASK = "reverse_text"
 SEED = 0
 TRL_MISSING = "trl not installed (pip install '.[bench]')"
@@ -200,16 +215,75 @@ def phase_targets() -> list[Target]:
     ]
 
 
-def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
-    import harness.run as hrun
-    from harness.events import EVENTS_FILE, EventLog, Reputation, read_events
+TRUST_CALLS: list[tuple[str, str, str]] = [
+    ("sign", "verify.keys:SigningKey", "sign"),
+    ("verify_signature", "verify.keys:PublicKey", "verify"),
+    ("admit", "node.validator.core:Validator", "admit_many"),
+    ("ledger_append", "ledger.log:Ledger", "append_many"),
+    ("per_contributor_gradients", "trainer.groupgrad:GroupGradients", "_on_grad"),
+    ("aggregate", "trainer.rl:RLStep", "_finish"),
+    ("publish", "trainer.publish:StagePublisher", "update"),
+]
+"""Calls that only the trust layer makes, counted on both sides: (name, owner, attribute)."""
+
+
+def trust_targets() -> list[Target]:
+    import importlib
+
+    out: list[Target] = []
+    for name, owner, attr in TRUST_CALLS:
+        module, _, cls = owner.partition(":")
+        out.append((name, getattr(importlib.import_module(module), cls), attr))
+    return out
+
+
+def write_scenario(args: argparse.Namespace, work: Path) -> Any:
+    """The run's scenario (both prooftrain sides read it), loaded."""
     from harness.scenario import load_scenario
+
+    path = work / "scenario.toml"
+    path.write_text(
+        SCENARIO.format(
+            seed=SEED,
+            task=args.task,
+            pool=pool_size(args),
+            contributors=args.contributors,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            total_steps=args.steps + 1,
+            groups=args.groups,
+            lr=args.lr,
+        )
+        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
+    )
+    return load_scenario(path)
+
+
+def unshared_backend(on: bool) -> contextlib.AbstractContextManager[None]:
+    """With ``on``, the simulation's contributors prefill each completion's prompt on its own
+    (``TransformersBackend(share_prefill=False)``), as TRL's generation does."""
+    import functools
+
+    import harness.simulation as sim
+    from rollout.backends import TransformersBackend
+
+    if not on:
+        return contextlib.nullcontext()
+    return patched(
+        sim, "TransformersBackend", functools.partial(TransformersBackend, share_prefill=False)
+    )
+
+
+def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
+    """The trust-on side: the harness's in-process network (see the module docstring)."""
+    import harness.run as hrun
+    from harness.events import EVENTS_FILE, EventLog, Reputation, Verdict, read_events
     from trainer.groupgrad import GroupGradients
 
     durations: list[float] = []
     samples: list[int] = []
     rewards: list[float] = []
-    clock = PhaseClock()
+    clock, calls = PhaseClock(), PhaseClock()
     after_warmup: dict[str, float] = {}
 
     class TimedLoop(hrun.TrainerLoop):
@@ -227,22 +301,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         return base_config(s, model_dir).model_copy(update={"skip_uniform_groups": False})
 
     base_config = hrun.trainer_config
-    path = work / "scenario.toml"
-    path.write_text(
-        SCENARIO.format(
-            seed=SEED,
-            task=args.task,
-            pool=pool_size(args),
-            contributors=args.contributors,
-            group_size=args.group_size,
-            max_tokens=args.max_tokens,
-            total_steps=args.steps + 1,
-            groups=args.groups,
-            lr=args.lr,
-        )
-        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
-    )
-    scenario = load_scenario(path)
+    scenario = write_scenario(args, work)
     log_path = work / EVENTS_FILE
     start = time.perf_counter()
     fallback = (
@@ -254,13 +313,16 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         patched(hrun, "TrainerLoop", TimedLoop),
         patched(hrun, "trainer_config", config),
         fallback,
+        unshared_backend(args.unshared_prefill),
         clock.installed(phase_targets()),
+        calls.installed(trust_targets()),
         EventLog(log_path) as log,
     ):
         values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
         timed = clock.snapshot()
     total = time.perf_counter() - start
-    rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
+    events = read_events(log_path)
+    rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
     return {
         "samples": sum(samples[1:]),
         "wall_s": sum(durations[1:]),
@@ -269,6 +331,66 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         "steps": len(durations) - 1,
         "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+        "verdicts": sum(isinstance(e, Verdict) for e in events),
+        "trust_calls": dict(calls.calls),
+        "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
+        "peak_rss_mib": peak_rss_mib(),
+        "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
+    }
+
+
+def trust_off_targets() -> list[Target]:
+    """The phases of the trust-off side's step (``bench/_trust_off.py``)."""
+    import torch
+
+    from bench._trust_off import PlainSource
+    from rollout.backends import TransformersBackend
+    from trainer.pipeline import PipelineRunner
+
+    return [
+        ("generation", TransformersBackend, "generate_batch"),
+        ("generation", TransformersBackend, "generate"),
+        ("scoring", PlainSource, "_produce"),
+        ("rl_forward_backward", PipelineRunner, "forward_backward"),
+        ("optimizer_step", torch.optim.AdamW, "step"),
+    ]
+
+
+def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
+    """The trust-off side: the same loop with the trust layer out (``bench/_trust_off.py``)."""
+    from dataclasses import asdict
+
+    import harness.run as hrun
+    from bench._trust_off import plain_loop
+
+    scenario = write_scenario(args, work)
+    model_dir = scenario.model.ensure(scenario.task.name, progress=args.progress)
+    cfg = hrun.trainer_config(scenario, model_dir).model_copy(update={"skip_uniform_groups": False})
+    clock, calls = PhaseClock(), PhaseClock()
+    durations: list[float] = []
+    samples: list[int] = []
+    rewards: list[float] = []
+    after_warmup: dict[str, float] = {}
+    start = time.perf_counter()
+    with clock.installed(trust_off_targets()), calls.installed(trust_targets()):
+        loop, counts = plain_loop(scenario, cfg, model_dir, share_prefill=not args.unshared_prefill)
+        for _ in range(cfg.steps):
+            t0 = time.perf_counter()
+            metrics = loop.train_step()
+            durations.append(time.perf_counter() - t0)
+            samples.append(int(metrics.get("train/samples", 0)))
+            rewards.append(float(metrics.get("train/reward", 0.0)))
+            if len(durations) == 1:
+                after_warmup.update(clock.snapshot())
+        timed = clock.snapshot()
+    return {
+        "samples": sum(samples[1:]),
+        "wall_s": sum(durations[1:]),
+        "warmup_s": durations[0],
+        "total_wall_s": time.perf_counter() - start,
+        "steps": len(durations) - 1,
+        "counts": asdict(counts),
+        "trust_calls": dict(calls.calls),
         "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
         "peak_rss_mib": peak_rss_mib(),
         "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
@@ -339,10 +461,15 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 
     checkpointed: list[bool] = []
 
+    clock = PhaseClock()  # TRL generates with the model's own ``generate``
+    after_warmup: dict[str, float] = {}
+
     class StepClock(TrainerCallback):
         def on_step_end(self, *_: Any, **__: Any) -> None:
             ends.append(time.perf_counter())
             checkpointed.append(bool(getattr(model, "is_gradient_checkpointing", False)))
+            if len(ends) == 1:
+                after_warmup.update(clock.snapshot())
 
     cfg = GRPOConfig(
         output_dir=str(work / "trl"),
@@ -385,10 +512,13 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         callbacks=[StepClock()],
     )
     start = time.perf_counter()
-    trainer.train()
+    with clock.installed([("generation", type(model), "generate")]):
+        trainer.train()
     steps = len(ends) - 1
+    generation = clock.snapshot().get("generation", 0.0) - after_warmup.get("generation", 0.0)
     return {
         "samples": steps * args.groups * args.group_size,
+        "generation_s": round(generation / max(steps, 1), 4),
         "wall_s": ends[-1] - ends[0],
         "warmup_s": ends[0] - start,
         "total_wall_s": time.perf_counter() - start,
@@ -400,7 +530,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
 
 # -- driver -------------------------------------------------------------------------------
 
-SIDES = {"prooftrain": run_prooftrain, "trl": run_trl}
+SIDES = {"prooftrain": run_prooftrain, "trust_off": run_trust_off, "trl": run_trl}
 
 
 def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Path:
@@ -427,8 +557,10 @@ def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Pa
     return out
 
 
-def run_side(side: str, args: argparse.Namespace) -> dict:
-    """Run one side in a fresh Python process; its figures come back as its last stdout line."""
+def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dict:
+    """Run one side in a fresh Python process; its figures come back as its last stdout line,
+    with the machine's load averages just before and just after (``os.getloadavg``).
+    ``unshared``: prooftrain generates with its shared prefill off."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -453,25 +585,62 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
     if args.pass_per_contributor:
         cmd.append("--pass-per-contributor")
+    if unshared:
+        cmd.append("--unshared-prefill")
     if not args.progress:
         cmd.append("--quiet")
-    say(f"{side}: {args.steps} + 1 warm-up steps of {args.groups} x {args.group_size} completions")
+    say(
+        f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + 1 warm-up steps "
+        f"of {args.groups} x {args.group_size} completions"
+    )
+    before = load()
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    result.update(load_before=before, load_after=load())
+    return result
+
+
+def load() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def rate(side: dict) -> float:
     return side["samples"] / side["wall_s"]
 
 
+def _round_entry(r: int, first: str, on: dict, off: dict) -> dict:
+    return {
+        "round": r + 1,
+        "first": first,
+        "trust_on_samples_per_s": round(rate(on), 2),
+        "trust_off_samples_per_s": round(rate(off), 2),
+        "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_on_load": {"before": on.get("load_before"), "after": on.get("load_after")},
+        "trust_off_load": {"before": off.get("load_before"), "after": off.get("load_after")},
+    }
+
+
 def summarise(
-    args: argparse.Namespace, pts: list[dict], trls: list[dict], skipped: str | None
+    args: argparse.Namespace,
+    ons: list[dict],
+    offs: list[dict],
+    trls: list[dict],
+    unshared: list[dict],
+    skipped: str | None,
 ) -> dict:
-    """The best round of each side: the one least disturbed by other load on the machine."""
-    pt = max(pts, key=rate)
+    """The trust ratio (trust-on / trust-off, each side's best round: the one least disturbed
+    by other load on the machine), every round's figures and load, then the TRL ratio
+    (prooftrain with its prefill unshared against TRL, best rounds) when TRL ran."""
+    on, off = max(ons, key=rate), max(offs, key=rate)
+    size = getattr(args, "size", None)
+    rounds = [
+        _round_entry(r, getattr(args, "order", ["trust_on"] * len(ons))[r], a, b)
+        for r, (a, b) in enumerate(zip(ons, offs, strict=True))
+    ]
+    audited = on.get("audit_rate_mean")
     trl = max(trls, key=rate) if trls else None
-    pt_rate, trl_rate = rate(pt), (rate(trl) if trl else None)
-    audited = pt["audit_rate_mean"]
+    pu = max(unshared, key=rate) if unshared else None
     result = {
         "bench": "trust_overhead",
         "steps": args.steps,
@@ -485,45 +654,82 @@ def summarise(
         "threads": 1,
         "model": args.model_dir or "demo base model",
         "task": args.task,
+        "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_ratio_target": TRUST_TARGETS.get(size) if size else None,
+        "trust_ratio_baseline": TRUST_BASELINE,
+        "trust_ratio_rule": "best round of each side (per-round ratios in trust_rounds)",
+        "trust_ratio_median_of_rounds": round(
+            statistics.median(x["trust_ratio"] for x in rounds), 3
+        ),
+        "trust_rounds": rounds,
+        "trust_on_samples_per_s": round(rate(on), 2),
+        "trust_off_samples_per_s": round(rate(off), 2),
+        "trust_on_wall_s": round(on["wall_s"], 2),
+        "trust_off_wall_s": round(off["wall_s"], 2),
+        "trust_on_phases_s": on.get("phases_s"),
+        "trust_off_phases_s": off.get("phases_s"),
+        "trust_on_calls": on.get("trust_calls"),
+        "trust_off_calls": off.get("trust_calls"),
+        "trust_off_counts": off.get("counts"),
+        "trust_on_verdicts": on.get("verdicts"),
+        "trust_on_peak_rss_mib": on.get("peak_rss_mib"),
+        "trust_off_peak_rss_mib": off.get("peak_rss_mib"),
+        "trust_on_train_reward_mean": _r4(on.get("train_reward_mean")),
+        "trust_off_train_reward_mean": _r4(off.get("train_reward_mean")),
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
-        "ledger_audit_ok": all(p["audit_ok"] for p in pts),
-        "prooftrain_samples_per_s": round(pt_rate, 2),
-        "prooftrain_wall_s": round(pt["wall_s"], 2),
-        "prooftrain_rounds_samples_per_s": [round(rate(p), 2) for p in pts],
-        "prooftrain_phases_s": pt.get("phases_s"),
-        "prooftrain_peak_rss_mib": pt.get("peak_rss_mib"),
-        "prooftrain_train_reward_mean": (
-            None if pt.get("train_reward_mean") is None else round(pt["train_reward_mean"], 4)
+        "ledger_audit_ok": all(p["audit_ok"] for p in ons + unshared),
+        "contributor_gradients": (
+            "a pass per contributor" if args.pass_per_contributor else "one pass for all"
         ),
-        "trl_samples_per_s": None if trl_rate is None else round(trl_rate, 2),
-        "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
+        "trl_ratio": None if trl is None or pu is None else round(rate(pu) / rate(trl), 3),
+        "trl_ratio_target": RATIO_TARGET,
+        "trl_ratio_baseline": TRL_BASELINE,
+        "trl_samples_per_s": None if trl is None else round(rate(trl), 2),
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
+        "trl_generation_s_per_step": None if trl is None else trl.get("generation_s"),
+        "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
         "trl_peak_rss_mib": None if trl is None else trl.get("peak_rss_mib"),
         "trl_activation_checkpointing": None
         if trl is None
         else trl.get("activation_checkpointing"),
-        "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
-        "ratio_target": RATIO_TARGET,
-        "contributor_gradients": (
-            "a pass per contributor" if args.pass_per_contributor else "one pass for all"
-        ),
+        "unshared_samples_per_s": None if pu is None else round(rate(pu), 2),
+        "unshared_rounds_samples_per_s": [round(rate(p), 2) for p in unshared],
+        "unshared_generation_s_per_step": None if pu is None else pu["phases_s"].get("generation"),
     }
     if skipped:
         result["skipped"] = skipped
     return result
 
 
+def _r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def compare(args: argparse.Namespace, skipped: str | None) -> dict:
-    """``args.rounds`` alternating runs of each side on ``args.model_dir``; their summary."""
-    pts: list[dict] = []
+    """``args.rounds`` rounds, each running trust-on and trust-off (first one, then the
+    other, the order swapped every round so neither always runs first), then, with TRL,
+    prooftrain with its prefill unshared and TRL; their summary."""
+    ons: list[dict] = []
+    offs: list[dict] = []
     trls: list[dict] = []
+    unshared: list[dict] = []
+    order: list[str] = []
     for r in range(args.rounds):
         say(f"round {r + 1}/{args.rounds}")
-        pts.append(run_side("prooftrain", args))
+        first = "trust_on" if r % 2 == 0 else "trust_off"
+        order.append(first)
+        if first == "trust_on":
+            ons.append(run_side("prooftrain", args))
+            offs.append(run_side("trust_off", args))
+        else:
+            offs.append(run_side("trust_off", args))
+            ons.append(run_side("prooftrain", args))
         if not skipped:
+            unshared.append(run_side("prooftrain", args, unshared=True))
             trls.append(run_side("trl", args))
-    return summarise(args, pts, trls, skipped)
+    args = argparse.Namespace(**{**vars(args), "order": order})
+    return summarise(args, ons, offs, trls, unshared, skipped)
 
 
 # -- scaling: three model sizes in one run ------------------------------------------------
@@ -533,8 +739,8 @@ SIZES = {
     "14m": "random-init Llama, hidden 384, 6 layers",
     "smollm2-135m": "SmolLM2-135M-Instruct",
 }
-SIZE_STEPS = (20, 10, 3)
-SIZE_ROUNDS = (3, 2, 1)
+SIZE_STEPS = (20, 12, 10)
+SIZE_ROUNDS = (3, 3, 3)
 MEMORY_CONTRIBUTORS = (4, 8)
 
 
@@ -603,19 +809,25 @@ def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
                     "model_dir": str(model_dir),
                     "steps": steps[i],
                     "rounds": rounds[i],
+                    "size": size,
                 }
             )
             result = compare(sub, skipped)
             result.update(model=SIZES[size], params=model_params(model_dir))
             sizes[size] = result
-    ratios = {k: v.get("ratio") for k, v in sizes.items()}
+    ratios = {k: v.get("trl_ratio") for k, v in sizes.items()}
     measured = [r for r in ratios.values() if r is not None]
     return {
         "bench": "trust_overhead",
         "mode": "scaling",
-        "ratio_target": RATIO_TARGET,
-        "ratios": ratios,
-        "ratio_holds_with_size": (
+        "trust_ratios": {k: v.get("trust_ratio") for k, v in sizes.items()},
+        "trust_ratio_targets": {k: TRUST_TARGETS[k] for k in sizes},
+        "trust_ratio_baseline": TRUST_BASELINE,
+        "load": {"end": load()},
+        "trl_ratio_target": RATIO_TARGET,
+        "trl_ratio_baseline": TRL_BASELINE,
+        "trl_ratios": ratios,
+        "trl_ratio_holds_with_size": (
             all(b >= a for a, b in zip(measured, measured[1:], strict=False))
             if len(measured) > 1
             else None
@@ -661,7 +873,8 @@ def parse_args() -> argparse.Namespace:
         "--rounds",
         type=int,
         default=3,
-        help="alternating runs of each side; the best of each counts",
+        help="rounds, each running every side once (trust on and off alternate which goes "
+        "first); the best round of each side counts",
     )
     parser.add_argument(
         "--model-dir",
@@ -680,6 +893,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="prooftrain's RL step runs a pass per contributor (its fallback)",
     )
+    parser.add_argument("--unshared-prefill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--scaling",
         action="store_true",
@@ -723,6 +937,7 @@ def parse_args() -> argparse.Namespace:
         or args.group_size < 2
     ):
         parser.error("need --group-size >= 2 and every other count >= 1")
+    args.size = "14m" if args.width == 384 and args.layers == 6 else None
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")
     if args.scaling:
