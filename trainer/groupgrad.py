@@ -30,7 +30,17 @@ groups); :meth:`GroupGradients.gram` then forms the groups' Gram matrix
 :meth:`GroupGradients.combine` writes ``sum_c alpha_c R_c`` into ``.grad`` as
 one weighted pass (each row's output gradient scaled by its group's alpha).
 Memory: the model, the kept activations and ``O(n^2 + n * GRAM_BLOCK)``,
-never ``n x d``.
+plus at most ``keep_bytes`` of per-group gradients (below): never ``n x d``
+beyond that budget.
+
+Forming K materialises every group's gradient of a parameter anyway (as much
+work as the parameter's whole-batch weight gradient); the combine would form
+it again. So :meth:`GroupGradients.gram` keeps the per-group gradients of the
+parameters that fit in ``keep_bytes`` (``GRAM_KEEP_BYTES`` by default; whole
+parameters, in order, in buffers reused from step to step) and
+:meth:`GroupGradients.combine` takes those as ``sum_c alpha_c R_c`` over the
+kept rows (one pass over memory, no second product); only the parameters
+beyond the budget are formed again. Same values up to float rounding either way.
 """
 
 from __future__ import annotations
@@ -77,6 +87,10 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 GRAM_BLOCK = 1 << 20
 """Gradient entries per group in one block of :meth:`GroupGradients.gram` (4 MiB float32)."""
+GRAM_KEEP_BYTES = 1 << 31
+"""Default budget of per-group gradients :meth:`GroupGradients.gram` keeps for
+:meth:`GroupGradients.combine` (2 GiB float32: every group's gradient of a 67M-parameter
+stage at 8 groups); 0 keeps none."""
 
 _HandlerFn = Callable[["GroupGradients", Any, Tensor, Tensor, Any], None]
 """``handler(grads, module, module input, output gradient, arg)``: adds one module's part."""
@@ -118,6 +132,10 @@ class GroupGradients:
         self._segments: list[tuple[int, int]] = []
         self._out: Tensor | None = None
         self._calls: list[_Call] | None = None  # capture_gram: what each module saw
+        self.keep_bytes = GRAM_KEEP_BYTES
+        """Budget of per-group gradients :meth:`gram` keeps for :meth:`combine` (bytes)."""
+        self._kept: dict[int, Tensor] = {}  # param id -> (n_max, *shape) float32, reused
+        self._formed: set[int] = set()  # params whose rows this pass's gram left in _kept
 
     @classmethod
     def plan(cls, module: nn.Module, params: Sequence[nn.Parameter]) -> GroupGradients | None:
@@ -185,14 +203,30 @@ class GroupGradients:
 
     def gram(self) -> Tensor:
         """The groups' Gram matrix ``K[a, b] = <R_a, R_b>`` (n, n) float64 after a
-        :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time."""
+        :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time (a
+        parameter whose rows are kept for :meth:`combine`: at once, into its buffer)."""
         n = len(self._segments)
         k = torch.zeros((n, n), dtype=torch.float64)
         parts = _parts(self)
+        self._formed = set()
+        budget = self.keep_bytes
         for p in self.params:
             if id(p) not in parts:
                 continue
             rows = p.shape[0] if p.dim() else 1
+            size = 4 * n * p.numel()
+            if size <= budget:
+                budget -= size
+                kept = self._kept_rows(p, n)
+                fresh = [True] * n  # the first part of each group's row is written, not added
+                for call, role in parts[id(p)]:
+                    call.add(kept, role, 0, rows, fresh=fresh)
+                for c in (c for c, f in enumerate(fresh) if f):
+                    kept[c].zero_()  # a group with no tokens here
+                flat = kept.reshape(n, -1)
+                k += (flat @ flat.T).double()
+                self._formed.add(id(p))
+                continue
             step = max(1, GRAM_BLOCK // max(1, p.numel() // rows))
             for a in range(0, rows, step):
                 b = min(a + step, rows)
@@ -212,11 +246,37 @@ class GroupGradients:
         scales = [float(a) for a in alpha]
         parts = _parts(self)
         for p in self.params:
+            if id(p) in self._formed:
+                p.grad = self._combine_kept(p, scales).to(p.dtype)
+                continue
             grad = torch.zeros((1, *p.shape), dtype=torch.float32)
             for call, role in parts.get(id(p), []):
                 call.add(grad, role, 0, p.shape[0] if p.dim() else 1, scales)
             p.grad = grad[0].to(p.dtype)
         self._calls = None
+        self._formed = set()
+
+    def _kept_rows(self, p: Tensor, n: int) -> Tensor:
+        """(n, *p.shape) float32, uninitialised: ``p``'s kept per-group rows, in a buffer
+        reused from step to step (a fresh one would be paged in again every step)."""
+        buf = self._kept.get(id(p))
+        if buf is None or buf.shape[0] < n:
+            self._kept.pop(id(p), None)
+            buf = self._kept[id(p)] = torch.empty((n, *p.shape), dtype=torch.float32)
+        return buf[:n]
+
+    def _combine_kept(self, p: Tensor, scales: Sequence[float]) -> Tensor:
+        """``sum_c scales[c] * R_c`` from ``p``'s kept rows; rows scaled by 0 are left out (a
+        non-finite row cannot reach the result: 0 * inf is NaN)."""
+        rows = self._kept[id(p)][: len(scales)].reshape(len(scales), -1)
+        live = [c for c, a in enumerate(scales) if a != 0.0]
+        if len(live) == len(scales):
+            weights = torch.tensor(scales, dtype=torch.float32)
+            return torch.mv(rows.T, weights).view(p.shape)
+        out = torch.zeros(p.numel(), dtype=torch.float32)
+        for c in live:
+            out.add_(rows[c], alpha=scales[c])
+        return out.view(p.shape)
 
     # -- hooks
 
@@ -287,9 +347,10 @@ class GroupGradients:
 
 @dataclass(frozen=True)
 class _Call:
-    """One module call, per group: the token rows whose output gradient is not zero (the
-    rest add nothing to any gradient), their input (RMS norms: the normalised input) and
-    output gradient, flattened to ``(tokens, features)``."""
+    """One module call, per group: its token rows' input (RMS norms: the normalised input)
+    and output gradient, flattened to ``(tokens, features)`` (views, no copies). Rows whose
+    output gradient is zero (padding) add nothing and are kept anyway: finding and copying
+    the live ones cost more than the products they saved."""
 
     handler: _HandlerFn
     module: nn.Module
@@ -315,9 +376,6 @@ class _Call:
                 if x.dim() == g.dim() - 1
                 else x[lo:hi].reshape(-1, x.shape[-1])
             )
-            live = gc.ne(0).any(dim=1)  # (tokens,)
-            if not bool(live.all()):
-                xc, gc = xc[live], gc[live]
             xs.append(xc)
             gs.append(gc)
         return cls(handler, module, xs, gs, arg)
@@ -329,16 +387,26 @@ class _Call:
         ]
 
     def add(
-        self, out: Tensor, role: str, a: int, b: int, scales: Sequence[float] | None = None
+        self,
+        out: Tensor,
+        role: str,
+        a: int,
+        b: int,
+        scales: Sequence[float] | None = None,
+        fresh: list[bool] | None = None,
     ) -> None:
         """Rows ``a:b`` of this call's part of parameter ``role``'s gradient: group c's into
-        ``out[c]``, or with ``scales``, ``sum_c scales[c] * (group c's)`` into ``out[0]``."""
+        ``out[c]``, or with ``scales``, ``sum_c scales[c] * (group c's)`` into ``out[0]``.
+        ``fresh[c]`` True: ``out[c]`` holds garbage, so write rather than add (then False)."""
         for c, (xc, gc) in enumerate(zip(self.xs, self.gs, strict=True)):
             scale = 1.0 if scales is None else scales[c]
             if not len(gc) or scale == 0.0:
                 continue
             dst, gc = out[c if scales is None else 0], gc.float()
-            if self.handler is GroupGradients._embedding:
+            if fresh is not None and fresh[c]:
+                fresh[c] = False
+                self._write(dst, role, xc, gc)
+            elif self.handler is GroupGradients._embedding:
                 keep = (xc >= a) & (xc < b)
                 if self.arg is not None:  # nn.Embedding gives its padding row no gradient
                     keep &= xc != self.arg
@@ -349,6 +417,19 @@ class _Call:
                 dst.add_(gc[:, a:b].sum(0), alpha=scale)
             else:
                 dst.addmm_(gc[:, a:b].t(), xc.float(), alpha=scale)
+
+    def _write(self, dst: Tensor, role: str, xc: Tensor, gc: Tensor) -> None:
+        """Group's whole part (all rows of the parameter) written over ``dst``."""
+        if self.handler is GroupGradients._embedding:
+            dst.zero_()
+            keep = xc != self.arg if self.arg is not None else slice(None)
+            dst.index_add_(0, xc[keep], gc[keep])
+        elif self.handler is GroupGradients._rmsnorm:
+            torch.sum(gc * xc.float(), 0, out=dst)
+        elif role == "bias":
+            torch.sum(gc, 0, out=dst)
+        else:
+            torch.mm(gc.t(), xc.float(), out=dst)
 
 
 def _parts(grads: GroupGradients) -> dict[int, list[tuple[_Call, str]]]:
