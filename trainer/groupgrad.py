@@ -36,7 +36,7 @@ beyond that budget.
 Forming K materialises every group's gradient of a parameter anyway (as much
 work as the parameter's whole-batch weight gradient); the combine would form
 it again. So :meth:`GroupGradients.gram` keeps the per-group gradients of the
-parameters that fit in ``keep_bytes`` (``GRAM_KEEP_BYTES`` by default; whole
+parameters that fit in ``keep_bytes`` (``GRAM_KEEP_BYTES``, 1 GiB, by default; whole
 parameters, in order, in buffers reused from step to step) and
 :meth:`GroupGradients.combine` takes those as ``sum_c alpha_c R_c`` over the
 kept rows (one pass over memory, no second product); only the parameters
@@ -87,9 +87,9 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 GRAM_BLOCK = 1 << 20
 """Gradient entries per group in one block of :meth:`GroupGradients.gram` (4 MiB float32)."""
-GRAM_KEEP_BYTES = 1 << 31
+GRAM_KEEP_BYTES = 1 << 30
 """Default budget of per-group gradients :meth:`GroupGradients.gram` keeps for
-:meth:`GroupGradients.combine` (2 GiB float32: every group's gradient of a 67M-parameter
+:meth:`GroupGradients.combine` (1 GiB float32: every group's gradient of a 33M-parameter
 stage at 8 groups); 0 keeps none."""
 
 _HandlerFn = Callable[["GroupGradients", Any, Tensor, Tensor, Any], None]
