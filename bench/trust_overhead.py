@@ -1,18 +1,33 @@
-"""What the trust layer costs: prooftrain's whole system against TRL's ``GRPOTrainer``.
+"""What the trust layer costs: prooftrain with it against the same loop without it, and TRL.
 
-Both sides train the demo base model (``trainer.base_model.ensure_base_model``)
-on the reverse-text task (``--task``) with the same batch (``groups`` prompts x ``group_size``
-completions per optimizer step), the same completion length, sampling
-(temperature 1, no top-k / top-p), learning rate, AdamW betas, gradient clip
-and reward function (``rewards.reward``), the same prompt tokens (a model whose
-tokenizer has a chat template gets each prompt as one user message on both
-sides, rendered by that template), no KL term, one optimizer step per
-generated batch, float32 on the CPU with one torch thread each (the harness
-runs its tiny models on one thread). Each side runs in its own Python process;
-the sides alternate ``rounds`` times and the best round of each counts (the
-one least disturbed by other load on a shared machine).
+Two figures, each a ratio of completions trained per wall-clock second:
 
-* prooftrain: the harness's in-process network (``harness.run.run_variant``)
+* ``trust_ratio`` = trust-on / trust-off: prooftrain's whole system against the
+  same RL loop with the trust layer off (``bench/_trust_off.py``), same
+  process layout, model, generation engine, batches, loss, optimizer and steps;
+* ``trl_ratio`` = prooftrain (trust on, shared prefill off) / TRL's
+  ``GRPOTrainer``, both prefilling every completion's prompt, so the figure
+  compares trainers rather than generation engines (prooftrain's
+  ``TransformersBackend`` otherwise prefills each prompt once for its G
+  completions; TRL prefills every row). Each side's generation seconds per
+  step are reported beside it.
+
+Every side trains the demo base model (``trainer.base_model.ensure_base_model``)
+on the reverse-text task (``--task``) with the same batch (``groups`` prompts x
+``group_size`` completions per optimizer step), the same completion length,
+sampling (temperature 1, no top-k / top-p), learning rate, gradient clip and
+reward function (``rewards.reward``), the same prompt tokens (a model whose
+tokenizer has a chat template gets each prompt as one user message, rendered
+by that template), no KL term, one optimizer step per generated batch, float32
+on the CPU with one torch thread each. Each side runs in its own Python
+process. A round runs trust-on and trust-off one after the other (which goes
+first alternates from round to round), then, with TRL installed, prooftrain
+with its prefill unshared and TRL; the best round of each side counts (the one
+least disturbed by other load on a shared machine), and every round's figures
+and the machine's load averages (``os.getloadavg``) before and after each side
+are in the JSON (``trust_rounds``).
+
+* trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
   latency, no jitter, no drops, compute speed 1) and the validator at its
   default, reputation-driven audit rate. Every rollout is signed, admitted,
@@ -25,57 +40,74 @@ one least disturbed by other load on a shared machine).
   own contributor's sampler noise, as on its own hardware), and groups that
   arrive together are admitted together (``Validator.admit_many``: one
   spot-check pass, one ledger transaction), as a busy node batches concurrent
-  submissions. Timed: the trainer's ``train_step`` calls,
-  which contain all of that (contributors generate inside the trainer's
-  wait). Not timed: model loading, the held-out evals the harness runs before
-  the first and after the last step (the eval interval is set past the run so
-  none falls in between), the final offline ledger audit and the harness's
-  own event logging. Groups
+  submissions. Timed: the trainer's ``train_step`` calls, which contain all of
+  that (contributors generate inside the trainer's wait). Not timed: model
+  loading, the held-out evals the harness runs before the first and after the
+  last step (the eval interval is set past the run so none falls in between),
+  the final offline ledger audit and the harness's own event logging. Groups
   whose rewards are all equal are trained on (``skip_uniform_groups`` off), as
-  TRL does, so both sides put the same completions through every optimizer step.
+  TRL does, so every side puts the same completions through every step.
+* trust off: the same ``TrainerLoop`` and ``PipelineRunner`` built from the same
+  scenario, generating each step's groups with the same engine
+  (``TransformersBackend.generate_batch``: one batch, shared prefill, the
+  keyed sampler) on the trainer's own parameters, with no signing or
+  verification, no admission, spot checks, reputation or ledger, one plain
+  mean-gradient pass under the same loss (no per-contributor gradients, no
+  robust aggregation) and no publication (``bench/_trust_off.py``). Timed: its
+  ``train_step`` calls. It counts its groups, passes and steps, and both
+  prooftrain sides count their calls of the trust layer's functions
+  (``TRUST_CALLS``: signing, signature checks, admission, ledger appends,
+  per-contributor gradient hooks, aggregation, publication), so the JSON shows
+  that the trust-off side made none.
 * TRL: ``GRPOTrainer`` without vLLM, ``num_generations = group_size``,
   ``per_device_train_batch_size = groups * group_size``, one gradient
   accumulation step, ``beta = 0``, ``num_iterations = 1``, and no activation
   (gradient) checkpointing, which ``GRPOConfig`` turns on by default and which
-  prooftrain does not do: with it TRL would run every forward pass twice. Timed: from the end
-  of one optimizer step to the end of the next (generation, rewards, the step).
+  prooftrain does not do. Timed: from the end of one optimizer step to the end
+  of the next (generation, rewards, the step); its generation seconds are the
+  model's ``generate`` calls.
 
-On both sides the first step is a warm-up and is not counted; the figure is
+On every side the first step is a warm-up and is not counted; the figure is
 completions trained per wall-clock second over the remaining ``steps``.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
-  prooftrain_samples_per_s / trl_samples_per_s   completions trained per wall second
-  ratio                                          prooftrain / TRL (target >= 0.8)
-  prooftrain_wall_s / trl_wall_s                 timed seconds of each side's best round
-  *_rounds_samples_per_s                         every round's figure
-  audit_rate_mean                                mean spot-check probability the
-                                                 validator applied (reputation-driven)
-  prooftrain_phases_s                            seconds per timed step of each phase
-                                                 (``phase_targets``; exclusive, ``other``
-                                                 is the rest of the step)
-  prooftrain_peak_rss_mib / trl_peak_rss_mib     each side's peak resident memory
-  prooftrain_train_reward_mean                   mean reward of the trained batches (0:
-                                                 every advantage, so every gradient, is 0)
+  trust_ratio                                    trust_on / trust_off samples per second
+                                                 (best round of each; trust_ratio_baseline
+                                                 says what the baseline is)
+  trust_rounds                                   per round: which side went first, each
+                                                 side's rate and load before/after, the ratio
+  trust_ratio_median_of_rounds                   the median of the rounds' ratios
+  trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
+                                                 (exclusive; ``other`` is the rest of the step)
+  trust_on_calls / trust_off_calls               calls of the trust layer's functions
+  trust_off_counts                               the trust-off side's groups, samples,
+                                                 passes and steps
+  audit_rate_mean                                mean spot-check probability the validator
+                                                 applied (reputation-driven)
+  trl_ratio, trl_ratio_baseline                  prooftrain (prefill unshared) / TRL
+  unshared_generation_s_per_step,
+  trl_generation_s_per_step                      each side's generation seconds per step
+  *_peak_rss_mib, *_train_reward_mean            peak resident memory; mean trained reward
 
 ``--scaling`` runs that comparison at three sizes in one run (the demo base
 model; a random-init Llama, hidden 384, 6 layers, 14M parameters; SmolLM2-135M
 from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
 it, skipped with the reason when absent), with ``--scaling-steps`` and
-``--scaling-rounds`` per size, then measures the default aggregator's extra
-peak memory on (n, d) rows at two contributor counts (``bench/_phases.py``).
-Its JSON line holds ``sizes`` (each size's figures as above, plus ``params``),
-``ratios``, ``ratio_holds_with_size`` and ``aggregation_memory``.
+``--scaling-rounds`` per size (defaults 20,12,10 steps and 3 rounds each), then
+measures the default aggregator's extra peak memory on (n, d) rows at two
+contributor counts (``bench/_phases.py``). Its JSON line holds ``sizes`` (each
+size's figures as above, plus ``params`` and ``trust_ratio_target``),
+``trust_ratios``, ``trl_ratios``, ``trl_ratio_holds_with_size`` and
+``aggregation_memory``.
 
 The task is reverse-text because its reward is partial credit (edit-distance
 similarity to the reversed string): every model, a random-init one included,
 earns rewards that differ inside a group, so every advantage and every gradient
-is real and both sides do the full work of an RL step at every size. On a task
-that only a trained model can score (``--task arithmetic``) a random-init model
-earns 0 everywhere, its gradients are 0 and prooftrain skips its per-contributor
-aggregation, which flatters the trust layer at the larger sizes.
+is real and every side does the full work of an RL step at every size.
 
 TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
-TRL figures and the ratio are null and ``skipped`` says why.
+TRL figures are null and ``skipped`` says why (the trust ratio is measured
+regardless).
 
 With ``--pass-per-contributor`` prooftrain's RL step runs one forward and
 backward pass per contributor (its fallback) instead of one pass for all
@@ -83,7 +115,8 @@ backward pass per contributor (its fallback) instead of one pass for all
 
     python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
-    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,10,3]
+    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
+                                   [--scaling-rounds 3,3,3]
 """
 
 from __future__ import annotations
