@@ -494,6 +494,8 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
     result = json.loads(out.strip().splitlines()[-1])
     result.update(load_before=before, load_after=load())
+    # Each side's figures as they come (a run killed later still leaves them on stderr).
+    say(f"{side} done: {json.dumps({**result, 'unshared': unshared, 'model': args.model_dir})}")
     return result
 
 
