@@ -3,8 +3,8 @@
 :class:`PhaseClock` wraps named functions for the duration of a block and
 charges each call's wall time to its phase, minus the time of any timed call
 nested inside it (that goes to the inner call's phase), so the phases of one
-run add up to at most its wall time. Single-threaded: the calls it times run
-on one thread.
+run add up to at most its wall time, and counts the calls of each phase
+(``calls``). Single-threaded: the calls it times run on one thread.
 
 :func:`aggregation_peak` measures the extra memory the default aggregator
 needs on ``n`` contributor rows of ``d`` parameters, in a fresh process (the
@@ -24,7 +24,7 @@ import resource
 import subprocess
 import sys
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,12 +40,14 @@ class PhaseClock:
 
     def __init__(self) -> None:
         self.totals: defaultdict[str, float] = defaultdict(float)
+        self.calls: Counter[str] = Counter()
         self._inner: list[float] = []  # per open call: seconds spent in timed calls inside it
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
             start = time.perf_counter()
+            self.calls[phase] += 1
             self._inner.append(0.0)
             try:
                 return fn(*args, **kwargs)

@@ -1,18 +1,33 @@
-"""What the trust layer costs: prooftrain's whole system against TRL's ``GRPOTrainer``.
+"""What the trust layer costs: prooftrain with it against the same loop without it, and TRL.
 
-Both sides train the demo base model (``trainer.base_model.ensure_base_model``)
-on the reverse-text task (``--task``) with the same batch (``groups`` prompts x ``group_size``
-completions per optimizer step), the same completion length, sampling
-(temperature 1, no top-k / top-p), learning rate, AdamW betas, gradient clip
-and reward function (``rewards.reward``), the same prompt tokens (a model whose
-tokenizer has a chat template gets each prompt as one user message on both
-sides, rendered by that template), no KL term, one optimizer step per
-generated batch, float32 on the CPU with one torch thread each (the harness
-runs its tiny models on one thread). Each side runs in its own Python process;
-the sides alternate ``rounds`` times and the best round of each counts (the
-one least disturbed by other load on a shared machine).
+Two figures, each a ratio of completions trained per wall-clock second:
 
-* prooftrain: the harness's in-process network (``harness.run.run_variant``)
+* ``trust_ratio`` = trust-on / trust-off: prooftrain's whole system against the
+  same RL loop with the trust layer off (``bench/_trust_off.py``), same
+  process layout, model, generation engine, batches, loss, optimizer and steps;
+* ``trl_ratio`` = prooftrain (trust on, shared prefill off) / TRL's
+  ``GRPOTrainer``, both prefilling every completion's prompt, so the figure
+  compares trainers rather than generation engines (prooftrain's
+  ``TransformersBackend`` otherwise prefills each prompt once for its G
+  completions; TRL prefills every row). Each side's generation seconds per
+  step are reported beside it.
+
+Every side trains the demo base model (``trainer.base_model.ensure_base_model``)
+on the reverse-text task (``--task``) with the same batch (``groups`` prompts x
+``group_size`` completions per optimizer step), the same completion length,
+sampling (temperature 1, no top-k / top-p), learning rate, gradient clip and
+reward function (``rewards.reward``), the same prompt tokens (a model whose
+tokenizer has a chat template gets each prompt as one user message, rendered
+by that template), no KL term, one optimizer step per generated batch, float32
+on the CPU with one torch thread each. Each side runs in its own Python
+process. A round runs trust-on and trust-off one after the other (which goes
+first alternates from round to round), then, with TRL installed, prooftrain
+with its prefill unshared and TRL; the best round of each side counts (the one
+least disturbed by other load on a shared machine), and every round's figures
+and the machine's load averages (``os.getloadavg``) before and after each side
+are in the JSON (``trust_rounds``).
+
+* trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
   latency, no jitter, no drops, compute speed 1) and the validator at its
   default, reputation-driven audit rate. Every rollout is signed, admitted,
@@ -25,57 +40,74 @@ one least disturbed by other load on a shared machine).
   own contributor's sampler noise, as on its own hardware), and groups that
   arrive together are admitted together (``Validator.admit_many``: one
   spot-check pass, one ledger transaction), as a busy node batches concurrent
-  submissions. Timed: the trainer's ``train_step`` calls,
-  which contain all of that (contributors generate inside the trainer's
-  wait). Not timed: model loading, the held-out evals the harness runs before
-  the first and after the last step (the eval interval is set past the run so
-  none falls in between), the final offline ledger audit and the harness's
-  own event logging. Groups
+  submissions. Timed: the trainer's ``train_step`` calls, which contain all of
+  that (contributors generate inside the trainer's wait). Not timed: model
+  loading, the held-out evals the harness runs before the first and after the
+  last step (the eval interval is set past the run so none falls in between),
+  the final offline ledger audit and the harness's own event logging. Groups
   whose rewards are all equal are trained on (``skip_uniform_groups`` off), as
-  TRL does, so both sides put the same completions through every optimizer step.
+  TRL does, so every side puts the same completions through every step.
+* trust off: the same ``TrainerLoop`` and ``PipelineRunner`` built from the same
+  scenario, generating each step's groups with the same engine
+  (``TransformersBackend.generate_batch``: one batch, shared prefill, the
+  keyed sampler) on the trainer's own parameters, with no signing or
+  verification, no admission, spot checks, reputation or ledger, one plain
+  mean-gradient pass under the same loss (no per-contributor gradients, no
+  robust aggregation) and no publication (``bench/_trust_off.py``). Timed: its
+  ``train_step`` calls. It counts its groups, passes and steps, and both
+  prooftrain sides count their calls of the trust layer's functions
+  (``TRUST_CALLS``: signing, signature checks, admission, ledger appends,
+  per-contributor gradient hooks, aggregation, publication), so the JSON shows
+  that the trust-off side made none.
 * TRL: ``GRPOTrainer`` without vLLM, ``num_generations = group_size``,
   ``per_device_train_batch_size = groups * group_size``, one gradient
   accumulation step, ``beta = 0``, ``num_iterations = 1``, and no activation
   (gradient) checkpointing, which ``GRPOConfig`` turns on by default and which
-  prooftrain does not do: with it TRL would run every forward pass twice. Timed: from the end
-  of one optimizer step to the end of the next (generation, rewards, the step).
+  prooftrain does not do. Timed: from the end of one optimizer step to the end
+  of the next (generation, rewards, the step); its generation seconds are the
+  model's ``generate`` calls.
 
-On both sides the first step is a warm-up and is not counted; the figure is
+On every side the first step is a warm-up and is not counted; the figure is
 completions trained per wall-clock second over the remaining ``steps``.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
-  prooftrain_samples_per_s / trl_samples_per_s   completions trained per wall second
-  ratio                                          prooftrain / TRL (target >= 0.8)
-  prooftrain_wall_s / trl_wall_s                 timed seconds of each side's best round
-  *_rounds_samples_per_s                         every round's figure
-  audit_rate_mean                                mean spot-check probability the
-                                                 validator applied (reputation-driven)
-  prooftrain_phases_s                            seconds per timed step of each phase
-                                                 (``phase_targets``; exclusive, ``other``
-                                                 is the rest of the step)
-  prooftrain_peak_rss_mib / trl_peak_rss_mib     each side's peak resident memory
-  prooftrain_train_reward_mean                   mean reward of the trained batches (0:
-                                                 every advantage, so every gradient, is 0)
+  trust_ratio                                    trust_on / trust_off samples per second
+                                                 (best round of each; trust_ratio_baseline
+                                                 says what the baseline is)
+  trust_rounds                                   per round: which side went first, each
+                                                 side's rate and load before/after, the ratio
+  trust_ratio_median_of_rounds                   the median of the rounds' ratios
+  trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
+                                                 (exclusive; ``other`` is the rest of the step)
+  trust_on_calls / trust_off_calls               calls of the trust layer's functions
+  trust_off_counts                               the trust-off side's groups, samples,
+                                                 passes and steps
+  audit_rate_mean                                mean spot-check probability the validator
+                                                 applied (reputation-driven)
+  trl_ratio, trl_ratio_baseline                  prooftrain (prefill unshared) / TRL
+  unshared_generation_s_per_step,
+  trl_generation_s_per_step                      each side's generation seconds per step
+  *_peak_rss_mib, *_train_reward_mean            peak resident memory; mean trained reward
 
 ``--scaling`` runs that comparison at three sizes in one run (the demo base
 model; a random-init Llama, hidden 384, 6 layers, 14M parameters; SmolLM2-135M
 from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
 it, skipped with the reason when absent), with ``--scaling-steps`` and
-``--scaling-rounds`` per size, then measures the default aggregator's extra
-peak memory on (n, d) rows at two contributor counts (``bench/_phases.py``).
-Its JSON line holds ``sizes`` (each size's figures as above, plus ``params``),
-``ratios``, ``ratio_holds_with_size`` and ``aggregation_memory``.
+``--scaling-rounds`` per size (defaults 20,12,10 steps and 3 rounds each), then
+measures the default aggregator's extra peak memory on (n, d) rows at two
+contributor counts (``bench/_phases.py``). Its JSON line holds ``sizes`` (each
+size's figures as above, plus ``params`` and ``trust_ratio_target``),
+``trust_ratios``, ``trl_ratios``, ``trl_ratio_holds_with_size`` and
+``aggregation_memory``.
 
 The task is reverse-text because its reward is partial credit (edit-distance
 similarity to the reversed string): every model, a random-init one included,
 earns rewards that differ inside a group, so every advantage and every gradient
-is real and both sides do the full work of an RL step at every size. On a task
-that only a trained model can score (``--task arithmetic``) a random-init model
-earns 0 everywhere, its gradients are 0 and prooftrain skips its per-contributor
-aggregation, which flatters the trust layer at the larger sizes.
+is real and every side does the full work of an RL step at every size.
 
 TRL is a bench-only dependency (``pip install '.[bench]'``); without it the
-TRL figures and the ratio are null and ``skipped`` says why.
+TRL figures are null and ``skipped`` says why (the trust ratio is measured
+regardless).
 
 With ``--pass-per-contributor`` prooftrain's RL step runs one forward and
 backward pass per contributor (its fallback) instead of one pass for all
@@ -83,7 +115,8 @@ backward pass per contributor (its fallback) instead of one pass for all
 
     python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
-    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,10,3]
+    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
+                                   [--scaling-rounds 3,3,3]
 """
 
 from __future__ import annotations
@@ -93,6 +126,8 @@ import contextlib
 import importlib.util
 import json
 import math
+import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -105,11 +140,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._phases import PhaseClock, Target, aggregation_peak, peak_rss_mib, per_step  # noqa: E402
+from bench._trl import SEED, pool_size, reward_fn, run_trl, trl_prompt  # noqa: E402, F401
 from bench._util import emit  # noqa: E402
 
 RATIO_TARGET = 0.8
+"""TRL ratio target (prooftrain with its prefill unshared / TRL)."""
+TRUST_TARGETS = {"demo": None, "14m": 0.85, "smollm2-135m": 0.9}
+"""trust_ratio targets per ``--scaling`` size (issue 49)."""
+TRUST_BASELINE = (
+    "prooftrain with the trust layer off (bench/_trust_off.py): the same trainer loop, model, "
+    "generation engine (shared prefill), batch shape, loss, optimizer and steps, with no "
+    "signing, admission, spot checks, per-contributor gradients, robust aggregation, "
+    "publication or ledger"
+)
+TRL_BASELINE = (
+    "TRL GRPOTrainer; prooftrain (trust on) with its shared prefill off "
+    "(TransformersBackend(share_prefill=False)): both sides prefill every completion's prompt"
+)
 TASK = "reverse_text"
-SEED = 0
 TRL_MISSING = "trl not installed (pip install '.[bench]')"
 
 SCENARIO = """
@@ -160,11 +208,6 @@ def patched(module: Any, name: str, value: Any) -> Iterator[None]:
         setattr(module, name, old)
 
 
-def pool_size(args: argparse.Namespace) -> int:
-    """Distinct train prompts: enough that neither side repeats one within the run."""
-    return max(1024, (args.steps + 1) * args.groups)
-
-
 # -- prooftrain ---------------------------------------------------------------------------
 
 
@@ -200,16 +243,75 @@ def phase_targets() -> list[Target]:
     ]
 
 
-def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
-    import harness.run as hrun
-    from harness.events import EVENTS_FILE, EventLog, Reputation, read_events
+TRUST_CALLS: list[tuple[str, str, str]] = [
+    ("sign", "verify.keys:SigningKey", "sign"),
+    ("verify_signature", "verify.keys:PublicKey", "verify"),
+    ("admit", "node.validator.core:Validator", "admit_many"),
+    ("ledger_append", "ledger.log:Ledger", "append_many"),
+    ("per_contributor_gradients", "trainer.groupgrad:GroupGradients", "_on_grad"),
+    ("aggregate", "trainer.rl:RLStep", "_finish"),
+    ("publish", "trainer.publish:StagePublisher", "update"),
+]
+"""Calls that only the trust layer makes, counted on both sides: (name, owner, attribute)."""
+
+
+def trust_targets() -> list[Target]:
+    import importlib
+
+    out: list[Target] = []
+    for name, owner, attr in TRUST_CALLS:
+        module, _, cls = owner.partition(":")
+        out.append((name, getattr(importlib.import_module(module), cls), attr))
+    return out
+
+
+def write_scenario(args: argparse.Namespace, work: Path) -> Any:
+    """The run's scenario (both prooftrain sides read it), loaded."""
     from harness.scenario import load_scenario
+
+    path = work / "scenario.toml"
+    path.write_text(
+        SCENARIO.format(
+            seed=SEED,
+            task=args.task,
+            pool=pool_size(args),
+            contributors=args.contributors,
+            group_size=args.group_size,
+            max_tokens=args.max_tokens,
+            total_steps=args.steps + 1,
+            groups=args.groups,
+            lr=args.lr,
+        )
+        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
+    )
+    return load_scenario(path)
+
+
+def unshared_backend(on: bool) -> contextlib.AbstractContextManager[None]:
+    """With ``on``, the simulation's contributors prefill each completion's prompt on its own
+    (``TransformersBackend(share_prefill=False)``), as TRL's generation does."""
+    import functools
+
+    import harness.simulation as sim
+    from rollout.backends import TransformersBackend
+
+    if not on:
+        return contextlib.nullcontext()
+    return patched(
+        sim, "TransformersBackend", functools.partial(TransformersBackend, share_prefill=False)
+    )
+
+
+def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
+    """The trust-on side: the harness's in-process network (see the module docstring)."""
+    import harness.run as hrun
+    from harness.events import EVENTS_FILE, EventLog, Reputation, Verdict, read_events
     from trainer.groupgrad import GroupGradients
 
     durations: list[float] = []
     samples: list[int] = []
     rewards: list[float] = []
-    clock = PhaseClock()
+    clock, calls = PhaseClock(), PhaseClock()
     after_warmup: dict[str, float] = {}
 
     class TimedLoop(hrun.TrainerLoop):
@@ -227,22 +329,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         return base_config(s, model_dir).model_copy(update={"skip_uniform_groups": False})
 
     base_config = hrun.trainer_config
-    path = work / "scenario.toml"
-    path.write_text(
-        SCENARIO.format(
-            seed=SEED,
-            task=args.task,
-            pool=pool_size(args),
-            contributors=args.contributors,
-            group_size=args.group_size,
-            max_tokens=args.max_tokens,
-            total_steps=args.steps + 1,
-            groups=args.groups,
-            lr=args.lr,
-        )
-        + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
-    )
-    scenario = load_scenario(path)
+    scenario = write_scenario(args, work)
     log_path = work / EVENTS_FILE
     start = time.perf_counter()
     fallback = (
@@ -254,13 +341,16 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         patched(hrun, "TrainerLoop", TimedLoop),
         patched(hrun, "trainer_config", config),
         fallback,
+        unshared_backend(args.unshared_prefill),
         clock.installed(phase_targets()),
+        calls.installed(trust_targets()),
         EventLog(log_path) as log,
     ):
         values = hrun.run_variant(scenario, work / "run", log, progress=args.progress, say=say)
         timed = clock.snapshot()
     total = time.perf_counter() - start
-    rates = [e.audit_rate for e in read_events(log_path) if isinstance(e, Reputation)]
+    events = read_events(log_path)
+    rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
     return {
         "samples": sum(samples[1:]),
         "wall_s": sum(durations[1:]),
@@ -269,138 +359,75 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         "steps": len(durations) - 1,
         "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+        "verdicts": sum(isinstance(e, Verdict) for e in events),
+        "trust_calls": dict(calls.calls),
         "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
         "peak_rss_mib": peak_rss_mib(),
         "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
     }
 
 
-# -- TRL ----------------------------------------------------------------------------------
+def trust_off_targets() -> list[Target]:
+    """The phases of the trust-off side's step (``bench/_trust_off.py``)."""
+    import torch
 
-
-def _text(x: str | list[dict[str, str]]) -> str:
-    """A prompt or completion as text: conversational ones are lists of messages."""
-    return x if isinstance(x, str) else x[-1]["content"]
-
-
-def reward_fn(
-    prompts: list[Any],
-    completions: list[Any],
-    problem_id: list[str],
-    answer: list[str],
-    task: list[str],
-    **_: Any,
-) -> list[float | None]:
-    """TRL reward function: the validator's reward (``rewards.reward``) of each completion."""
-    from rewards import Problem, reward
+    from bench._trust_off import PlainSource
+    from rollout.backends import TransformersBackend
+    from trainer.pipeline import PipelineRunner
 
     return [
-        reward(t, _text(c), Problem(id=i, task=t, prompt=_text(p), answer=a))
-        for p, c, i, a, t in zip(prompts, completions, problem_id, answer, task, strict=True)
+        ("generation", TransformersBackend, "generate_batch"),
+        ("generation", TransformersBackend, "generate"),
+        ("scoring", PlainSource, "_produce"),
+        ("rl_forward_backward", PipelineRunner, "forward_backward"),
+        ("optimizer_step", torch.optim.AdamW, "step"),
     ]
 
 
-def trl_prompt(text: str, tokenizer: Any) -> str | list[dict[str, str]]:
-    """The prompt as TRL gets it: one user message when the tokenizer has a chat template,
-    so TRL renders it with the template exactly as prooftrain's nodes encode it
-    (``rollout.prompting.encode_prompt``), else the text itself."""
-    from rollout.prompting import has_chat_template
+def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
+    """The trust-off side: the same loop with the trust layer out (``bench/_trust_off.py``)."""
+    from dataclasses import asdict
 
-    return [{"role": "user", "content": text}] if has_chat_template(tokenizer) else text
+    import harness.run as hrun
+    from bench._trust_off import plain_loop
 
-
-def run_trl(args: argparse.Namespace, work: Path) -> dict:
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
-
-    from rewards.tasks import generate as generate_problems
-    from trainer.base_model import ensure_base_model
-
-    torch.set_num_threads(1)
-    torch.manual_seed(SEED)
-    model_dir = args.model_dir or ensure_base_model(args.task, SEED, progress=args.progress)
-    problems = generate_problems(args.task, "train", pool_size(args), seed=SEED)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    dataset = Dataset.from_list(
-        [
-            {
-                "prompt": trl_prompt(p.prompt, tokenizer),
-                "answer": p.answer,
-                "problem_id": p.id,
-                "task": p.task,
-            }
-            for p in problems
-        ]
-    )
-    ends: list[float] = []
-
-    checkpointed: list[bool] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, *_: Any, **__: Any) -> None:
-            ends.append(time.perf_counter())
-            checkpointed.append(bool(getattr(model, "is_gradient_checkpointing", False)))
-
-    cfg = GRPOConfig(
-        output_dir=str(work / "trl"),
-        max_steps=args.steps + 1,
-        seed=SEED,
-        per_device_train_batch_size=args.groups * args.group_size,
-        gradient_accumulation_steps=1,
-        num_generations=args.group_size,
-        max_completion_length=args.max_tokens,
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.99,
-        max_grad_norm=1.0,
-        beta=0.0,
-        num_iterations=1,
-        activation_checkpointing=False,
-        scale_rewards="group",
-        use_vllm=False,
-        use_cpu=True,
-        bf16=False,
-        fp16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=args.steps + 1,
-        dataloader_num_workers=0,
-        disable_tqdm=not args.progress,
-    )
-    trainer = GRPOTrainer(
-        model=model,
-        reward_funcs=reward_fn,
-        args=cfg,
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=[StepClock()],
-    )
+    scenario = write_scenario(args, work)
+    model_dir = scenario.model.ensure(scenario.task.name, progress=args.progress)
+    cfg = hrun.trainer_config(scenario, model_dir).model_copy(update={"skip_uniform_groups": False})
+    clock, calls = PhaseClock(), PhaseClock()
+    durations: list[float] = []
+    samples: list[int] = []
+    rewards: list[float] = []
+    after_warmup: dict[str, float] = {}
     start = time.perf_counter()
-    trainer.train()
-    steps = len(ends) - 1
+    with clock.installed(trust_off_targets()), calls.installed(trust_targets()):
+        loop, counts = plain_loop(scenario, cfg, model_dir, share_prefill=not args.unshared_prefill)
+        for _ in range(cfg.steps):
+            t0 = time.perf_counter()
+            metrics = loop.train_step()
+            durations.append(time.perf_counter() - t0)
+            samples.append(int(metrics.get("train/samples", 0)))
+            rewards.append(float(metrics.get("train/reward", 0.0)))
+            if len(durations) == 1:
+                after_warmup.update(clock.snapshot())
+        timed = clock.snapshot()
     return {
-        "samples": steps * args.groups * args.group_size,
-        "wall_s": ends[-1] - ends[0],
-        "warmup_s": ends[0] - start,
+        "samples": sum(samples[1:]),
+        "wall_s": sum(durations[1:]),
+        "warmup_s": durations[0],
         "total_wall_s": time.perf_counter() - start,
-        "steps": steps,
+        "steps": len(durations) - 1,
+        "counts": asdict(counts),
+        "trust_calls": dict(calls.calls),
+        "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
         "peak_rss_mib": peak_rss_mib(),
-        "activation_checkpointing": any(checkpointed),
+        "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
     }
 
 
 # -- driver -------------------------------------------------------------------------------
 
-SIDES = {"prooftrain": run_prooftrain, "trl": run_trl}
+SIDES = {"prooftrain": run_prooftrain, "trust_off": run_trust_off, "trl": run_trl}
 
 
 def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Path:
@@ -427,8 +454,10 @@ def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Pa
     return out
 
 
-def run_side(side: str, args: argparse.Namespace) -> dict:
-    """Run one side in a fresh Python process; its figures come back as its last stdout line."""
+def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dict:
+    """Run one side in a fresh Python process; its figures come back as its last stdout line,
+    with the machine's load averages just before and just after (``os.getloadavg``).
+    ``unshared``: prooftrain generates with its shared prefill off."""
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -453,25 +482,64 @@ def run_side(side: str, args: argparse.Namespace) -> dict:
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
     if args.pass_per_contributor:
         cmd.append("--pass-per-contributor")
+    if unshared:
+        cmd.append("--unshared-prefill")
     if not args.progress:
         cmd.append("--quiet")
-    say(f"{side}: {args.steps} + 1 warm-up steps of {args.groups} x {args.group_size} completions")
+    say(
+        f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + 1 warm-up steps "
+        f"of {args.groups} x {args.group_size} completions"
+    )
+    before = load()
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
-    return json.loads(out.strip().splitlines()[-1])
+    result = json.loads(out.strip().splitlines()[-1])
+    result.update(load_before=before, load_after=load())
+    # Each side's figures as they come (a run killed later still leaves them on stderr).
+    say(f"{side} done: {json.dumps({**result, 'unshared': unshared, 'model': args.model_dir})}")
+    return result
+
+
+def load() -> list[float]:
+    """The machine's 1, 5 and 15 minute load averages."""
+    return [round(x, 2) for x in os.getloadavg()]
 
 
 def rate(side: dict) -> float:
     return side["samples"] / side["wall_s"]
 
 
+def _round_entry(r: int, first: str, on: dict, off: dict) -> dict:
+    return {
+        "round": r + 1,
+        "first": first,
+        "trust_on_samples_per_s": round(rate(on), 2),
+        "trust_off_samples_per_s": round(rate(off), 2),
+        "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_on_load": {"before": on.get("load_before"), "after": on.get("load_after")},
+        "trust_off_load": {"before": off.get("load_before"), "after": off.get("load_after")},
+    }
+
+
 def summarise(
-    args: argparse.Namespace, pts: list[dict], trls: list[dict], skipped: str | None
+    args: argparse.Namespace,
+    ons: list[dict],
+    offs: list[dict],
+    trls: list[dict],
+    unshared: list[dict],
+    skipped: str | None,
 ) -> dict:
-    """The best round of each side: the one least disturbed by other load on the machine."""
-    pt = max(pts, key=rate)
+    """The trust ratio (trust-on / trust-off, each side's best round: the one least disturbed
+    by other load on the machine), every round's figures and load, then the TRL ratio
+    (prooftrain with its prefill unshared against TRL, best rounds) when TRL ran."""
+    on, off = max(ons, key=rate), max(offs, key=rate)
+    size = getattr(args, "size", None)
+    rounds = [
+        _round_entry(r, getattr(args, "order", ["trust_on"] * len(ons))[r], a, b)
+        for r, (a, b) in enumerate(zip(ons, offs, strict=True))
+    ]
+    audited = on.get("audit_rate_mean")
     trl = max(trls, key=rate) if trls else None
-    pt_rate, trl_rate = rate(pt), (rate(trl) if trl else None)
-    audited = pt["audit_rate_mean"]
+    pu = max(unshared, key=rate) if unshared else None
     result = {
         "bench": "trust_overhead",
         "steps": args.steps,
@@ -485,45 +553,82 @@ def summarise(
         "threads": 1,
         "model": args.model_dir or "demo base model",
         "task": args.task,
+        "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_ratio_target": TRUST_TARGETS.get(size) if size else None,
+        "trust_ratio_baseline": TRUST_BASELINE,
+        "trust_ratio_rule": "best round of each side (per-round ratios in trust_rounds)",
+        "trust_ratio_median_of_rounds": round(
+            statistics.median(x["trust_ratio"] for x in rounds), 3
+        ),
+        "trust_rounds": rounds,
+        "trust_on_samples_per_s": round(rate(on), 2),
+        "trust_off_samples_per_s": round(rate(off), 2),
+        "trust_on_wall_s": round(on["wall_s"], 2),
+        "trust_off_wall_s": round(off["wall_s"], 2),
+        "trust_on_phases_s": on.get("phases_s"),
+        "trust_off_phases_s": off.get("phases_s"),
+        "trust_on_calls": on.get("trust_calls"),
+        "trust_off_calls": off.get("trust_calls"),
+        "trust_off_counts": off.get("counts"),
+        "trust_on_verdicts": on.get("verdicts"),
+        "trust_on_peak_rss_mib": on.get("peak_rss_mib"),
+        "trust_off_peak_rss_mib": off.get("peak_rss_mib"),
+        "trust_on_train_reward_mean": _r4(on.get("train_reward_mean")),
+        "trust_off_train_reward_mean": _r4(off.get("train_reward_mean")),
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
-        "ledger_audit_ok": all(p["audit_ok"] for p in pts),
-        "prooftrain_samples_per_s": round(pt_rate, 2),
-        "prooftrain_wall_s": round(pt["wall_s"], 2),
-        "prooftrain_rounds_samples_per_s": [round(rate(p), 2) for p in pts],
-        "prooftrain_phases_s": pt.get("phases_s"),
-        "prooftrain_peak_rss_mib": pt.get("peak_rss_mib"),
-        "prooftrain_train_reward_mean": (
-            None if pt.get("train_reward_mean") is None else round(pt["train_reward_mean"], 4)
+        "ledger_audit_ok": all(p["audit_ok"] for p in ons + unshared),
+        "contributor_gradients": (
+            "a pass per contributor" if args.pass_per_contributor else "one pass for all"
         ),
-        "trl_samples_per_s": None if trl_rate is None else round(trl_rate, 2),
-        "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
+        "trl_ratio": None if trl is None or pu is None else round(rate(pu) / rate(trl), 3),
+        "trl_ratio_target": RATIO_TARGET,
+        "trl_ratio_baseline": TRL_BASELINE,
+        "trl_samples_per_s": None if trl is None else round(rate(trl), 2),
         "trl_rounds_samples_per_s": [round(rate(t), 2) for t in trls],
+        "trl_generation_s_per_step": None if trl is None else trl.get("generation_s"),
+        "trl_wall_s": None if trl is None else round(trl["wall_s"], 2),
         "trl_peak_rss_mib": None if trl is None else trl.get("peak_rss_mib"),
         "trl_activation_checkpointing": None
         if trl is None
         else trl.get("activation_checkpointing"),
-        "ratio": None if trl_rate is None else round(pt_rate / trl_rate, 3),
-        "ratio_target": RATIO_TARGET,
-        "contributor_gradients": (
-            "a pass per contributor" if args.pass_per_contributor else "one pass for all"
-        ),
+        "unshared_samples_per_s": None if pu is None else round(rate(pu), 2),
+        "unshared_rounds_samples_per_s": [round(rate(p), 2) for p in unshared],
+        "unshared_generation_s_per_step": None if pu is None else pu["phases_s"].get("generation"),
     }
     if skipped:
         result["skipped"] = skipped
     return result
 
 
+def _r4(x: float | None) -> float | None:
+    return None if x is None else round(x, 4)
+
+
 def compare(args: argparse.Namespace, skipped: str | None) -> dict:
-    """``args.rounds`` alternating runs of each side on ``args.model_dir``; their summary."""
-    pts: list[dict] = []
+    """``args.rounds`` rounds, each running trust-on and trust-off (first one, then the
+    other, the order swapped every round so neither always runs first), then, with TRL,
+    prooftrain with its prefill unshared and TRL; their summary."""
+    ons: list[dict] = []
+    offs: list[dict] = []
     trls: list[dict] = []
+    unshared: list[dict] = []
+    order: list[str] = []
     for r in range(args.rounds):
         say(f"round {r + 1}/{args.rounds}")
-        pts.append(run_side("prooftrain", args))
+        first = "trust_on" if r % 2 == 0 else "trust_off"
+        order.append(first)
+        if first == "trust_on":
+            ons.append(run_side("prooftrain", args))
+            offs.append(run_side("trust_off", args))
+        else:
+            offs.append(run_side("trust_off", args))
+            ons.append(run_side("prooftrain", args))
         if not skipped:
+            unshared.append(run_side("prooftrain", args, unshared=True))
             trls.append(run_side("trl", args))
-    return summarise(args, pts, trls, skipped)
+    args = argparse.Namespace(**{**vars(args), "order": order})
+    return summarise(args, ons, offs, trls, unshared, skipped)
 
 
 # -- scaling: three model sizes in one run ------------------------------------------------
@@ -533,8 +638,8 @@ SIZES = {
     "14m": "random-init Llama, hidden 384, 6 layers",
     "smollm2-135m": "SmolLM2-135M-Instruct",
 }
-SIZE_STEPS = (20, 10, 3)
-SIZE_ROUNDS = (3, 2, 1)
+SIZE_STEPS = (20, 12, 10)
+SIZE_ROUNDS = (3, 3, 3)
 MEMORY_CONTRIBUTORS = (4, 8)
 
 
@@ -603,19 +708,25 @@ def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
                     "model_dir": str(model_dir),
                     "steps": steps[i],
                     "rounds": rounds[i],
+                    "size": size,
                 }
             )
             result = compare(sub, skipped)
             result.update(model=SIZES[size], params=model_params(model_dir))
             sizes[size] = result
-    ratios = {k: v.get("ratio") for k, v in sizes.items()}
+    ratios = {k: v.get("trl_ratio") for k, v in sizes.items()}
     measured = [r for r in ratios.values() if r is not None]
     return {
         "bench": "trust_overhead",
         "mode": "scaling",
-        "ratio_target": RATIO_TARGET,
-        "ratios": ratios,
-        "ratio_holds_with_size": (
+        "trust_ratios": {k: v.get("trust_ratio") for k, v in sizes.items()},
+        "trust_ratio_targets": {k: TRUST_TARGETS[k] for k in sizes},
+        "trust_ratio_baseline": TRUST_BASELINE,
+        "load": {"end": load()},
+        "trl_ratio_target": RATIO_TARGET,
+        "trl_ratio_baseline": TRL_BASELINE,
+        "trl_ratios": ratios,
+        "trl_ratio_holds_with_size": (
             all(b >= a for a, b in zip(measured, measured[1:], strict=False))
             if len(measured) > 1
             else None
@@ -661,7 +772,8 @@ def parse_args() -> argparse.Namespace:
         "--rounds",
         type=int,
         default=3,
-        help="alternating runs of each side; the best of each counts",
+        help="rounds, each running every side once (trust on and off alternate which goes "
+        "first); the best round of each side counts",
     )
     parser.add_argument(
         "--model-dir",
@@ -680,6 +792,7 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="prooftrain's RL step runs a pass per contributor (its fallback)",
     )
+    parser.add_argument("--unshared-prefill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--scaling",
         action="store_true",
@@ -723,6 +836,7 @@ def parse_args() -> argparse.Namespace:
         or args.group_size < 2
     ):
         parser.error("need --group-size >= 2 and every other count >= 1")
+    args.size = "14m" if args.width == 384 and args.layers == 6 else None
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")
     if args.scaling:

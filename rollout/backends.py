@@ -221,6 +221,11 @@ class TransformersBackend:
     feeds the G last tokens (finished rows keep feeding their stop token and
     are ignored), so every row always has the same length and needs neither
     padding nor explicit position ids.
+
+    ``share_prefill=False`` encodes the prompt once per completion instead (G
+    rows of the same prompt, each with its own cache), as a generator without
+    prefix sharing does: the same tokens and sampler, G times the prefill
+    work. Benchmarks use it to compare with such generators on equal terms.
     """
 
     name = "transformers"
@@ -231,19 +236,23 @@ class TransformersBackend:
         *,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
+        share_prefill: bool = True,
     ) -> None:
         self.device = torch.device(device)
         self.model = load_causal_lm(model, self.device, resolve_dtype(dtype))
         self.precision = precision_name(next(self.model.parameters()).dtype)
         self._cache_kw = cache_kwarg(self.model)
+        self.share_prefill = share_prefill
 
     @torch.inference_mode()
     def generate(self, request: GenerationRequest) -> list[GeneratedCompletion]:
         g_size = request.group_size
-        prompt = torch.tensor([request.prompt_ids], dtype=torch.long, device=self.device)
+        rows = 1 if self.share_prefill else g_size
+        prompt = torch.tensor([request.prompt_ids] * rows, dtype=torch.long, device=self.device)
         out = self.model(input_ids=prompt, use_cache=True, logits_to_keep=1)
         cache = getattr(out, self._cache_kw)
-        cache.batch_repeat_interleave(g_size)
+        if self.share_prefill:
+            cache.batch_repeat_interleave(g_size)
         logits = out.logits[:, -1, :].float().expand(g_size, -1)  # (G, V)
 
         def step(nxt: torch.Tensor) -> torch.Tensor:
@@ -270,10 +279,13 @@ class TransformersBackend:
         if not requests or len({batch_key(r) for r in requests}) != 1:
             raise ValueError("generate_batch needs one or more requests with one batch_key")
         g_size = requests[0].group_size
+        copies = 1 if self.share_prefill else g_size  # prompt rows prefilled per request
         ids, mask, positions = (
-            t.to(self.device) for t in left_padded([r.prompt_ids for r in requests])
+            t.to(self.device)
+            for t in left_padded([r.prompt_ids for r in requests for _ in range(copies)])
         )
-        # Each prompt once; its cache, mask and logits then serve its G completions.
+        # Each prompt once; its cache, mask and logits then serve its G completions
+        # (``share_prefill=False``: each completion's own row from the start).
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -282,10 +294,12 @@ class TransformersBackend:
             logits_to_keep=1,
         )
         cache = getattr(out, self._cache_kw)
-        cache.batch_repeat_interleave(g_size)
+        repeat = g_size // copies
+        if repeat > 1:
+            cache.batch_repeat_interleave(repeat)
         state = {
-            "mask": mask.repeat_interleave(g_size, dim=0),
-            "next": positions[:, -1:].repeat_interleave(g_size, dim=0) + 1,
+            "mask": mask.repeat_interleave(repeat, dim=0),
+            "next": positions[:, -1:].repeat_interleave(repeat, dim=0) + 1,
         }
 
         def step(nxt: torch.Tensor) -> torch.Tensor:
@@ -301,7 +315,7 @@ class TransformersBackend:
             return out.logits[:, -1, :].float()
 
         return self._decode(
-            out.logits[:, -1, :].float().repeat_interleave(g_size, dim=0), step, requests
+            out.logits[:, -1, :].float().repeat_interleave(repeat, dim=0), step, requests
         )
 
     def _decode(

@@ -30,7 +30,17 @@ groups); :meth:`GroupGradients.gram` then forms the groups' Gram matrix
 :meth:`GroupGradients.combine` writes ``sum_c alpha_c R_c`` into ``.grad`` as
 one weighted pass (each row's output gradient scaled by its group's alpha).
 Memory: the model, the kept activations and ``O(n^2 + n * GRAM_BLOCK)``,
-never ``n x d``.
+plus at most ``keep_bytes`` of per-group gradients (below): never ``n x d``
+beyond that budget.
+
+Forming K materialises every group's gradient of a parameter anyway (as much
+work as the parameter's whole-batch weight gradient); the combine would form
+it again. So :meth:`GroupGradients.gram` keeps the per-group gradients of the
+parameters that fit in ``keep_bytes`` (``GRAM_KEEP_BYTES``, 1 GiB, by default; whole
+parameters, in order, in buffers reused from step to step) and
+:meth:`GroupGradients.combine` takes those as ``sum_c alpha_c R_c`` over the
+kept rows (one pass over memory, no second product); only the parameters
+beyond the budget are formed again. Same values up to float rounding either way.
 """
 
 from __future__ import annotations
@@ -77,6 +87,10 @@ def _norm_eps(module: nn.Module) -> float | None:
 
 GRAM_BLOCK = 1 << 20
 """Gradient entries per group in one block of :meth:`GroupGradients.gram` (4 MiB float32)."""
+GRAM_KEEP_BYTES = 1 << 30
+"""Default budget of per-group gradients :meth:`GroupGradients.gram` keeps for
+:meth:`GroupGradients.combine` (1 GiB float32: every group's gradient of a 33M-parameter
+stage at 8 groups); 0 keeps none."""
 
 _HandlerFn = Callable[["GroupGradients", Any, Tensor, Tensor, Any], None]
 """``handler(grads, module, module input, output gradient, arg)``: adds one module's part."""
@@ -118,6 +132,11 @@ class GroupGradients:
         self._segments: list[tuple[int, int]] = []
         self._out: Tensor | None = None
         self._calls: list[_Call] | None = None  # capture_gram: what each module saw
+        self.keep_bytes = GRAM_KEEP_BYTES
+        """Budget of per-group gradients :meth:`gram` keeps for :meth:`combine` (bytes)."""
+        self._kept: dict[int, Tensor] = {}  # param id -> (n_max, *shape) float32, reused
+        self._formed: set[int] = set()  # params whose rows this pass's gram left in _kept
+        self._scratch: Tensor | None = None  # gram's block buffer, released after it
 
     @classmethod
     def plan(cls, module: nn.Module, params: Sequence[nn.Parameter]) -> GroupGradients | None:
@@ -185,22 +204,31 @@ class GroupGradients:
 
     def gram(self) -> Tensor:
         """The groups' Gram matrix ``K[a, b] = <R_a, R_b>`` (n, n) float64 after a
-        :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time."""
+        :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time in one
+        scratch buffer (a parameter whose rows are kept for :meth:`combine`: at once, into
+        its own buffer)."""
         n = len(self._segments)
         k = torch.zeros((n, n), dtype=torch.float64)
         parts = _parts(self)
+        self._formed = set()
+        budget = self.keep_bytes
         for p in self.params:
             if id(p) not in parts:
                 continue
             rows = p.shape[0] if p.dim() else 1
-            step = max(1, GRAM_BLOCK // max(1, p.numel() // rows))
+            size = 4 * n * p.numel()
+            if size <= budget:
+                budget -= size
+                k += _products(_form(parts[id(p)], self._kept_rows(p, n), 0, rows))
+                self._formed.add(id(p))
+                continue
+            per_row = max(1, p.numel() // rows)
+            step = max(1, GRAM_BLOCK // per_row)
             for a in range(0, rows, step):
                 b = min(a + step, rows)
-                block = torch.zeros((n, b - a, *p.shape[1:]), dtype=torch.float32)
-                for call, role in parts[id(p)]:
-                    call.add(block, role, a, b)
-                flat = block.reshape(n, -1)
-                k += (flat @ flat.T).double()
+                block = self._scratch_block(n * (b - a) * per_row).view(n, b - a, *p.shape[1:])
+                k += _products(_form(parts[id(p)], block, a, b))
+        self._scratch = None
         return k
 
     def combine(self, alpha: Tensor) -> None:
@@ -212,11 +240,46 @@ class GroupGradients:
         scales = [float(a) for a in alpha]
         parts = _parts(self)
         for p in self.params:
-            grad = torch.zeros((1, *p.shape), dtype=torch.float32)
+            if id(p) in self._formed:
+                p.grad = self._combine_kept(p, scales).to(p.dtype)
+                continue
+            grad: Tensor | None = None
             for call, role in parts.get(id(p), []):
-                call.add(grad, role, 0, p.shape[0] if p.dim() else 1, scales)
-            p.grad = grad[0].to(p.dtype)
+                part = call.weighted(role, scales, p.shape)
+                grad = part if grad is None else grad.add_(part)
+            p.grad = (grad if grad is not None else torch.zeros(p.shape)).to(p.dtype)
         self._calls = None
+        self._formed = set()
+
+    def _scratch_block(self, numel: int) -> Tensor:
+        """``numel`` uninitialised float32 entries of one scratch buffer reused within a
+        :meth:`gram` (a fresh block per parameter would be paged in again every time)."""
+        if self._scratch is None or self._scratch.numel() < numel:
+            self._scratch = None
+            self._scratch = torch.empty(numel, dtype=torch.float32)
+        return self._scratch[:numel]
+
+    def _kept_rows(self, p: Tensor, n: int) -> Tensor:
+        """(n, *p.shape) float32, uninitialised: ``p``'s kept per-group rows, in a buffer
+        reused from step to step (a fresh one would be paged in again every step)."""
+        buf = self._kept.get(id(p))
+        if buf is None or buf.shape[0] < n:
+            self._kept.pop(id(p), None)
+            buf = self._kept[id(p)] = torch.empty((n, *p.shape), dtype=torch.float32)
+        return buf[:n]
+
+    def _combine_kept(self, p: Tensor, scales: Sequence[float]) -> Tensor:
+        """``sum_c scales[c] * R_c`` from ``p``'s kept rows; rows scaled by 0 are left out (a
+        non-finite row cannot reach the result: 0 * inf is NaN)."""
+        rows = self._kept[id(p)][: len(scales)].reshape(len(scales), -1)
+        live = [c for c, a in enumerate(scales) if a != 0.0]
+        if len(live) == len(scales):
+            weights = torch.tensor(scales, dtype=torch.float32)
+            return torch.mv(rows.T, weights).view(p.shape)
+        out = torch.zeros(p.numel(), dtype=torch.float32)
+        for c in live:
+            out.add_(rows[c], alpha=scales[c])
+        return out.view(p.shape)
 
     # -- hooks
 
@@ -285,16 +348,46 @@ class GroupGradients:
 # -- without the rows: the Gram matrix, then one weighted pass
 
 
+PRODUCT_CHUNK = 1 << 14
+"""Columns per product in :func:`_products` (a long, skinny ``(n, B) @ (B, n)`` runs at about
+half the speed of the same product in chunks that stay in cache)."""
+
+
+def _products(flat: Tensor) -> Tensor:
+    """``flat @ flat.T`` (n, n) float64 of (n, B) float32 rows, in column chunks."""
+    n, width = flat.shape
+    acc = torch.zeros((n, n), dtype=torch.float32)
+    for a in range(0, width, PRODUCT_CHUNK):
+        part = flat[:, a : a + PRODUCT_CHUNK]
+        acc.addmm_(part, part.t())
+    return acc.double()
+
+
+def _form(parts: list[tuple[_Call, str]], out: Tensor, a: int, b: int) -> Tensor:
+    """Rows ``a:b`` of every group's gradient of one parameter written over ``out`` (n, b - a,
+    ...), uninitialised on entry; returns it as (n, (b - a) * ...)."""
+    n = out.shape[0]
+    fresh = [True] * n  # the first part of each group's row is written, not added
+    for call, role in parts:
+        call.add(out, role, a, b, fresh=fresh)
+    for c in (c for c, f in enumerate(fresh) if f):
+        out[c].zero_()  # a group with no tokens here
+    return out.reshape(n, -1)
+
+
 @dataclass(frozen=True)
 class _Call:
-    """One module call, per group: the token rows whose output gradient is not zero (the
-    rest add nothing to any gradient), their input (RMS norms: the normalised input) and
-    output gradient, flattened to ``(tokens, features)``."""
+    """One module call: its token rows' input ``x`` (RMS norms: the normalised input;
+    embeddings: the token ids) and output gradient ``g``, flattened to ``(tokens,
+    features)``, and each group's token span. Rows whose output gradient is zero (padding)
+    add nothing and are kept anyway: finding and copying the live ones cost more than the
+    products they saved."""
 
     handler: _HandlerFn
     module: nn.Module
-    xs: list[Tensor]
-    gs: list[Tensor]
+    x: Tensor
+    g: Tensor
+    spans: list[tuple[int, int]]
     arg: Any
 
     @classmethod
@@ -307,20 +400,19 @@ class _Call:
         arg: Any,
         segments: Sequence[tuple[int, int]],
     ) -> _Call:
-        xs, gs = [], []
-        for lo, hi in segments:
-            gc = g[lo:hi].reshape(-1, g.shape[-1])
-            xc = (
-                x[lo:hi].reshape(-1)
-                if x.dim() == g.dim() - 1
-                else x[lo:hi].reshape(-1, x.shape[-1])
-            )
-            live = gc.ne(0).any(dim=1)  # (tokens,)
-            if not bool(live.all()):
-                xc, gc = xc[live], gc[live]
-            xs.append(xc)
-            gs.append(gc)
-        return cls(handler, module, xs, gs, arg)
+        per_row = g[:1].numel() // g.shape[-1]  # tokens per batch row
+        gf = g.reshape(-1, g.shape[-1])
+        xf = x.reshape(-1) if x.dim() == g.dim() - 1 else x.reshape(-1, x.shape[-1])
+        spans = [(lo * per_row, hi * per_row) for lo, hi in segments]
+        return cls(handler, module, xf, gf, spans, arg)
+
+    @property
+    def xs(self) -> list[Tensor]:
+        return [self.x[lo:hi] for lo, hi in self.spans]
+
+    @property
+    def gs(self) -> list[Tensor]:
+        return [self.g[lo:hi] for lo, hi in self.spans]
 
     def parts(self) -> list[tuple[nn.Parameter, str]]:
         names = ("weight", "bias") if self.handler is GroupGradients._linear else ("weight",)
@@ -328,27 +420,73 @@ class _Call:
             (p, n) for n in names if isinstance(p := getattr(self.module, n, None), nn.Parameter)
         ]
 
-    def add(
-        self, out: Tensor, role: str, a: int, b: int, scales: Sequence[float] | None = None
-    ) -> None:
-        """Rows ``a:b`` of this call's part of parameter ``role``'s gradient: group c's into
-        ``out[c]``, or with ``scales``, ``sum_c scales[c] * (group c's)`` into ``out[0]``."""
+    def add(self, out: Tensor, role: str, a: int, b: int, fresh: list[bool]) -> None:
+        """Rows ``a:b`` of this call's part of parameter ``role``'s gradient, group c's into
+        ``out[c]``: written over it while ``fresh[c]`` (then False), else added."""
         for c, (xc, gc) in enumerate(zip(self.xs, self.gs, strict=True)):
-            scale = 1.0 if scales is None else scales[c]
-            if not len(gc) or scale == 0.0:
+            if not len(gc):
                 continue
-            dst, gc = out[c if scales is None else 0], gc.float()
-            if self.handler is GroupGradients._embedding:
-                keep = (xc >= a) & (xc < b)
-                if self.arg is not None:  # nn.Embedding gives its padding row no gradient
-                    keep &= xc != self.arg
-                dst.index_add_(0, xc[keep] - a, gc[keep], alpha=scale)
-            elif self.handler is GroupGradients._rmsnorm:
-                dst.add_((gc * xc.float())[:, a:b].sum(0), alpha=scale)
-            elif role == "bias":
-                dst.add_(gc[:, a:b].sum(0), alpha=scale)
-            else:
-                dst.addmm_(gc[:, a:b].t(), xc.float(), alpha=scale)
+            dst, gc = out[c], gc.float()
+            if fresh[c] and self.handler is not GroupGradients._embedding:
+                fresh[c] = False
+                self._part(dst, role, xc, gc, a, b, write=True)
+                continue
+            if fresh[c]:
+                fresh[c] = False
+                dst.zero_()
+            self._part(dst, role, xc, gc, a, b, write=False)
+
+    def _part(
+        self, dst: Tensor, role: str, xc: Tensor, gc: Tensor, a: int, b: int, *, write: bool
+    ) -> None:
+        """Rows ``a:b`` of the part of tokens ``xc``/``gc``, into (``write``: over) ``dst``."""
+        if self.handler is GroupGradients._embedding:
+            keep = (xc >= a) & (xc < b)
+            if self.arg is not None:  # nn.Embedding gives its padding row no gradient
+                keep &= xc != self.arg
+            dst.index_add_(0, xc[keep] - a, gc[keep])
+        elif self.handler is GroupGradients._rmsnorm:
+            part = gc[:, a:b] * xc[:, a:b].float()
+            torch.sum(part, 0, out=dst) if write else dst.add_(part.sum(0))
+        elif role == "bias":
+            torch.sum(gc[:, a:b], 0, out=dst) if write else dst.add_(gc[:, a:b].sum(0))
+        elif write:
+            torch.mm(gc[:, a:b].t(), xc.float(), out=dst)
+        else:
+            dst.addmm_(gc[:, a:b].t(), xc.float())
+
+    def weighted(self, role: str, scales: Sequence[float], shape: torch.Size) -> Tensor:
+        """This call's part of parameter ``role``'s ``sum_c scales[c] * (group c's gradient)``
+        as a new tensor of ``shape``: every token's output gradient scaled by its group's
+        scale, then one product over all tokens. Groups scaled by 0 are left out, token and
+        all (0 * inf is NaN: a non-finite group cannot reach the result)."""
+        counts = [hi - lo for lo, hi in self.spans]
+        weights = torch.tensor(scales, dtype=torch.float32)
+        if (
+            all(s != 0.0 for s in scales)
+            and self.spans[0][0] == 0
+            and all(self.spans[i][1] == self.spans[i + 1][0] for i in range(len(self.spans) - 1))
+        ):
+            end = self.spans[-1][1]
+            x, g = self.x[:end], self.g[:end].float()
+            w = torch.repeat_interleave(weights, torch.tensor(counts))
+        else:
+            live = [c for c, s in enumerate(scales) if s != 0.0 and counts[c]]
+            index = torch.cat(
+                [torch.arange(*self.spans[c]) for c in live] or [torch.zeros(0, dtype=torch.long)]
+            )
+            x, g = self.x[index], self.g[index].float()
+            w = torch.repeat_interleave(weights[live], torch.tensor([counts[c] for c in live]))
+        g = g * w[:, None]  # (tokens, out)
+        if self.handler is GroupGradients._embedding:
+            out = torch.zeros(shape, dtype=torch.float32)
+            keep = x != self.arg if self.arg is not None else slice(None)
+            return out.index_add_(0, x[keep], g[keep])
+        if self.handler is GroupGradients._rmsnorm:
+            return (g * x.float()).sum(0).view(shape)
+        if role == "bias":
+            return g.sum(0).view(shape)
+        return (g.t() @ x.float()).view(shape)
 
 
 def _parts(grads: GroupGradients) -> dict[int, list[tuple[_Call, str]]]:

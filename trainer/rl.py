@@ -24,8 +24,9 @@ Per step, on every stage (every rank makes the same calls in the same order):
    keeps each module's inputs and output gradients, ``GroupGradients.gram``
    forms ``K = R R^T`` (n, n) a parameter block at a time, the aggregator
    turns K into coefficients alpha, and ``GroupGradients.combine`` writes
-   ``alpha @ R`` into ``.grad`` in one weighted pass: memory independent of
-   ``n x d``, the same result up to rounding;
+   ``alpha @ R`` into ``.grad`` (from the rows ``gram`` kept within
+   ``GroupGradients.keep_bytes``, else in one weighted pass): memory bounded by
+   that budget rather than ``n x d``, the same result up to rounding;
 4. clip by the global norm (squared norms summed over stages) and step.
 
 Invariants: a contributor's rows reach the optimizer only through its one

@@ -41,6 +41,7 @@ from typing import Literal
 import torch
 from torch import Tensor, nn
 
+from verify.aggregate_blocks import all_finite
 from verify.errors import ConfigError
 from verify.manifest import blob_digest
 from verify.weights_codec import (
@@ -192,7 +193,7 @@ class StagePublisher:
             t = current_state[name]
             if tuple(t.shape) != tuple(copy[name].shape):
                 raise ValueError(f"{name}: shape {tuple(t.shape)} differs from the published copy")
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 raise ValueError(f"{name}: weights are not finite")
         kind = self.next_kind()
         full = kind == "full"

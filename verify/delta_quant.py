@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from verify.aggregate_blocks import all_finite
 from verify.delta_format import ScaleDtype, decode_error
 from verify.errors import Reason
 
@@ -97,6 +98,6 @@ def as_f32(delta: Tensor) -> Tensor:
     if not delta.is_floating_point():
         raise ValueError(f"delta must be floating point, got {delta.dtype}")
     x = delta.detach().to(device="cpu", dtype=torch.float32).contiguous().flatten()
-    if not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         raise ValueError("delta has non-finite values")
     return x

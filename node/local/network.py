@@ -363,9 +363,25 @@ class LocalNetwork:
             )
 
     def _published_model(self) -> PreTrainedModel:
-        model = copy.deepcopy(self.registry[0])
-        self.publisher.load_into(model)
-        return model.eval()
+        """A model holding a copy of the published weights: the base model's structure and
+        buffers, each parameter copied once, straight from the published state (a tied one
+        once for both names)."""
+        base = self.registry[0]
+        state = self.publisher.published_state()
+        params = dict(base.named_parameters(remove_duplicate=False))
+        missing = sorted(set(state) - set(params))
+        if missing:
+            raise ValueError(f"base model lacks published parameters {missing[:5]}")
+        memo: dict[int, object] = {}
+        for name, value in state.items():
+            p = params[name]
+            memo[id(p)] = torch.nn.Parameter(
+                value.to(p.dtype, copy=True), requires_grad=p.requires_grad
+            )
+        uncovered = [n for n, p in params.items() if id(p) not in memo]
+        if uncovered:
+            raise ValueError(f"published state lacks parameters {uncovered[:5]}")
+        return copy.deepcopy(base, memo).eval()
 
     def model(self, version: int) -> PreTrainedModel:
         """The published weights of ``version``, announced or still held back."""

@@ -13,6 +13,7 @@ import pytest
 from bench import trust_overhead as bench
 
 ROOT = Path(__file__).resolve().parents[2]
+LOAD = ("before", "after")
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -32,33 +33,52 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def _side(samples: int, wall_s: float, **extra: object) -> dict:
-    return {"samples": samples, "wall_s": wall_s, **extra}
+    return {
+        "samples": samples,
+        "wall_s": wall_s,
+        "load_before": [1.0, 1.0, 1.0],
+        "load_after": [1.5, 1.0, 1.0],
+        **extra,
+    }
 
 
-def test_summary_takes_each_sides_best_round_and_their_ratio() -> None:
-    pts = [
+def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baselines() -> None:
+    ons = [
         _side(32, 2.0, audit_rate_mean=0.5, audit_ok=True),
         _side(32, 1.0, audit_rate_mean=0.25, audit_ok=True),
     ]
+    offs = [_side(32, 0.8), _side(32, 0.5)]
     trls = [_side(32, 0.5), _side(32, 0.8)]
-    out = bench.summarise(_args(), pts, trls, None)
-    assert out["prooftrain_samples_per_s"] == 32.0
-    assert out["trl_samples_per_s"] == 64.0
-    assert out["ratio"] == 0.5
-    assert out["ratio_target"] == 0.8
+    unshared = [_side(32, 4.0, audit_ok=True, phases_s={"generation": 0.3})]
+    args = _args(order=["trust_on", "trust_off"])
+    out = bench.summarise(args, ons, offs, trls, unshared, None)
+    assert out["trust_on_samples_per_s"] == 32.0 and out["trust_off_samples_per_s"] == 64.0
+    assert out["trust_ratio"] == 0.5  # best round of each side: 32 / 64
+    assert [r["trust_ratio"] for r in out["trust_rounds"]] == [0.4, 0.5]  # 16/40, 32/64
+    assert out["trust_ratio_median_of_rounds"] == 0.45
+    assert [r["first"] for r in out["trust_rounds"]] == ["trust_on", "trust_off"]
+    assert out["trust_rounds"][0]["trust_on_load"] == {
+        "before": [1.0, 1.0, 1.0],
+        "after": [1.5, 1.0, 1.0],
+    }
+    assert out["trust_ratio_baseline"] == bench.TRUST_BASELINE
     assert out["audit_rate_mean"] == 0.25  # from the round that counts
+    assert out["trl_samples_per_s"] == 64.0 and out["unshared_samples_per_s"] == 8.0
+    assert out["trl_ratio"] == 0.125 and out["trl_ratio_baseline"] == bench.TRL_BASELINE
+    assert out["unshared_generation_s_per_step"] == 0.3
     assert out["batch_completions"] == 8
-    assert out["prooftrain_rounds_samples_per_s"] == [16.0, 32.0]
     assert out["contributor_gradients"] == "one pass for all"
     assert "skipped" not in out
-    fallback = bench.summarise(_args(pass_per_contributor=True), pts, trls, None)
+    fallback = bench.summarise(_args(pass_per_contributor=True), ons, offs, [], [], None)
     assert fallback["contributor_gradients"] == "a pass per contributor"
+    assert fallback["trl_ratio"] is None
 
 
 def test_summary_without_trl_is_null_and_says_why() -> None:
-    pts = [_side(32, 1.0, audit_rate_mean=None, audit_ok=False)]
-    out = bench.summarise(_args(rounds=1), pts, [], bench.TRL_MISSING)
-    assert out["trl_samples_per_s"] is None and out["ratio"] is None
+    ons = [_side(32, 1.0, audit_rate_mean=None, audit_ok=False)]
+    out = bench.summarise(_args(rounds=1), ons, [_side(32, 1.0)], [], [], bench.TRL_MISSING)
+    assert out["trl_samples_per_s"] is None and out["trl_ratio"] is None
+    assert out["trust_ratio"] == 1.0
     assert out["skipped"] == bench.TRL_MISSING
     assert out["ledger_audit_ok"] is False
 
@@ -113,13 +133,29 @@ def test_tiny_run_prints_json_last() -> None:
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "trust_overhead" and result["task"] == "arithmetic"
-    assert result["prooftrain_samples_per_s"] > 0
+    on, off = result["trust_on_samples_per_s"], result["trust_off_samples_per_s"]
+    assert on > 0 and off > 0
+    assert result["trust_ratio"] == pytest.approx(on / off, abs=0.01)
+    (only,) = result["trust_rounds"]
+    assert only["trust_ratio"] == result["trust_ratio"]
+    assert all(len(only[f"trust_{s}_load"][w]) == 3 for s in ("on", "off") for w in LOAD)
     assert result["ledger_audit_ok"] is True
+    # The trust-on side signs, verifies, admits, records, aggregates and publishes...
+    calls = result["trust_on_calls"]
+    assert {k for k, n in calls.items() if n > 0} == {name for name, _, _ in bench.TRUST_CALLS}
+    assert result["trust_on_verdicts"] == 2 * 2  # 2 steps of 2 groups, every one judged
+    # ... the trust-off side none of it: one plain pass and step per step, its own groups.
+    assert result["trust_off_calls"] == {}
+    assert result["trust_off_counts"] == {"groups": 4, "samples": 8, "steps": 2, "passes": 2}
+    assert {"generation", "rl_forward_backward", "optimizer_step"} <= set(
+        result["trust_off_phases_s"]
+    )
     if result["trl_samples_per_s"] is None:
         assert result["skipped"] == bench.TRL_MISSING
     else:
-        assert result["ratio"] > 0
+        assert result["trl_ratio"] > 0
         assert result["trl_activation_checkpointing"] is False  # GRPOConfig's default is on
+        assert result["trl_generation_s_per_step"] > 0
 
 
 def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
@@ -175,8 +211,10 @@ def test_tiny_scaling_run_prints_every_figure() -> None:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["mode"] == "scaling" and set(result["sizes"]) == {"demo"}
     demo = result["sizes"]["demo"]
-    assert demo["params"] > 0 and demo["prooftrain_samples_per_s"] > 0
-    phases = demo["prooftrain_phases_s"]
+    assert demo["params"] > 0 and demo["trust_on_samples_per_s"] > 0
+    assert result["trust_ratios"] == {"demo": demo["trust_ratio"]} and demo["trust_ratio"] > 0
+    assert demo["trust_off_calls"] == {} and demo["trust_off_counts"]["passes"] == 2  # + warm-up
+    phases = demo["trust_on_phases_s"]
     assert {
         "generation",
         "signing",
@@ -188,15 +226,15 @@ def test_tiny_scaling_run_prints_every_figure() -> None:
         "other",
     } <= set(phases)
     assert all(v >= 0 for v in phases.values()) and phases["generation"] > 0
-    assert demo["prooftrain_peak_rss_mib"] > 0
+    assert demo["trust_on_peak_rss_mib"] > 0
     runs = result["aggregation_memory"]["runs"]
     assert [r["contributors"] for r in runs] == [4, 8]
     assert all(r["params"] == 4096 and r["finite"] for r in runs)
-    if demo["ratio"] is None:
+    if demo["trl_ratio"] is None:
         assert result["skipped"] == bench.TRL_MISSING
     else:
-        assert demo["ratio"] > 0 and demo["trl_peak_rss_mib"] > 0
-        assert result["ratios"] == {"demo": demo["ratio"]}
+        assert demo["trl_ratio"] > 0 and demo["trl_peak_rss_mib"] > 0
+        assert result["trl_ratios"] == {"demo": demo["trl_ratio"]}
 
 
 @pytest.mark.parametrize(

@@ -187,6 +187,36 @@ def test_a_batch_of_requests_generates_what_each_would_alone(backend, model_dir,
     assert len({c.token_ids for g in batched for c in g}) > 8
 
 
+def test_unshared_prefill_generates_what_the_shared_one_does(backend, model_dir):
+    """``share_prefill=False`` prefills every completion's prompt on its own row (as a
+    generator without prefix sharing does): the same completions, more prefill work."""
+    unshared = TransformersBackend(backend.model, share_prefill=False)
+    prompts = [PROMPT, PROMPT[:3], (5, 9, 200, 31, 7, 7, 7, 7, 12, 40, 41)]
+    requests = [
+        dataclasses.replace(_request(group=4, max_tokens=16, seed=40 + i), prompt_ids=p)
+        for i, p in enumerate(prompts)
+    ]
+    prefilled: list[int] = []
+    hook = unshared.model.register_forward_pre_hook(
+        lambda _m, _a, kw: (
+            prefilled.append(kw["input_ids"].shape[0]) if kw["input_ids"].shape[1] > 1 else None
+        ),
+        with_kwargs=True,
+    )
+    try:
+        batched, alone = unshared.generate_batch(requests), unshared.generate(requests[0])
+    finally:
+        hook.remove()
+    assert prefilled == [3 * 4, 4]  # a prompt row per completion, in a batch and alone
+    for got, shared in [
+        *zip(batched, backend.generate_batch(requests), strict=True),
+        (alone, backend.generate(requests[0])),
+    ]:
+        assert [c.token_ids for c in got] == [c.token_ids for c in shared]
+        for a, b in zip(got, shared, strict=True):
+            np.testing.assert_allclose(a.logprobs, b.logprobs, atol=FLOAT32_TOLERANCE.token_abs)
+
+
 def test_a_batch_must_share_sampling_and_length(backend):
     with pytest.raises(ValueError, match="batch_key"):
         backend.generate_batch([_request(), _request(temperature=0.7)])

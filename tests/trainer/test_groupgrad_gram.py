@@ -37,18 +37,31 @@ def gram_pass(model: torch.nn.Module, plan: GroupGradients, poison: int | None =
         sum(losses).backward()
 
 
+KEEP = {"none": 0.0, "half": 0.5, "all": 2.0}
+"""Budgets of kept rows, as a share of every group's gradient (n x d float32)."""
+
+
+def keep_budget(plan: GroupGradients, share: float) -> int:
+    return int(share * 4 * len(SEGMENTS) * plan.numel)
+
+
+@pytest.mark.parametrize("keep", sorted(KEEP))
 @pytest.mark.parametrize(("tied", "bias"), [(True, False), (False, True)])
 def test_gram_and_combine_match_the_rows(
-    tied: bool, bias: bool, monkeypatch: pytest.MonkeyPatch
+    tied: bool, bias: bool, keep: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = llama(tied=tied, bias=bias)
     params = [p for p in model.parameters() if p.requires_grad]
     plan = GroupGradients.plan(model, params)
     assert plan is not None
+    plan.keep_bytes = keep_budget(plan, KEEP[keep])
     rows = one_pass(model, plan).double()  # (n, d), checked against per-segment passes
     monkeypatch.setattr("trainer.groupgrad.GRAM_BLOCK", 37)  # many blocks, some ragged
-    gram_pass(model, plan)
-    gram = plan.gram()
+    for _ in range(2):  # the kept buffers are reused: a second pass must not add to the first
+        gram_pass(model, plan)
+        gram = plan.gram()
+    kept = sum(p.numel() for p in params if id(p) in plan._formed)  # noqa: SLF001
+    assert (kept == 0) == (keep == "none") and (kept == plan.numel) == (keep == "all")
     want = rows @ rows.T
     assert torch.allclose(gram, want, rtol=1e-4, atol=1e-6 * float(want.abs().max()))
     alpha = torch.tensor([0.5, -1.0, 3.0, 0.25], dtype=torch.float64)
@@ -58,11 +71,13 @@ def test_gram_and_combine_match_the_rows(
     assert torch.allclose(got, expected, rtol=1e-4, atol=1e-5 * float(expected.abs().max()))
 
 
-def test_a_non_finite_group_left_out_by_alpha_cannot_reach_the_result() -> None:
+@pytest.mark.parametrize("keep", sorted(KEEP))
+def test_a_non_finite_group_left_out_by_alpha_cannot_reach_the_result(keep: str) -> None:
     model = llama(tied=True, bias=False)
     params = [p for p in model.parameters() if p.requires_grad]
     plan = GroupGradients.plan(model, params)
     assert plan is not None
+    plan.keep_bytes = keep_budget(plan, KEEP[keep])
     rows = one_pass(model, plan).double()
     gram_pass(model, plan, poison=3)
     gram = plan.gram()
