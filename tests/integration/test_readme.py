@@ -180,7 +180,7 @@ def _prepare(work: Path, port: int, real_port: int) -> None:
 SHORTER = {"--seconds 30": "--seconds 5", "--kills 5": "--kills 2", "--groups 5": "--groups 2"}
 SMALLER = {"--steps 10": "--steps 3", "batch_groups=4": "batch_groups=1"}  # the remote trainer
 REAL_MODEL = {
-    "-n 100 -k 1": "-n 2 -k 1 --max-new-tokens 8",
+    "-n 20 -k 1": "-n 2 -k 1 --max-new-tokens 8",
     "--prompts 16 --max-tokens 128": "--prompts 1 --max-tokens 8 --batch-sizes 1 "
     "--generation-dtypes float32 --backends transformers --min-tokens 8",
 }
