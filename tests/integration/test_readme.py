@@ -435,8 +435,9 @@ def _assert_the_real_model_ran(work: Path) -> None:
     finally:
         store.close()
     assert sum(v.accepted for v in verdicts) == 2 * 4 and all(v.accepted for v in verdicts)
-    report = (work / "runs" / "smollm2_gsm8k" / "report.md").read_text()
+    report = (work / "runs" / "smollm2_addition" / "report.md").read_text()
     assert "low-precision-copy" in report
+    assert (work / "runs" / "smollm2_addition" / "release" / "README.md").is_file()  # released
 
 
 def _assert_the_postgres_node_admitted(dsn: str) -> None:

@@ -2,7 +2,7 @@
 
 The shipped scenario (``configs/scenarios/smollm2_addition.toml``) with fewer steps and
 held-out problems and no baselines: the whole trust layer (signed rollouts, admission, spot
-checks, reputation, robust aggregation, signed updates, the ledger) over seven contributors,
+checks, reputation, robust aggregation, signed updates, the ledger) over nine contributors,
 four of them cheating. Held-out pass@1 must rise by more than its 95% interval over the
 problems, every cheater must be banned, no honest contributor slashed, and the log must
 audit clean. About 15 minutes on 2 cores.
