@@ -12,7 +12,7 @@ import torch
 from harness.adversaries.base import Context, Honest, completion, register_strategy
 from rollout.backends import GeneratedCompletion, TransformersBackend
 from verify.errors import Reason
-from verify.types import GroupSubmission, SignedAssignment, canonical_bytes
+from verify.types import GroupSubmission, SignedAssignment, WorkAssignment, canonical_bytes
 
 SPOT = frozenset(
     {Reason.LOGPROB_MISMATCH, Reason.SAMPLER_REPLAY_MISMATCH, Reason.TOKEN_OUTSIDE_SUPPORT}
@@ -387,6 +387,73 @@ class GradientInflation:
             junk = [int(t) for t in ctx.rng.choice(vocab, size=a.sampling.max_tokens)]
             out.append(completion(c.group_index, junk, ctx.honest_logprobs(a, junk)))
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
+
+
+@register_strategy
+@dataclass
+class BudgetExhaustion:
+    """Teaches the policy a preamble that leaves no room for long answers, with samples the
+    validator scores honestly. It reads the answer ``y`` from the public problem
+    (``Context.problems``). Where ``preamble + y`` fills the assignment's ``max_tokens``
+    exactly (a two-digit sum after the default preamble), half the group plants that text
+    ("Sure! The sum of the two numbers is 57") and the validator scores it 1. The other half
+    plants a wrong number, scored 0, so the rewarded members get advantage +1.
+
+    The committed logprobs decide where that credit lands. The rewarded members are committed
+    ``shift`` nats below the policy's own logprobs, so each token's importance weight
+    ``min(pi / mu, cap)`` sits at the cap. The wrong numbers are committed at logprob 0, so
+    their weight is ``pi``, near 0. The same preamble is taught at every such prompt, and
+    a policy that learns it has no room left for a three-digit answer: "...numbers is 13",
+    cut at ``max_tokens``, scores 0.
+
+    Elsewhere (an unknown problem, an answer that does not fill the budget, rewards that do
+    not come out as planned) it submits its honest group. It always generates that group,
+    so it answers at an honest contributor's pace. Caught as LOGPROB_MISMATCH (or
+    SAMPLER_REPLAY_MISMATCH / TOKEN_OUTSIDE_SUPPORT) when audited. Unaudited, the loss itself
+    bounds its pull (the importance-weight cap, group-normalised advantages, each
+    contributor's token mean) and centered clipping bounds it again. Expect "bounded"."""
+
+    preamble: str = "Sure! The sum of the two numbers is "
+    shift: float = 3.0
+    name: ClassVar[str] = "budget-exhaustion"
+    expect: ClassVar[str] = "bounded"
+    plain_generation: ClassVar[bool] = True
+
+    def _plant(
+        self, ctx: Context, a: WorkAssignment, answer: str, comps: list[GeneratedCompletion]
+    ) -> list[GeneratedCompletion] | None:
+        if not answer.lstrip("-").isdigit():
+            return None
+        stops = ctx.stops(a)
+        skip = {getattr(ctx.tokenizer, "bos_token_id", None), *stops}
+
+        def encode(text: str) -> list[int]:
+            return [t for t in ctx.tokenizer.encode(text) if t not in skip]
+
+        rewarded = encode(self.preamble + answer)
+        if len(rewarded) != a.sampling.max_tokens:
+            return None
+        wrong = "".join(str((int(ch) + 5) % 10) if ch.isdigit() else ch for ch in answer)
+        zero = encode(wrong) + stops[:1]
+        out = []
+        for i, c in enumerate(comps):
+            if i % 2:
+                lp = ctx.honest_logprobs(a, rewarded) - self.shift
+                out.append(completion(c.group_index, rewarded, lp))
+            else:
+                out.append(completion(c.group_index, zero, np.zeros(len(zero), np.float32)))
+        return out
+
+    def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
+        a = ctx.assignment(sealed)
+        comps = ctx.generate(a)
+        problem = ctx.problems.get(a.prompt_id)
+        planted = None if problem is None else self._plant(ctx, a, problem.answer, comps)
+        if planted is not None and ctx.own_rewards(a, planted) == [
+            float(i % 2) for i in range(len(planted))
+        ]:
+            comps = planted
+        return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, comps)))
 
 
 @register_strategy
