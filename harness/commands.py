@@ -152,7 +152,7 @@ def register_demo(subparsers: argparse._SubParsersAction) -> None:
         "--real",
         action="store_true",
         help="the real-model scenario instead (configs/scenarios/smollm2_addition.toml: "
-        "SmolLM2-135M-Instruct learning two-digit addition under attack; about 45 minutes "
+        "SmolLM2-135M-Instruct learning two-digit addition under attack; about 35 minutes "
         "on 2 CPU cores)",
     )
     p.set_defaults(func=run_demo)

@@ -364,9 +364,17 @@ class GradientInflation:
     loss allows, pointing nowhere useful. Under a plain mean this contributor's gradient
     dominates the update and the global clip shrinks the honest signal with it. Caught as
     SAMPLER_REPLAY_MISMATCH / TOKEN_OUTSIDE_SUPPORT when audited; unaudited groups are bounded
-    by centered clipping. Expect "bounded"."""
+    by centered clipping. Expect "bounded".
+
+    ``alphabet`` draws the filler from the tokens of those characters instead of the whole
+    vocabulary: ``"0123456789"`` aims it at the tokens answers are written in, as the demo
+    policy's 101-token vocabulary does by itself. ``shift`` lowers the committed logprobs by
+    that many nats (caught by the logprob comparison too), which puts the filler's importance
+    weight at the loss's cap."""
 
     keep: float = 0.5
+    alphabet: str = ""
+    shift: float = 0.0
     name: ClassVar[str] = "gradient-inflation"
     expect: ClassVar[str] = "bounded"
     plain_generation: ClassVar[bool] = True
@@ -379,13 +387,18 @@ class GradientInflation:
             getattr(ctx.tokenizer, n, None)
             for n in ("eos_token_id", "bos_token_id", "pad_token_id")
         }
-        vocab = [t for t in range(int(getattr(ctx.tokenizer, "vocab_size", 0))) if t not in special]
+        if self.alphabet:
+            vocab = sorted({t for ch in self.alphabet for t in ctx.tokenizer.encode(ch)} - special)
+        else:
+            vocab = [t for t in range(int(getattr(ctx.tokenizer, "vocab_size", 0)))]
+            vocab = [t for t in vocab if t not in special]
         if not vocab:
             raise ValueError("gradient-inflation needs a tokenizer with a vocab_size")
         out = list(comps[:kept])
         for c in comps[kept:]:
             junk = [int(t) for t in ctx.rng.choice(vocab, size=a.sampling.max_tokens)]
-            out.append(completion(c.group_index, junk, ctx.honest_logprobs(a, junk)))
+            lp = ctx.honest_logprobs(a, junk) - self.shift
+            out.append(completion(c.group_index, junk, lp))
         return ctx.remember(GroupSubmission(a.assignment_id, ctx.sign(a, out)))
 
 
