@@ -390,10 +390,13 @@ class GradientInflation:
         if self.alphabet:
             vocab = sorted({t for ch in self.alphabet for t in ctx.tokenizer.encode(ch)} - special)
         else:
-            vocab = [t for t in range(int(getattr(ctx.tokenizer, "vocab_size", 0)))]
-            vocab = [t for t in vocab if t not in special]
+            size = int(getattr(ctx.tokenizer, "vocab_size", 0))
+            vocab = [t for t in range(size) if t not in special]
         if not vocab:
-            raise ValueError("gradient-inflation needs a tokenizer with a vocab_size")
+            raise ValueError(
+                "gradient-inflation has no filler tokens: its alphabet encodes to special "
+                "tokens only, or the tokenizer has no vocab_size"
+            )
         out = list(comps[:kept])
         for c in comps[kept:]:
             junk = [int(t) for t in ctx.rng.choice(vocab, size=a.sampling.max_tokens)]
@@ -448,14 +451,14 @@ class BudgetExhaustion:
             return None
         wrong = "".join(str((int(ch) + 5) % 10) if ch.isdigit() else ch for ch in answer)
         zero = encode(wrong) + stops[:1]
-        out = []
-        for i, c in enumerate(comps):
-            if i % 2:
-                lp = ctx.honest_logprobs(a, rewarded) - self.shift
-                out.append(completion(c.group_index, rewarded, lp))
-            else:
-                out.append(completion(c.group_index, zero, np.zeros(len(zero), np.float32)))
-        return out
+        forged = ctx.honest_logprobs(a, rewarded) - self.shift
+        zero_lp = np.zeros(len(zero), np.float32)
+        return [
+            completion(c.group_index, rewarded, forged)
+            if i % 2
+            else completion(c.group_index, zero, zero_lp)
+            for i, c in enumerate(comps)
+        ]
 
     def answer(self, ctx: Context, sealed: SignedAssignment) -> bytes:
         a = ctx.assignment(sealed)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from node.validator.state import StateStore
+from node.validator.state import StateStore, check_samples
 from verify.errors import ConfigError
 
 _DIGEST = 32
@@ -107,14 +107,7 @@ class SharedStateStore:
         group's (prompt digest, assignment id, [completion digest, ...]) in one committed
         transaction; return ``wait`` (nothing left to wait for: committed already). A body
         that is not bytes, or a digest that is not 32 bytes, stores nothing."""
-        for _, rows in groups:
-            if not all(isinstance(body, bytes) for _, body in rows):
-                raise TypeError("a sample body must be bytes")
-            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
-                raise TypeError("an envelope digest must be 32 bytes")
-        for _, _, digests in completions:
-            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d in digests):
-                raise TypeError("a completion digest must be 32 bytes")
+        check_samples(groups, completions)
         bodies = [(d, aid, body) for aid, rows in groups for d, body in rows]
         accepted = [(p, aid, b"".join(ds)) for p, aid, ds in completions if ds]
         with self._transaction() as cur:

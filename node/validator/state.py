@@ -105,6 +105,22 @@ CREATE TABLE IF NOT EXISTS epochs (
 """
 
 
+def check_samples(
+    groups: list[tuple[bytes, list[tuple[bytes, bytes]]]],
+    completions: list[tuple[bytes, bytes, list[bytes]]],
+) -> None:
+    """Raise ``TypeError`` for a sample body that is not bytes or a digest that is not 32
+    bytes, before a store writes any of them."""
+    for _, rows in groups:
+        if not all(isinstance(body, bytes) for _, body in rows):
+            raise TypeError("a sample body must be bytes")
+        if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
+            raise TypeError("an envelope digest must be 32 bytes")
+    for _, _, digests in completions:
+        if not all(isinstance(d, bytes) and len(d) == _DIGEST for d in digests):
+            raise TypeError("a completion digest must be 32 bytes")
+
+
 class State(Protocol):
     """What the validator keeps beside the ledger: :class:`StateStore` (one node, SQLite)
     or ``node.validator.shared_state.SharedStateStore`` (every node of a PostgreSQL log)."""
@@ -227,14 +243,7 @@ class StateStore:
         digest starts from it): one insert per group where a row per completion, under a
         random key, dirtied a page of its own for every member and took a third of the
         bytes a batch wrote."""
-        for _, rows in groups:
-            if not all(isinstance(body, bytes) for _, body in rows):
-                raise TypeError("a sample body must be bytes")
-            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d, _ in rows):
-                raise TypeError("an envelope digest must be 32 bytes")
-        for _, _, digests in completions:
-            if not all(isinstance(d, bytes) and len(d) == _DIGEST for d in digests):
-                raise TypeError("a completion digest must be 32 bytes")
+        check_samples(groups, completions)
         index = []
         synced: Future[None] | None = None
         if any(rows for _, rows in groups):
