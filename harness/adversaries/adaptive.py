@@ -170,11 +170,11 @@ class ReputationFarmer(_Adaptive):
     about 60 audited honest rollouts. A fresh key is a newcomer, audited at rate 1, so every
     comeback pays the whole farming time again; registration is open, so whitewashing costs
     nothing else. Expect the cheat's reasons when audited, and each key banned (slashed) at
-    its first caught cheat. Measured (beside three honest contributors, over several runs):
-    each key farmed 33-67 honest groups and was banned after 1-10 cheating groups
-    (the test asserts at least 20 and at most 30); its forged members were 0-2.5% of the
-    samples it got accepted (at most 6% asserted): about (1 - p) / p = 8 forged rollouts
-    per key at the floor rate p, against hundreds of honest ones."""
+    its first caught cheat. Measured (beside three honest contributors, seeds 0-14): each
+    key farmed 26-39 honest groups and was banned after 1-21 cheating groups (the test
+    asserts at least 20 and at most 40); its forged members were 0-6.2% of the samples it
+    got accepted (at most 12% asserted): the escapes are geometric, about (1 - p) / p = 8
+    forged rollouts per key at the floor rate p, against hundreds of honest ones."""
 
     floor: float = 0.12
     f: float = 0.5
@@ -215,8 +215,9 @@ class AuditAware(_Adaptive):
     digest, so past draws say nothing about the next one: the estimate can only track the
     key's reputation-driven rate, which it could read from the ledger anyway. Expect the
     cheat's reasons when audited and a ban at the first caught group. Measured (beside
-    three honest contributors): it behaved for 23-30 groups, then was banned after 1-4
-    cheating groups (at most 12 asserted), at most 3 of them accepted."""
+    three honest contributors, seeds 0-29): it behaved on 12-27 groups and was banned after
+    1-26 cheating groups (median 3; at most 40 asserted), its forged members 0-12% of the
+    samples it got accepted: geometric escapes at its rate, nothing better."""
 
     threshold: float = 0.15
     window: int = 8
@@ -267,9 +268,9 @@ class SplitCheater(_Adaptive):
     identity's detection but not the party's, and it multiplies the escapes the party gets
     (the number of cheating groups accepted before a key's first catch) by k. Expect the
     cheat's reasons when audited; each identity banned at its first caught group. Measured
-    (two identities beside three honest contributors): the identity caught first was
-    banned after 6-23 cheating groups; the party's forged members were 1.1-2.6% of its
-    accepted samples (at most 3.5% asserted; f x members / (k x G) = 3.1% is the ceiling
+    (two identities beside three honest contributors, seeds 0-14): the identity caught
+    first was banned after 1-20 cheating groups; the party's forged members were 0-1.9% of
+    its accepted samples (at most 3.5% asserted; f x members / (k x G) = 3.1% is the ceiling
     once farming is done)."""
 
     f: float = 0.5
