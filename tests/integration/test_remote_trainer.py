@@ -21,7 +21,7 @@ import torch
 
 from ledger.audit import verify_ledger
 from ledger.records import EvalRecorded, PolicyPublished, VerdictRecorded
-from node.client import ValidatorClient
+from node.client import ServiceError, ValidatorClient
 from node.contributor import Contributor
 from node.remote_trainer import run_remote
 from node.validator.server import BackgroundServer
@@ -66,7 +66,12 @@ def _contributing(
 
     def contribute() -> None:
         while not stop.is_set():
-            worker.step()
+            try:
+                worker.step()
+            except ServiceError as exc:  # e.g. the key holds its share of this version's prompts
+                assert exc.busy, exc
+                stop.wait(0.05)
+                continue
             seen.append(worker._version)
 
     thread = threading.Thread(target=contribute, daemon=True)
