@@ -1,22 +1,35 @@
-"""Per-contributor gradients: one pass for the whole batch against one pass per contributor.
+"""Per-contributor gradients: one pass for the whole batch against one pass per contributor,
+and against no per-contributor gradients at all.
 
 Robust aggregation needs one gradient per contributor. ``trainer.rl.RLStep``
 computes them from one forward and backward pass over the whole batch
-(``trainer.groupgrad``); the baseline, measured in the same run, is the pass
-per contributor it falls back to. Both run the full RL step (loss, the
-``centered-clip`` aggregation, clip, optimizer step) on the demo base model,
-one torch thread, on batches shaped like ``bench/trust_overhead.py``'s:
-``--rows`` completions per contributor, ``--prompt`` + ``--completion`` tokens.
+(``trainer.groupgrad``); two baselines run in the same process, rounds
+alternating: the pass per contributor it falls back to, and the trust-off
+trainer step (``bench._trust_off.PlainStep``: one forward and backward of the
+whole batch under the same loss, a plain mean gradient, no aggregation), which
+``bench/trust_overhead.py`` uses as its trust-off side. Each runs the full RL
+step (loss, aggregation or mean, optimizer step) on one torch thread, on
+batches shaped like ``bench/trust_overhead.py``'s: ``--rows`` completions per
+contributor, ``--prompt`` + ``--completion`` tokens. The model is the demo base
+model, a random-init Llama of ``--width`` x ``--layers`` (384 x 6 is the 14M
+size of ``trust_overhead.py --scaling``), or ``--model-dir``.
 
 Prints progress on stderr and one JSON object on the last line of stdout:
 
-  by_contributors   for each contributor count: one-pass and per-contributor step
-                    time (ms, best of --rounds alternating rounds) and their ratio
-  speedup           per-contributor / one-pass time at --contributors (default 8)
-  max_update_diff   largest |difference| between the two modes' parameter updates
-                    after one SGD step from the same weights (float rounding only)
+  by_contributors      for each contributor count: each mode's step time (ms, best of
+                       --rounds alternating rounds), the one-pass speedup over a pass
+                       per contributor, and trainer_trust_ratio
+  speedup              per-contributor / one-pass time at --contributors (default 8)
+  trainer_trust_ratio  plain-mean / one-pass time at --contributors: the trainer side of
+                       bench/trust_overhead.py's trust_ratio (steps per second with
+                       per-contributor gradients and centered-clip over steps per second
+                       with one mean gradient), with nothing else of the trust layer in it
+  max_update_diff      largest |difference| between the one-pass and per-contributor
+                       parameter updates after one SGD step from the same weights
+                       (float rounding only)
 
     python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9]
+                                      [--width 384 --layers 6 | --model-dir DIR]
 """
 
 from __future__ import annotations
@@ -24,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -76,7 +90,11 @@ def make_batch(contributors: int, rows: int, prompt: int, completion: int, vocab
     return build_batch(groups, 0)
 
 
-def make_step(model_dir: Path, lr: float, one_pass: bool):  # type: ignore[no-untyped-def]
+MODES = ("one_pass", "per_contributor", "plain_mean")
+
+
+def make_step(model_dir: Path, lr: float, mode: str):  # type: ignore[no-untyped-def]
+    from bench._trust_off import Counts, PlainStep
     from trainer.loop import ensure_process_group
     from trainer.losses import get_policy_loss
     from trainer.pipeline import PipelineRunner
@@ -86,7 +104,8 @@ def make_step(model_dir: Path, lr: float, one_pass: bool):  # type: ignore[no-un
 
     ensure_process_group()
     stage = load_stage(model_dir, 0, 1)
-    step = RLStep(
+    kind = PlainStep if mode == "plain_mean" else RLStep
+    step = kind(
         PipelineRunner(stage, 0, 1),
         torch.optim.SGD(stage.parameters(), lr=lr),
         get_policy_loss("tis"),
@@ -95,15 +114,17 @@ def make_step(model_dir: Path, lr: float, one_pass: bool):  # type: ignore[no-un
     )
     if step.grouped is None:
         raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
-    if not one_pass:
+    if mode == "plain_mean":
+        step.counts = Counts()
+    elif mode == "per_contributor":
         step.grouped = None
     return step
 
 
 def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def]
     deltas = []
-    for one_pass in (True, False):
-        step = make_step(model_dir, 1.0, one_pass)
+    for mode in ("one_pass", "per_contributor"):
+        step = make_step(model_dir, 1.0, mode)
         before = torch.cat([p.detach().flatten().clone() for p in step.params])
         step(batch)
         deltas.append(before - torch.cat([p.detach().flatten() for p in step.params]))
@@ -111,19 +132,18 @@ def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def
 
 
 def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    steps = {
-        "one_pass": make_step(model_dir, 0.0, True),
-        "per_contributor": make_step(model_dir, 0.0, False),
-    }
+    steps = {mode: make_step(model_dir, 0.0, mode) for mode in MODES}
     best = dict.fromkeys(steps, float("inf"))
     for r in range(rounds + 1):
-        for name, step in steps.items():  # alternate, so both see the same machine load
+        order = list(steps) if r % 2 else list(reversed(steps))
+        for name in order:  # interleaved, first and last alternating: all see the same load
             start = time.perf_counter()
-            step(batch)
+            steps[name](batch)
             if r:  # the first round is the warm-up
                 best[name] = min(best[name], time.perf_counter() - start)
     return {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()} | {
-        "speedup": round(best["per_contributor"] / best["one_pass"], 3)
+        "speedup": round(best["per_contributor"] / best["one_pass"], 3),
+        "trainer_trust_ratio": round(best["plain_mean"] / best["one_pass"], 3),
     }
 
 
@@ -136,13 +156,32 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=12, help="prompt tokens")
     parser.add_argument("--completion", type=int, default=8, help="completion tokens")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--model-dir", help="a local Hugging Face model directory")
+    parser.add_argument(
+        "--width", type=int, help="instead: a random-init Llama of this hidden size (14M: 384)"
+    )
+    parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
     args = parser.parse_args()
     if min(args.contributors, args.rows, args.prompt, args.completion, args.rounds) < 1:
         parser.error("every count must be >= 1")
+    if args.width and args.model_dir:
+        parser.error("give --model-dir or --width, not both")
+    torch.set_num_threads(1)
+    with tempfile.TemporaryDirectory(prefix="contributor-grads-") as tmp:
+        run(args, Path(tmp))
+
+
+def run(args: argparse.Namespace, tmp: Path) -> None:
+    from bench.trust_overhead import build_wide_model
     from trainer.base_model import ensure_base_model
 
-    torch.set_num_threads(1)
-    model_dir = Path(ensure_base_model("arithmetic"))
+    if args.width:
+        model_dir = build_wide_model(args.width, args.layers, tmp / "model")
+        model = f"random-init Llama, hidden {args.width}, {args.layers} layers"
+    elif args.model_dir:
+        model_dir, model = Path(args.model_dir), str(args.model_dir)
+    else:
+        model_dir, model = Path(ensure_base_model("arithmetic")), "demo base model (arithmetic)"
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
     counts = sorted({2, args.contributors, 2 * args.contributors})
     by_count = {}
@@ -155,6 +194,12 @@ def main() -> None:
     emit(
         {
             "bench": "contributor_grads",
+            "model": model,
+            "baselines": {
+                "per_contributor": "RLStep with a forward and backward pass per contributor",
+                "plain_mean": "bench._trust_off.PlainStep: one pass of the whole batch, a "
+                "plain mean gradient, no aggregation (trust_overhead.py's trust-off step)",
+            },
             "rows_per_contributor": args.rows,
             "tokens": args.prompt + args.completion,
             "threads": 1,
@@ -162,6 +207,7 @@ def main() -> None:
             "contributors": args.contributors,
             "by_contributors": by_count,
             "speedup": by_count[str(args.contributors)]["speedup"],
+            "trainer_trust_ratio": by_count[str(args.contributors)]["trainer_trust_ratio"],
             "max_update_diff": update_diff(model_dir, batch),
         }
     )

@@ -1,4 +1,5 @@
-"""bench/contributor_grads.py: both modes give the same update; a tiny run prints JSON last."""
+"""bench/contributor_grads.py: both per-contributor modes give the same update; a tiny run
+times them and the plain-mean step and prints JSON last."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_tiny_run_compares_the_two_modes() -> None:
+def test_tiny_run_compares_the_modes() -> None:
     cmd = [
         sys.executable,
         str(ROOT / "bench" / "contributor_grads.py"),
@@ -30,6 +31,10 @@ def test_tiny_run_compares_the_two_modes() -> None:
     assert result["bench"] == "contributor_grads"
     assert sorted(result["by_contributors"], key=int) == ["2", "3", "6"]
     for row in result["by_contributors"].values():
-        assert row["one_pass_ms"] > 0 and row["per_contributor_ms"] > 0
+        assert row["one_pass_ms"] > 0 and row["per_contributor_ms"] > 0 and row["plain_mean_ms"] > 0
+        ratio = row["plain_mean_ms"] / row["one_pass_ms"]  # of the rounded times
+        assert abs(row["trainer_trust_ratio"] - ratio) < 0.005
     assert result["speedup"] == result["by_contributors"]["3"]["speedup"]
+    assert result["trainer_trust_ratio"] == result["by_contributors"]["3"]["trainer_trust_ratio"]
+    assert "PlainStep" in result["baselines"]["plain_mean"]
     assert 0 <= result["max_update_diff"] < 1e-5
