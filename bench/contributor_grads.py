@@ -114,7 +114,7 @@ def make_step(model_dir: Path, lr: float, mode: str):  # type: ignore[no-untyped
     )
     if step.grouped is None:
         raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
-    if mode == "plain_mean":
+    if isinstance(step, PlainStep):
         step.counts = Counts()
     elif mode == "per_contributor":
         step.grouped = None
