@@ -3,7 +3,9 @@ and against no per-contributor gradients at all.
 
 Robust aggregation needs one gradient per contributor. ``trainer.rl.RLStep``
 computes them from one forward and backward pass over the whole batch
-(``trainer.groupgrad``); two baselines run in the same process, rounds
+(``trainer.groupgrad``), with the contributors' Gram matrix exact or, in the
+``one_pass_sketch`` mode, estimated from a random sketch
+(``aggregator.gram_sketch``); two baselines run in the same process, rounds
 alternating: the pass per contributor it falls back to, and the trust-off
 trainer step (``bench._trust_off.PlainStep``: one forward and backward of the
 whole batch under the same loss, a plain mean gradient, no aggregation), which
@@ -24,11 +26,13 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                        bench/trust_overhead.py's trust_ratio (steps per second with
                        per-contributor gradients and centered-clip over steps per second
                        with one mean gradient), with nothing else of the trust layer in it
+  sketch_trainer_trust_ratio  the same with the one pass's Gram matrix estimated from a
+                       --sketch x --sketch sketch per weight matrix (aggregator.gram_sketch)
   max_update_diff      largest |difference| between the one-pass and per-contributor
                        parameter updates after one SGD step from the same weights
                        (float rounding only)
 
-    python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9]
+    python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9] [--sketch 64]
                                       [--width 384 --layers 6 | --model-dir DIR]
 """
 
@@ -90,10 +94,10 @@ def make_batch(contributors: int, rows: int, prompt: int, completion: int, vocab
     return build_batch(groups, 0)
 
 
-MODES = ("one_pass", "per_contributor", "plain_mean")
+MODES = ("one_pass", "one_pass_sketch", "per_contributor", "plain_mean")
 
 
-def make_step(model_dir: Path, lr: float, mode: str):  # type: ignore[no-untyped-def]
+def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0):  # type: ignore[no-untyped-def]
     from bench._trust_off import Counts, PlainStep
     from trainer.loop import ensure_process_group
     from trainer.losses import get_policy_loss
@@ -118,6 +122,8 @@ def make_step(model_dir: Path, lr: float, mode: str):  # type: ignore[no-untyped
         step.counts = Counts()
     elif mode == "per_contributor":
         step.grouped = None
+    elif mode == "one_pass_sketch":
+        step.gram_sketch = sketch
     return step
 
 
@@ -131,8 +137,8 @@ def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def
     return float((deltas[0] - deltas[1]).abs().max())
 
 
-def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    steps = {mode: make_step(model_dir, 0.0, mode) for mode in MODES}
+def time_modes(model_dir: Path, batch, rounds: int, sketch: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    steps = {mode: make_step(model_dir, 0.0, mode, sketch) for mode in MODES}
     best = dict.fromkeys(steps, float("inf"))
     for r in range(rounds + 1):
         order = list(steps) if r % 2 else list(reversed(steps))
@@ -144,6 +150,7 @@ def time_modes(model_dir: Path, batch, rounds: int) -> dict[str, float]:  # type
     return {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()} | {
         "speedup": round(best["per_contributor"] / best["one_pass"], 3),
         "trainer_trust_ratio": round(best["plain_mean"] / best["one_pass"], 3),
+        "sketch_trainer_trust_ratio": round(best["plain_mean"] / best["one_pass_sketch"], 3),
     }
 
 
@@ -156,13 +163,22 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=12, help="prompt tokens")
     parser.add_argument("--completion", type=int, default=8, help="completion tokens")
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument(
+        "--sketch",
+        type=int,
+        default=64,
+        help="width of the one_pass_sketch mode's Gram sketch (aggregator.gram_sketch)",
+    )
     parser.add_argument("--model-dir", help="a local Hugging Face model directory")
     parser.add_argument(
         "--width", type=int, help="instead: a random-init Llama of this hidden size (14M: 384)"
     )
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
     args = parser.parse_args()
-    if min(args.contributors, args.rows, args.prompt, args.completion, args.rounds) < 1:
+    if (
+        min(args.contributors, args.rows, args.prompt, args.completion, args.rounds, args.sketch)
+        < 1
+    ):
         parser.error("every count must be >= 1")
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")
@@ -188,7 +204,10 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     for n in counts:
         say(f"{n} contributors x {args.rows} rows")
         by_count[str(n)] = time_modes(
-            model_dir, make_batch(n, args.rows, args.prompt, args.completion, vocab), args.rounds
+            model_dir,
+            make_batch(n, args.rows, args.prompt, args.completion, vocab),
+            args.rounds,
+            args.sketch,
         )
     batch = make_batch(args.contributors, args.rows, args.prompt, args.completion, vocab)
     emit(
@@ -208,6 +227,10 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "by_contributors": by_count,
             "speedup": by_count[str(args.contributors)]["speedup"],
             "trainer_trust_ratio": by_count[str(args.contributors)]["trainer_trust_ratio"],
+            "sketch_width": args.sketch,
+            "sketch_trainer_trust_ratio": by_count[str(args.contributors)][
+                "sketch_trainer_trust_ratio"
+            ],
             "max_update_diff": update_diff(model_dir, batch),
         }
     )

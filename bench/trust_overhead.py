@@ -111,10 +111,14 @@ regardless).
 
 With ``--pass-per-contributor`` prooftrain's RL step runs one forward and
 backward pass per contributor (its fallback) instead of one pass for all
-(``trainer.groupgrad``), to measure what the one-pass gradients buy.
+(``trainer.groupgrad``), to measure what the one-pass gradients buy. With
+``--gram-sketch W`` its aggregator works from a random W x W sketch of each
+weight matrix's per-contributor gradient (the trainer's
+``aggregator.gram_sketch``; the JSON's ``gram_sketch``).
 
     python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
+                                   [--gram-sketch W]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
                                    [--scaling-rounds 3,3,3]
 """
@@ -182,6 +186,7 @@ temperature = 1.0
 steps = {total_steps}
 batch_groups = {groups}
 learning_rate = {lr}
+gram_sketch = {gram_sketch}
 eval_every = 1000000
 eval_problems = 1
 [baselines]
@@ -281,6 +286,7 @@ def write_scenario(args: argparse.Namespace, work: Path) -> Any:
             total_steps=args.steps + 1,
             groups=args.groups,
             lr=args.lr,
+            gram_sketch=args.gram_sketch,
         )
         + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
     )
@@ -482,6 +488,8 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         cmd += ["--model-dir", str(Path(args.model_dir).resolve())]
     if args.pass_per_contributor:
         cmd.append("--pass-per-contributor")
+    if args.gram_sketch:
+        cmd += ["--gram-sketch", str(args.gram_sketch)]
     if unshared:
         cmd.append("--unshared-prefill")
     if not args.progress:
@@ -581,6 +589,7 @@ def summarise(
         "contributor_gradients": (
             "a pass per contributor" if args.pass_per_contributor else "one pass for all"
         ),
+        "gram_sketch": args.gram_sketch,
         "trl_ratio": None if trl is None or pu is None else round(rate(pu) / rate(trl), 3),
         "trl_ratio_target": RATIO_TARGET,
         "trl_ratio_baseline": TRL_BASELINE,
@@ -791,6 +800,14 @@ def parse_args() -> argparse.Namespace:
         "--pass-per-contributor",
         action="store_true",
         help="prooftrain's RL step runs a pass per contributor (its fallback)",
+    )
+    parser.add_argument(
+        "--gram-sketch",
+        type=int,
+        default=0,
+        help="prooftrain's aggregator works from a random W x W sketch of each weight "
+        "matrix's per-contributor gradient (trainer aggregator.gram_sketch; default 0: "
+        "the exact Gram matrix)",
     )
     parser.add_argument("--unshared-prefill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(

@@ -94,7 +94,9 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
         warmup_steps=t.warmup_steps,
         min_lr_ratio=t.min_lr_ratio,
         loss=LossSection(name=t.loss.name, params=t.loss.params),
-        aggregator=AggregatorSection(name=t.aggregator.name, params=t.aggregator.params),
+        aggregator=AggregatorSection(
+            name=t.aggregator.name, params=t.aggregator.params, gram_sketch=t.gram_sketch
+        ),
         rules=s.rules,
         batch_groups=t.batch_groups,
         mode=t.mode,

@@ -265,6 +265,9 @@ class TrainerSpec(_Section):
     """Policy loss (``trainer.losses``: tis, ppo-decoupled, icepop) and its parameters."""
     aggregator: NamedParams = NamedParams(name="centered-clip")
     """Robust aggregator of per-contributor gradients (``verify.aggregate``) and parameters."""
+    gram_sketch: int = Field(default=0, ge=0, le=4096)
+    """The trainer's ``aggregator.gram_sketch``: 0 aggregates from the contributors' exact
+    Gram matrix, w > 0 from a random w x w sketch of each weight matrix's gradient."""
     mode: Literal["async", "sync"] = "async"
     """async: train on whatever is accepted within the staleness bound; sync: wait for a
     full batch of the current version."""

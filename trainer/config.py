@@ -43,6 +43,12 @@ class AggregatorSection(_Section):
     """Keyword arguments of the aggregator (e.g. ``tau`` for centered-clip)."""
     reputation_weights: bool = False
     """Weight each contributor's gradient by its reputation score."""
+    gram_sketch: int = Field(default=0, ge=0, le=4096)
+    """0: the aggregator sees the contributors' exact Gram matrix. w > 0: an unbiased
+    estimate from a fresh random w x w sketch of each weight matrix's per-contributor
+    gradient, drawn after the batch is fixed (``trainer.groupgrad``): the rows are never
+    formed, so per-contributor gradients cost about one mean gradient; distances between
+    contributors are off by a few percent (docs/trainer.md)."""
 
 
 class LocalSection(_Section):

@@ -41,6 +41,18 @@ parameters, in order, in buffers reused from step to step) and
 :meth:`GroupGradients.combine` takes those as ``sum_c alpha_c R_c`` over the
 kept rows (one pass over memory, no second product); only the parameters
 beyond the budget are formed again. Same values up to float rounding either way.
+
+Without forming them at all. :meth:`GroupGradients.gram_sketch` estimates K
+from a random sketch of each matrix parameter's per-group gradient: with
+``A`` (rows x w) and ``B`` (columns x w) of independent N(0, 1/w) entries,
+drawn afresh for every call, ``<A^T R_a B, A^T R_b B>`` is an unbiased
+estimate of ``<R_a, R_b>``, and for a linear layer ``A^T R_c B = (G_c A)^T
+(X_c B)``: two thin products over the tokens and one w x w product per group
+instead of ``d_out x d_in`` per group. Vectors (biases, norms) are formed
+exactly. The aggregator then runs on the sketched vectors' exact Gram
+matrix, and :meth:`GroupGradients.combine` forms ``sum_c alpha_c R_c`` exactly
+with one weighted product per module call. Who chooses the samples cannot see
+the sketch: it is drawn from the caller's generator after the batch is fixed.
 """
 
 from __future__ import annotations
@@ -228,6 +240,35 @@ class GroupGradients:
                 b = min(a + step, rows)
                 block = self._scratch_block(n * (b - a) * per_row).view(n, b - a, *p.shape[1:])
                 k += _products(_form(parts[id(p)], block, a, b))
+        self._scratch = None
+        return k
+
+    def gram_sketch(self, width: int, generator: torch.Generator) -> Tensor:
+        """An unbiased estimate of :meth:`gram` (n, n) float64 after a :meth:`capture_gram`
+        pass, from a ``width`` x ``width`` sketch of every matrix parameter's per-group
+        gradient (see the module docstring); vector parameters exactly. Nothing is kept:
+        :meth:`combine` forms the weighted gradient from the captured calls."""
+        if width < 1:
+            raise ValueError(f"sketch width must be >= 1, got {width}")
+        n = len(self._segments)
+        k = torch.zeros((n, n), dtype=torch.float64)
+        parts = _parts(self)
+        self._formed = set()
+        scale = width**-0.5
+        for p in self.params:
+            if id(p) not in parts:
+                continue
+            if p.dim() < 2:
+                rows = p.shape[0] if p.dim() else 1
+                block = self._scratch_block(n * p.numel()).view(n, *p.shape)
+                k += _products(_form(parts[id(p)], block, 0, rows))
+                continue
+            left = torch.randn((p.shape[0], width), generator=generator).mul_(scale)
+            right = torch.randn((p[0].numel(), width), generator=generator).mul_(scale)
+            sketch = torch.zeros((n, width, width), dtype=torch.float32)
+            for call, _role in parts[id(p)]:  # a matrix parameter has the "weight" role only
+                call.sketch(sketch, left, right)
+            k += _products(sketch.reshape(n, -1))
         self._scratch = None
         return k
 
@@ -454,6 +495,24 @@ class _Call:
             torch.mm(gc[:, a:b].t(), xc.float(), out=dst)
         else:
             dst.addmm_(gc[:, a:b].t(), xc.float())
+
+    def sketch(self, out: Tensor, left: Tensor, right: Tensor) -> None:
+        """Add ``left^T R_c right`` to ``out[c]`` (n, w, w) for this call's part ``R_c`` of a
+        matrix parameter's gradient (linear weight: ``R_c = G_c^T X_c``; embedding: the rows
+        of ``G_c`` added at the token ids of ``c``)."""
+        if self.handler is GroupGradients._embedding:
+            for c, (lo, hi) in enumerate(self.spans):
+                ids, g = self.x[lo:hi], self.g[lo:hi].float()
+                if self.arg is not None:  # nn.Embedding gives its padding row no gradient
+                    live = ids != self.arg
+                    ids, g = ids[live], g[live]
+                if len(ids):
+                    out[c].addmm_(left[ids].t(), g @ right)
+            return
+        ga, xb = self.g.float() @ left, self.x.float() @ right  # (tokens, w) each
+        for c, (lo, hi) in enumerate(self.spans):
+            if hi > lo:
+                out[c].addmm_(ga[lo:hi].t(), xb[lo:hi])
 
     def weighted(self, role: str, scales: Sequence[float], shape: torch.Size) -> Tensor:
         """This call's part of parameter ``role``'s ``sum_c scales[c] * (group c's gradient)``

@@ -134,6 +134,7 @@ class TrainerLoop:
             importance_sampling=cfg.loss.importance_sampling,
             proximal=cfg.loss.name == "ppo-decoupled",
         )
+        self.step_fn.gram_sketch = cfg.aggregator.gram_sketch
         self.buffer = SampleBuffer(
             source,
             max_staleness=cfg.rules.max_staleness,

@@ -26,7 +26,12 @@ Per step, on every stage (every rank makes the same calls in the same order):
    turns K into coefficients alpha, and ``GroupGradients.combine`` writes
    ``alpha @ R`` into ``.grad`` (from the rows ``gram`` kept within
    ``GroupGradients.keep_bytes``, else in one weighted pass): memory bounded by
-   that budget rather than ``n x d``, the same result up to rounding;
+   that budget rather than ``n x d``, the same result up to rounding. With
+   ``gram_sketch`` w > 0, K is instead estimated from a fresh random w x w
+   sketch of each weight matrix's per-contributor gradient
+   (``GroupGradients.gram_sketch``, unbiased, never forming the rows) and the
+   combine is the weighted pass: the aggregator sees the sketched vectors' exact
+   geometry, the update is ``alpha @ R`` exactly;
 4. clip by the global norm (squared norms summed over stages) and step.
 
 Invariants: a contributor's rows reach the optimizer only through its one
@@ -45,6 +50,7 @@ identity put into training.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -145,6 +151,11 @@ def write_grad(params: list[torch.nn.Parameter], flat: Tensor) -> None:
         offset += n
 
 
+def _secret_generator() -> torch.Generator:
+    """A generator seeded from the operating system: nothing a contributor sees predicts it."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(8), "little") >> 1)
+
+
 def _all_stages(flags: list[bool]) -> list[bool]:
     """Each flag ANDed over every pipeline stage (one all-reduce; local when S = 1)."""
     local = torch.tensor([float(f) for f in flags])
@@ -221,6 +232,10 @@ class RLStep:
         """With a one-pass plan and a ``GramAggregator``, aggregate from the contributors'
         Gram matrix (``GroupGradients.gram``) and hold no (n, d) rows; False: hold them."""
         self._rows: Tensor | None = None  # the (n, d) rows, kept between steps
+        self.gram_sketch = 0
+        """0: the exact Gram matrix. w > 0: its unbiased estimate from a fresh w x w sketch of
+        every weight matrix's per-contributor gradient (``GroupGradients.gram_sketch``),
+        drawn from the operating system's randomness after the batch is fixed."""
 
     @property
     def gram(self) -> bool:
@@ -342,7 +357,11 @@ class RLStep:
         self.optimizer.zero_grad(set_to_none=False)
         with self.grouped.capture_gram(segments):
             result = self.runner.forward_backward(rows, self._segment_loss(segments))
-        gram = self.grouped.gram()
+        gram = (
+            self.grouped.gram_sketch(self.gram_sketch, _secret_generator())
+            if self.gram_sketch
+            else self.grouped.gram()
+        )
         finite = torch.isfinite(torch.diagonal(gram))  # K_ii = ||R_i||^2: finite iff R_i is
         keep = [i for i, ok in enumerate(_all_stages([bool(f) for f in finite])) if ok]
         names = [present[i] for i in keep]
