@@ -235,7 +235,9 @@ class RLStep:
         self.gram_sketch = 0
         """0: the exact Gram matrix. w > 0: its unbiased estimate from a fresh w x w sketch of
         every weight matrix's per-contributor gradient (``GroupGradients.gram_sketch``),
-        drawn from the operating system's randomness after the batch is fixed."""
+        drawn from the operating system's randomness after the batch is fixed. The
+        per-contributor norms in the step's metrics (``aggregate/grad_norm/``, the update
+        shares) are then the sketch's; the global clip uses the aggregate's exact norm."""
 
     @property
     def gram(self) -> bool:
