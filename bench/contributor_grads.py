@@ -33,7 +33,7 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                        (float rounding only)
 
     python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9] [--sketch 64]
-                                      [--width 384 --layers 6 | --model-dir DIR]
+                                      [--counts 2,8,16] [--width 384 --layers 6 | --model-dir DIR]
 """
 
 from __future__ import annotations
@@ -169,16 +169,20 @@ def main() -> None:
         default=64,
         help="width of the one_pass_sketch mode's Gram sketch (aggregator.gram_sketch)",
     )
+    parser.add_argument(
+        "--counts",
+        type=lambda t: tuple(int(x) for x in t.split(",")),
+        help="contributor counts to time, comma-separated (default: 2, --contributors and "
+        "twice it; the pass per contributor holds count x parameters float32 rows)",
+    )
     parser.add_argument("--model-dir", help="a local Hugging Face model directory")
     parser.add_argument(
         "--width", type=int, help="instead: a random-init Llama of this hidden size (14M: 384)"
     )
     parser.add_argument("--layers", type=int, default=6, help="decoder layers of --width's model")
     args = parser.parse_args()
-    if (
-        min(args.contributors, args.rows, args.prompt, args.completion, args.rounds, args.sketch)
-        < 1
-    ):
+    sizes = (args.contributors, args.rows, args.prompt, args.completion, args.rounds, args.sketch)
+    if min(sizes + (args.counts or ())) < 1:
         parser.error("every count must be >= 1")
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
     else:
         model_dir, model = Path(ensure_base_model("arithmetic")), "demo base model (arithmetic)"
     vocab = int(json.loads((model_dir / "config.json").read_text())["vocab_size"])
-    counts = sorted({2, args.contributors, 2 * args.contributors})
+    counts = sorted({*(args.counts or (2, 2 * args.contributors)), args.contributors})
     by_count = {}
     for n in counts:
         say(f"{n} contributors x {args.rows} rows")
@@ -209,6 +213,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             args.rounds,
             args.sketch,
         )
+        say(f"{n} contributors: {json.dumps(by_count[str(n)])}")  # kept if a later count fails
     batch = make_batch(args.contributors, args.rows, args.prompt, args.completion, vocab)
     emit(
         {
