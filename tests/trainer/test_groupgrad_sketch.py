@@ -13,11 +13,10 @@ from harness.run import trainer_config
 from harness.scenario import Scenario
 from tests.trainer.test_groupgrad import llama, one_pass, uneven_batch
 from tests.trainer.test_groupgrad_gram import gram_pass, tiny  # noqa: F401 (fixture)
-from tests.trainer.test_loop import ListSource, groups_of, make_loop
+from tests.trainer.test_loop import ListSource, groups_of, make_loop, small_config
 from tests.trainer.test_rl import make_step
-from trainer.config import AggregatorSection, TrainerConfig
+from trainer.config import AggregatorSection
 from trainer.groupgrad import GroupGradients
-from trainer.network_rules import NetworkRules
 from trainer.rl import flat_grad
 from verify.aggregate import get_aggregator
 
@@ -131,15 +130,7 @@ def test_the_trainer_config_and_a_scenario_turn_the_sketch_on(
             return _real(self, *args)
 
         monkeypatch.setattr(GroupGradients, name, counted)
-    cfg = TrainerConfig(
-        model_dir=tiny,
-        steps=1,
-        batch_groups=2,
-        rules=NetworkRules(max_staleness=100),
-        eval_every=0,
-        starve_timeout_s=1,
-        aggregator=AggregatorSection(gram_sketch=16),
-    )
+    cfg = small_config(tiny, steps=1, aggregator=AggregatorSection(gram_sketch=16))
     loop = make_loop(tiny, ListSource(groups_of(4)), cfg, [])
     assert loop.step_fn.gram_sketch == 16
     loop.run()

@@ -108,6 +108,17 @@ def make_loop(model_dir: Path, source, cfg: TrainerConfig, published: list) -> T
     )
 
 
+def small_config(model_dir: Path, **kw: object) -> TrainerConfig:
+    """Two groups a step, any staleness, no evals, a short starvation timeout."""
+    base: dict[str, object] = {
+        "batch_groups": 2,
+        "rules": NetworkRules(max_staleness=100),
+        "eval_every": 0,
+        "starve_timeout_s": 1,
+    }
+    return TrainerConfig(model_dir=model_dir, **{**base, **kw})  # type: ignore[arg-type]
+
+
 def trained(loop: TrainerLoop) -> list[int]:
     """Record which groups each step trains on."""
     seen: list[int] = []
@@ -159,14 +170,7 @@ def test_training_progress_in_a_log_is_whole_lines(
     tiny: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """stderr is not a terminal here: plain lines, no redrawn bar."""
-    cfg = TrainerConfig(
-        model_dir=tiny,
-        steps=2,
-        batch_groups=2,
-        rules=NetworkRules(max_staleness=100),
-        eval_every=0,
-        starve_timeout_s=1,
-    )
+    cfg = small_config(tiny, steps=2)
     loop = make_loop(tiny, ListSource(groups_of(4)), cfg, [])
     loop.progress = True
     loop.run()
