@@ -26,6 +26,7 @@ def _args(**kw: object) -> argparse.Namespace:
         rounds=2,
         model_dir=None,
         pass_per_contributor=False,
+        gram_sketch=0,
         task="reverse_text",
     )
     base.update(kw)
@@ -67,10 +68,11 @@ def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baseline
     assert out["trl_ratio"] == 0.125 and out["trl_ratio_baseline"] == bench.TRL_BASELINE
     assert out["unshared_generation_s_per_step"] == 0.3
     assert out["batch_completions"] == 8
-    assert out["contributor_gradients"] == "one pass for all"
+    assert out["contributor_gradients"] == "one pass for all" and out["gram_sketch"] == 0
     assert "skipped" not in out
     fallback = bench.summarise(_args(pass_per_contributor=True), ons, offs, [], [], None)
     assert fallback["contributor_gradients"] == "a pass per contributor"
+    assert bench.summarise(_args(gram_sketch=32), ons, offs, [], [], None)["gram_sketch"] == 32
     assert fallback["trl_ratio"] is None
 
 
