@@ -115,6 +115,7 @@ def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0):  # type: 
         get_policy_loss("tis"),
         get_aggregator("centered-clip"),
         grad_clip=0.0,
+        gram_sketch=sketch if mode == "one_pass_sketch" else 0,
     )
     if step.grouped is None:
         raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
@@ -122,8 +123,6 @@ def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0):  # type: 
         step.counts = Counts()
     elif mode == "per_contributor":
         step.grouped = None
-    elif mode == "one_pass_sketch":
-        step.gram_sketch = sketch
     return step
 
 

@@ -289,14 +289,16 @@ class TrainerSpec(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> TrainerSpec:
+        from trainer.config import check_gram_sketch  # noqa: PLC0415
         from trainer.losses import get_policy_loss  # noqa: PLC0415
         from verify.aggregate import get_aggregator  # noqa: PLC0415
 
         try:
             get_policy_loss(self.loss.name, **self.loss.params)
-            get_aggregator(self.aggregator.name, **self.aggregator.params)
+            aggregator = get_aggregator(self.aggregator.name, **self.aggregator.params)
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+        check_gram_sketch(self.gram_sketch, aggregator, self.aggregator.name)
         return self
 
 

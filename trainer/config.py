@@ -16,7 +16,7 @@ from trainer.losses import POLICY_LOSSES, get_policy_loss
 from trainer.network_rules import NetworkRules
 from trainer.rl import LR_SCHEDULES
 from trainer.toml_config import load_toml_model
-from verify.aggregate import AGGREGATORS, get_aggregator
+from verify.aggregate import AGGREGATORS, Aggregator, GramAggregator, get_aggregator
 from verify.weights_codec import get_codec
 
 
@@ -48,7 +48,8 @@ class AggregatorSection(_Section):
     estimate from a fresh random w x w sketch of each weight matrix's per-contributor
     gradient, drawn after the batch is fixed (``trainer.groupgrad``): the rows are never
     formed, so per-contributor gradients cost about one mean gradient; distances between
-    contributors are off by a few percent (docs/trainer.md)."""
+    contributors are off by a few percent (docs/trainer.md). Only with a Gram aggregator
+    (``mean``, ``centered-clip``)."""
 
 
 class LocalSection(_Section):
@@ -146,11 +147,26 @@ class TrainerConfig(_Section):
                 f"unknown lr_schedule {self.lr_schedule!r}; known: {sorted(LR_SCHEDULES)}"
             )
         get_policy_loss(self.loss.name, **self.loss.params)
-        get_aggregator(self.aggregator.name, **self.aggregator.params)
+        check_gram_sketch(
+            self.aggregator.gram_sketch,
+            get_aggregator(self.aggregator.name, **self.aggregator.params),
+            self.aggregator.name,
+        )
         get_codec(self.publish.codec, **self.publish.codec_params)
         if self.batch_groups * self.local.group_size > self.buffer_capacity:
             raise ValueError("buffer_capacity must hold at least batch_groups * group_size samples")
         return self
+
+
+def check_gram_sketch(width: int, aggregator: Aggregator, name: str) -> None:
+    """A Gram sketch (``aggregator.gram_sketch`` > 0) needs an aggregator that works from the
+    contributors' Gram matrix; any other would ignore it."""
+    if width and not isinstance(aggregator, GramAggregator):
+        raise ValueError(
+            f"aggregator.gram_sketch = {width} needs an aggregator that works from the "
+            f"contributors' Gram matrix (mean, centered-clip); {name!r} needs the gradients "
+            "themselves: set gram_sketch = 0 or change the aggregator"
+        )
 
 
 def load_trainer_config(

@@ -133,8 +133,8 @@ class TrainerLoop:
             grad_clip=cfg.grad_clip,
             importance_sampling=cfg.loss.importance_sampling,
             proximal=cfg.loss.name == "ppo-decoupled",
+            gram_sketch=cfg.aggregator.gram_sketch,
         )
-        self.step_fn.gram_sketch = cfg.aggregator.gram_sketch
         self.buffer = SampleBuffer(
             source,
             max_staleness=cfg.rules.max_staleness,

@@ -209,6 +209,7 @@ class RLStep:
         grad_clip: float = 1.0,
         importance_sampling: bool = True,
         proximal: bool = False,
+        gram_sketch: int = 0,
     ) -> None:
         self.runner = runner
         self.optimizer = optimizer
@@ -232,7 +233,7 @@ class RLStep:
         """With a one-pass plan and a ``GramAggregator``, aggregate from the contributors'
         Gram matrix (``GroupGradients.gram``) and hold no (n, d) rows; False: hold them."""
         self._rows: Tensor | None = None  # the (n, d) rows, kept between steps
-        self.gram_sketch = 0
+        self.gram_sketch = gram_sketch
         """0: the exact Gram matrix. w > 0: its unbiased estimate from a fresh w x w sketch of
         every weight matrix's per-contributor gradient (``GroupGradients.gram_sketch``),
         drawn from the operating system's randomness after the batch is fixed. The

@@ -15,7 +15,7 @@ from tests.trainer.test_groupgrad import llama, one_pass, uneven_batch
 from tests.trainer.test_groupgrad_gram import gram_pass, tiny  # noqa: F401 (fixture)
 from tests.trainer.test_loop import ListSource, groups_of, make_loop, small_config
 from tests.trainer.test_rl import make_step
-from trainer.config import AggregatorSection
+from trainer.config import AggregatorSection, TrainerConfig
 from trainer.groupgrad import GroupGradients
 from trainer.rl import flat_grad
 from verify.aggregate import get_aggregator
@@ -89,6 +89,18 @@ def test_a_sketch_width_below_one_is_refused() -> None:
         plan.gram_sketch(0, torch.Generator())
     with pytest.raises(ValueError):
         AggregatorSection(gram_sketch=-1)
+
+
+def test_a_sketch_beside_an_aggregator_that_needs_the_gradients_is_refused(tiny) -> None:  # noqa: F811
+    for name in ("krum", "median"):
+        with pytest.raises(ValueError, match="gram_sketch = 16 needs an aggregator"):
+            TrainerConfig(model_dir=tiny, aggregator=AggregatorSection(name=name, gram_sketch=16))
+        text = f'name = "s"\n[trainer]\ngram_sketch = 16\naggregator = {{ name = "{name}" }}\n'
+        with pytest.raises(ValueError, match="needs the gradients themselves"):
+            Scenario.model_validate(tomllib.loads(text))
+    for name in ("mean", "centered-clip"):
+        cfg = TrainerConfig(model_dir=tiny, aggregator=AggregatorSection(name=name, gram_sketch=16))
+        assert cfg.aggregator.gram_sketch == 16
 
 
 def test_an_rl_step_on_a_sketch_clips_as_the_exact_one_does(tiny) -> None:  # noqa: F811
