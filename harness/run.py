@@ -95,7 +95,10 @@ def trainer_config(s: Scenario, model_dir: Path) -> TrainerConfig:
         min_lr_ratio=t.min_lr_ratio,
         loss=LossSection(name=t.loss.name, params=t.loss.params),
         aggregator=AggregatorSection(
-            name=t.aggregator.name, params=t.aggregator.params, gram_sketch=t.gram_sketch
+            name=t.aggregator.name,
+            params=t.aggregator.params,
+            gram_sketch=t.gram_sketch,
+            keep_gib=t.keep_gib,
         ),
         rules=s.rules,
         batch_groups=t.batch_groups,

@@ -268,6 +268,9 @@ class TrainerSpec(_Section):
     gram_sketch: int = Field(default=0, ge=0, le=4096)
     """The trainer's ``aggregator.gram_sketch``: 0 aggregates from the contributors' exact
     Gram matrix, w > 0 from a random w x w sketch of each weight matrix's gradient."""
+    keep_gib: float = Field(default=1.0, ge=0.0, le=65536.0)
+    """The trainer's ``aggregator.keep_gib``: memory for per-contributor gradient rows kept
+    between the Gram matrix and the combine (rows beyond it are formed twice)."""
     mode: Literal["async", "sync"] = "async"
     """async: train on whatever is accepted within the staleness bound; sync: wait for a
     full batch of the current version."""

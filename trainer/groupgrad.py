@@ -36,7 +36,8 @@ beyond that budget.
 Forming K materialises every group's gradient of a parameter anyway (as much
 work as the parameter's whole-batch weight gradient); the combine would form
 it again. So :meth:`GroupGradients.gram` keeps the per-group gradients of the
-parameters that fit in ``keep_bytes`` (``GRAM_KEEP_BYTES``, 1 GiB, by default; whole
+parameters that fit in ``keep_bytes`` (the trainer's ``aggregator.keep_gib``;
+``GRAM_KEEP_BYTES``, 1 GiB, by default; whole
 parameters, in order, in buffers reused from step to step) and
 :meth:`GroupGradients.combine` takes those as ``sum_c alpha_c R_c`` over the
 kept rows (one pass over memory, no second product); only the parameters

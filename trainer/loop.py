@@ -134,6 +134,7 @@ class TrainerLoop:
             importance_sampling=cfg.loss.importance_sampling,
             proximal=cfg.loss.name == "ppo-decoupled",
             gram_sketch=cfg.aggregator.gram_sketch,
+            keep_bytes=int(cfg.aggregator.keep_gib * 2**30),
         )
         self.buffer = SampleBuffer(
             source,

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from trainer.batch import TrainBatch
-from trainer.groupgrad import GroupGradients
+from trainer.groupgrad import GRAM_KEEP_BYTES, GroupGradients
 from trainer.losses import Metrics, PolicyLoss
 from trainer.pipeline import PipelineRunner
 from verify.aggregate import Aggregator, GramAggregator
@@ -210,6 +210,7 @@ class RLStep:
         importance_sampling: bool = True,
         proximal: bool = False,
         gram_sketch: int = 0,
+        keep_bytes: int = GRAM_KEEP_BYTES,
     ) -> None:
         self.runner = runner
         self.optimizer = optimizer
@@ -229,6 +230,8 @@ class RLStep:
             else None
         )
         """One pass for every contributor's gradient, or None: one pass per contributor."""
+        if self.grouped is not None:
+            self.grouped.keep_bytes = keep_bytes
         self.via_gram = True
         """With a one-pass plan and a ``GramAggregator``, aggregate from the contributors'
         Gram matrix (``GroupGradients.gram``) and hold no (n, d) rows; False: hold them."""

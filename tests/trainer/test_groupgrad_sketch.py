@@ -153,3 +153,24 @@ def test_the_trainer_config_and_a_scenario_turn_the_sketch_on(
     )
     assert trainer_config(s, tiny).aggregator.gram_sketch == 16
     assert trainer_config(Scenario.model_validate({"name": "s"}), tiny).aggregator.gram_sketch == 0
+
+
+def test_the_trainer_config_and_a_scenario_set_the_kept_rows_budget(tiny) -> None:  # noqa: F811
+    from trainer.groupgrad import GRAM_KEEP_BYTES
+
+    default = small_config(tiny, steps=1)
+    assert default.aggregator.keep_gib * 2**30 == GRAM_KEEP_BYTES
+    loop = make_loop(tiny, ListSource(groups_of(4)), default, [])
+    assert loop.step_fn.grouped is not None
+    assert loop.step_fn.grouped.keep_bytes == GRAM_KEEP_BYTES
+    cfg = small_config(tiny, steps=1, aggregator=AggregatorSection(keep_gib=0.5))
+    assert make_loop(tiny, ListSource(groups_of(4)), cfg, []).step_fn.grouped.keep_bytes == 2**29
+
+    s = Scenario.model_validate(
+        tomllib.loads('name = "s"\n[trainer]\nkeep_gib = 4.5\n[task]\nname = "arithmetic"\n')
+    )
+    assert trainer_config(s, tiny).aggregator.keep_gib == 4.5
+    plain = trainer_config(Scenario.model_validate({"name": "s"}), tiny)
+    assert plain.aggregator.keep_gib * 2**30 == GRAM_KEEP_BYTES
+    with pytest.raises(ValueError, match="keep_gib"):
+        AggregatorSection(keep_gib=-1)
