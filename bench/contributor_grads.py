@@ -26,6 +26,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                        bench/trust_overhead.py's trust_ratio (steps per second with
                        per-contributor gradients and centered-clip over steps per second
                        with one mean gradient), with nothing else of the trust layer in it
+  keep_gib             the one pass's budget for per-contributor rows kept between its
+                       Gram matrix and its combine (--keep-gib; rows beyond it are
+                       formed twice)
   sketch_trainer_trust_ratio  the same with the one pass's Gram matrix estimated from a
                        --sketch x --sketch sketch per weight matrix (aggregator.gram_sketch)
   max_update_diff      largest |difference| between the one-pass and per-contributor
@@ -33,6 +36,7 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                        (float rounding only)
 
     python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9] [--sketch 64]
+                                      [--keep-gib 1.0]
                                       [--counts 2,8,16] [--width 384 --layers 6 | --model-dir DIR]
 """
 
@@ -97,7 +101,7 @@ def make_batch(contributors: int, rows: int, prompt: int, completion: int, vocab
 MODES = ("one_pass", "one_pass_sketch", "per_contributor", "plain_mean")
 
 
-def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0):  # type: ignore[no-untyped-def]
+def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0, keep_gib: float = 1.0):  # type: ignore[no-untyped-def]
     from bench._trust_off import Counts, PlainStep
     from trainer.loop import ensure_process_group
     from trainer.losses import get_policy_loss
@@ -116,6 +120,7 @@ def make_step(model_dir: Path, lr: float, mode: str, sketch: int = 0):  # type: 
         get_aggregator("centered-clip"),
         grad_clip=0.0,
         gram_sketch=sketch if mode == "one_pass_sketch" else 0,
+        keep_bytes=int(keep_gib * 2**30),
     )
     if step.grouped is None:
         raise SystemExit("this model's stage cannot be split per contributor; nothing to compare")
@@ -136,8 +141,10 @@ def update_diff(model_dir: Path, batch) -> float:  # type: ignore[no-untyped-def
     return float((deltas[0] - deltas[1]).abs().max())
 
 
-def time_modes(model_dir: Path, batch, rounds: int, sketch: int) -> dict[str, float]:  # type: ignore[no-untyped-def]
-    steps = {mode: make_step(model_dir, 0.0, mode, sketch) for mode in MODES}
+def time_modes(
+    model_dir: Path, batch, rounds: int, sketch: int, keep_gib: float
+) -> dict[str, float]:  # type: ignore[no-untyped-def]
+    steps = {mode: make_step(model_dir, 0.0, mode, sketch, keep_gib) for mode in MODES}
     best = dict.fromkeys(steps, float("inf"))
     for r in range(rounds + 1):
         order = list(steps) if r % 2 else list(reversed(steps))
@@ -167,6 +174,13 @@ def main() -> None:
         type=int,
         default=64,
         help="width of the one_pass_sketch mode's Gram sketch (aggregator.gram_sketch)",
+    )
+    parser.add_argument(
+        "--keep-gib",
+        type=float,
+        default=1.0,
+        help="memory (GiB) for per-contributor gradient rows the one pass keeps between its "
+        "Gram matrix and its combine (aggregator.keep_gib; default 1.0)",
     )
     parser.add_argument(
         "--counts",
@@ -211,6 +225,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             make_batch(n, args.rows, args.prompt, args.completion, vocab),
             args.rounds,
             args.sketch,
+            args.keep_gib,
         )
         say(f"{n} contributors: {json.dumps(by_count[str(n)])}")  # kept if a later count fails
     batch = make_batch(args.contributors, args.rows, args.prompt, args.completion, vocab)
@@ -231,6 +246,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "by_contributors": by_count,
             "speedup": by_count[str(args.contributors)]["speedup"],
             "trainer_trust_ratio": by_count[str(args.contributors)]["trainer_trust_ratio"],
+            "keep_gib": args.keep_gib,
             "sketch_width": args.sketch,
             "sketch_trainer_trust_ratio": by_count[str(args.contributors)][
                 "sketch_trainer_trust_ratio"

@@ -38,5 +38,6 @@ def test_tiny_run_compares_the_modes() -> None:
     assert result["trainer_trust_ratio"] == result["by_contributors"]["3"]["trainer_trust_ratio"]
     assert "PlainStep" in result["baselines"]["plain_mean"]
     assert result["sketch_width"] == 64 and result["sketch_trainer_trust_ratio"] > 0
+    assert result["keep_gib"] == 1.0
     assert all(row["one_pass_sketch_ms"] > 0 for row in result["by_contributors"].values())
     assert 0 <= result["max_update_diff"] < 1e-5
