@@ -89,12 +89,12 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         def on_step_end(self, *_: Any, **__: Any) -> None:
             ends.append(time.perf_counter())
             checkpointed.append(bool(getattr(model, "is_gradient_checkpointing", False)))
-            if len(ends) == 1:
+            if len(ends) == args.warmup_steps:
                 after_warmup.update(clock.snapshot())
 
     cfg = GRPOConfig(
         output_dir=str(work / "trl"),
-        max_steps=args.steps + 1,
+        max_steps=args.steps + args.warmup_steps,
         seed=SEED,
         per_device_train_batch_size=args.groups * args.group_size,
         gradient_accumulation_steps=1,
@@ -120,7 +120,7 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
         fp16=False,
         report_to="none",
         save_strategy="no",
-        logging_steps=args.steps + 1,
+        logging_steps=args.steps + args.warmup_steps,
         dataloader_num_workers=0,
         disable_tqdm=not args.progress,
     )
@@ -135,13 +135,13 @@ def run_trl(args: argparse.Namespace, work: Path) -> dict:
     start = time.perf_counter()
     with clock.installed([("generation", type(model), "generate")]):
         trainer.train()
-    steps = len(ends) - 1
+    steps = len(ends) - args.warmup_steps
     generation = clock.snapshot().get("generation", 0.0) - after_warmup.get("generation", 0.0)
     return {
         "samples": steps * args.groups * args.group_size,
         "generation_s": round(generation / max(steps, 1), 4),
-        "wall_s": ends[-1] - ends[0],
-        "warmup_s": ends[0] - start,
+        "wall_s": ends[-1] - ends[args.warmup_steps - 1],
+        "warmup_s": ends[args.warmup_steps - 1] - start,
         "total_wall_s": time.perf_counter() - start,
         "steps": steps,
         "peak_rss_mib": peak_rss_mib(),

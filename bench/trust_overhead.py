@@ -67,8 +67,14 @@ are in the JSON (``trust_rounds``).
   of the next (generation, rewards, the step); its generation seconds are the
   model's ``generate`` calls.
 
-On every side the first step is a warm-up and is not counted; the figure is
-completions trained per wall-clock second over the remaining ``steps``.
+On every side the first ``--warmup-steps`` steps (default 1) are a warm-up and
+are not counted; the figure is completions trained per wall-clock second over
+the ``steps`` after them. A run's first steps audit every group: a new key is on
+probation (audited at rate 1) for ``ledger.reputation.PROBATION_ROLLOUTS``
+audited groups. ``--warmup-steps steady`` warms up until every contributor is
+off probation (33 steps at the defaults), so the timed steps see the audit rate
+of a long-running deployment. The JSON's ``audited_share`` is the share of
+groups spot-checked during the timed steps.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
   trust_ratio                                    trust_on / trust_off samples per second
@@ -80,10 +86,16 @@ Prints progress on stderr and one JSON object on the last line of stdout:
   trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
                                                  (exclusive; ``other`` is the rest of the step)
   trust_on_calls / trust_off_calls               calls of the trust layer's functions
+  trust_on_tokens_per_step, ..._real_...         token positions per timed step through the
+                                                 RL forward and backward (padded; real),
+                                                 each side (the same batch shape)
   trust_off_counts                               the trust-off side's groups, samples,
                                                  passes and steps
   audit_rate_mean                                mean spot-check probability the validator
-                                                 applied (reputation-driven)
+                                                 applied (reputation-driven, whole run)
+  audited_share                                  groups spot-checked / groups judged during
+                                                 the timed steps
+  warmup_steps                                   untimed steps before them
   trl_ratio, trl_ratio_baseline                  prooftrain (prefill unshared) / TRL
   unshared_generation_s_per_step,
   trl_generation_s_per_step                      each side's generation seconds per step
@@ -114,9 +126,12 @@ backward pass per contributor (its fallback) instead of one pass for all
 (``trainer.groupgrad``), to measure what the one-pass gradients buy. With
 ``--gram-sketch W`` its aggregator works from a random W x W sketch of each
 weight matrix's per-contributor gradient (the trainer's
-``aggregator.gram_sketch``; the JSON's ``gram_sketch``).
+``aggregator.gram_sketch``; the JSON's ``gram_sketch``). ``--keep-gib G`` gives
+its one pass G GiB for per-contributor gradient rows (the trainer's
+``aggregator.keep_gib``, default 1): with 8 contributors SmolLM2-135M's rows take
+4.0 GiB, and those beyond the budget are formed twice (the JSON's ``keep_gib``).
 
-    python bench/trust_overhead.py [--steps 20] [--rounds 3] [--groups 8] [--group-size 8]
+    python bench/trust_overhead.py [--steps 20] [--warmup-steps N] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
                                    [--gram-sketch W]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
@@ -187,6 +202,7 @@ steps = {total_steps}
 batch_groups = {groups}
 learning_rate = {lr}
 gram_sketch = {gram_sketch}
+keep_gib = {keep_gib}
 eval_every = 1000000
 eval_problems = 1
 [baselines]
@@ -260,6 +276,32 @@ TRUST_CALLS: list[tuple[str, str, str]] = [
 """Calls that only the trust layer makes, counted on both sides: (name, owner, attribute)."""
 
 
+class TrainedTokens:
+    """Token positions each side puts through its RL forward and backward passes: padded
+    (``input_ids`` entries) and real (``attention_mask`` ones), so the JSON shows that
+    both sides trained batches of the same shape."""
+
+    def __init__(self) -> None:
+        self.padded = self.real = 0
+
+    def installed(self) -> contextlib.AbstractContextManager[None]:
+        from trainer.pipeline import PipelineRunner
+
+        real_fn = PipelineRunner.forward_backward
+
+        def counted(runner: Any, batch: Any, loss_fn: Any) -> Any:
+            ids = batch["input_ids"]
+            mask = batch.get("attention_mask")
+            self.padded += int(ids.numel())
+            self.real += int(mask.sum()) if mask is not None else int(ids.numel())
+            return real_fn(runner, batch, loss_fn)
+
+        return patched(PipelineRunner, "forward_backward", counted)
+
+    def snapshot(self) -> tuple[int, int]:
+        return self.padded, self.real
+
+
 def trust_targets() -> list[Target]:
     import importlib
 
@@ -283,10 +325,11 @@ def write_scenario(args: argparse.Namespace, work: Path) -> Any:
             contributors=args.contributors,
             group_size=args.group_size,
             max_tokens=args.max_tokens,
-            total_steps=args.steps + 1,
+            total_steps=args.steps + args.warmup_steps,
             groups=args.groups,
             lr=args.lr,
             gram_sketch=args.gram_sketch,
+            keep_gib=args.keep_gib,
         )
         + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
     )
@@ -319,6 +362,10 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     rewards: list[float] = []
     clock, calls = PhaseClock(), PhaseClock()
     after_warmup: dict[str, float] = {}
+    warmup = args.warmup_steps
+    tokens, tokens_at_warmup = TrainedTokens(), [(0, 0)]
+    sims: list[Any] = []
+    timed_from: list[float] = []  # simulated time at the end of the warm-up
 
     class TimedLoop(hrun.TrainerLoop):
         def train_step(self):  # noqa: ANN202 - same signature as the base
@@ -327,9 +374,16 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
             durations.append(time.perf_counter() - start)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
-            if len(durations) == 1:
+            if len(durations) == warmup:
                 after_warmup.update(clock.snapshot())
+                tokens_at_warmup[0] = tokens.snapshot()
+                timed_from.append(sims[0].t)
             return metrics
+
+    class SeenSimulation(hrun.Simulation):
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            sims.append(self)
 
     def config(s, model_dir):  # noqa: ANN001, ANN202
         return base_config(s, model_dir).model_copy(update={"skip_uniform_groups": False})
@@ -345,7 +399,9 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     )
     with (
         patched(hrun, "TrainerLoop", TimedLoop),
+        patched(hrun, "Simulation", SeenSimulation),
         patched(hrun, "trainer_config", config),
+        tokens.installed(),
         fallback,
         unshared_backend(args.unshared_prefill),
         clock.installed(phase_targets()),
@@ -357,19 +413,45 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     total = time.perf_counter() - start
     events = read_events(log_path)
     rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
+    judged = [e for e in events if isinstance(e, Verdict) and timed_from and e.t > timed_from[0]]
     return {
-        "samples": sum(samples[1:]),
-        "wall_s": sum(durations[1:]),
-        "warmup_s": durations[0],
+        **_timed(samples, durations, rewards, warmup, after_warmup, timed),
         "total_wall_s": total,
-        "steps": len(durations) - 1,
         "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+        "audited_share": sum(e.audited for e in judged) / len(judged) if judged else None,
+        **_tokens_per_step(tokens, tokens_at_warmup[0], len(durations) - warmup),
         "verdicts": sum(isinstance(e, Verdict) for e in events),
         "trust_calls": dict(calls.calls),
-        "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
+    }
+
+
+def _tokens_per_step(tokens: TrainedTokens, at_warmup: tuple[int, int], steps: int) -> dict:
+    padded, real = (now - then for now, then in zip(tokens.snapshot(), at_warmup, strict=True))
+    return {
+        "tokens_per_step": round(padded / max(1, steps), 1),
+        "real_tokens_per_step": round(real / max(1, steps), 1),
+    }
+
+
+def _timed(
+    samples: list[int],
+    durations: list[float],
+    rewards: list[float],
+    warmup: int,
+    after_warmup: dict[str, float],
+    timed: dict[str, float],
+) -> dict:
+    """A side's figures over the steps after its ``warmup`` steps."""
+    steps, wall = len(durations) - warmup, sum(durations[warmup:])
+    return {
+        "samples": sum(samples[warmup:]),
+        "wall_s": wall,
+        "warmup_s": sum(durations[:warmup]),
+        "steps": steps,
+        "phases_s": per_step(after_warmup, timed, steps, wall),
         "peak_rss_mib": peak_rss_mib(),
-        "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
+        "train_reward_mean": sum(rewards[warmup:]) / max(1, steps),
     }
 
 
@@ -405,8 +487,13 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
     samples: list[int] = []
     rewards: list[float] = []
     after_warmup: dict[str, float] = {}
+    tokens, tokens_at_warmup = TrainedTokens(), (0, 0)
     start = time.perf_counter()
-    with clock.installed(trust_off_targets()), calls.installed(trust_targets()):
+    with (
+        tokens.installed(),
+        clock.installed(trust_off_targets()),
+        calls.installed(trust_targets()),
+    ):
         loop, counts = plain_loop(scenario, cfg, model_dir, share_prefill=not args.unshared_prefill)
         for _ in range(cfg.steps):
             t0 = time.perf_counter()
@@ -414,20 +501,16 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
             durations.append(time.perf_counter() - t0)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
-            if len(durations) == 1:
+            if len(durations) == args.warmup_steps:
                 after_warmup.update(clock.snapshot())
+                tokens_at_warmup = tokens.snapshot()
         timed = clock.snapshot()
     return {
-        "samples": sum(samples[1:]),
-        "wall_s": sum(durations[1:]),
-        "warmup_s": durations[0],
+        **_timed(samples, durations, rewards, args.warmup_steps, after_warmup, timed),
         "total_wall_s": time.perf_counter() - start,
-        "steps": len(durations) - 1,
         "counts": asdict(counts),
         "trust_calls": dict(calls.calls),
-        "phases_s": per_step(after_warmup, timed, len(durations) - 1, sum(durations[1:])),
-        "peak_rss_mib": peak_rss_mib(),
-        "train_reward_mean": sum(rewards[1:]) / max(1, len(rewards) - 1),
+        **_tokens_per_step(tokens, tokens_at_warmup, len(durations) - args.warmup_steps),
     }
 
 
@@ -471,6 +554,8 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         side,
         "--steps",
         str(args.steps),
+        "--warmup-steps",
+        str(args.warmup_steps),
         "--groups",
         str(args.groups),
         "--group-size",
@@ -490,12 +575,14 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         cmd.append("--pass-per-contributor")
     if args.gram_sketch:
         cmd += ["--gram-sketch", str(args.gram_sketch)]
+    cmd += ["--keep-gib", str(args.keep_gib)]
     if unshared:
         cmd.append("--unshared-prefill")
     if not args.progress:
         cmd.append("--quiet")
     say(
-        f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + 1 warm-up steps "
+        f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + "
+        f"{args.warmup_steps} warm-up steps "
         f"of {args.groups} x {args.group_size} completions"
     )
     before = load()
@@ -551,7 +638,7 @@ def summarise(
     result = {
         "bench": "trust_overhead",
         "steps": args.steps,
-        "warmup_steps": 1,
+        "warmup_steps": args.warmup_steps,
         "rounds": args.rounds,
         "batch_completions": args.groups * args.group_size,
         "groups": args.groups,
@@ -579,17 +666,23 @@ def summarise(
         "trust_off_calls": off.get("trust_calls"),
         "trust_off_counts": off.get("counts"),
         "trust_on_verdicts": on.get("verdicts"),
+        "trust_on_tokens_per_step": on.get("tokens_per_step"),
+        "trust_off_tokens_per_step": off.get("tokens_per_step"),
+        "trust_on_real_tokens_per_step": on.get("real_tokens_per_step"),
+        "trust_off_real_tokens_per_step": off.get("real_tokens_per_step"),
         "trust_on_peak_rss_mib": on.get("peak_rss_mib"),
         "trust_off_peak_rss_mib": off.get("peak_rss_mib"),
         "trust_on_train_reward_mean": _r4(on.get("train_reward_mean")),
         "trust_off_train_reward_mean": _r4(off.get("train_reward_mean")),
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
+        "audited_share": _r4(on.get("audited_share")),
         "ledger_audit_ok": all(p["audit_ok"] for p in ons + unshared),
         "contributor_gradients": (
             "a pass per contributor" if args.pass_per_contributor else "one pass for all"
         ),
         "gram_sketch": args.gram_sketch,
+        "keep_gib": args.keep_gib,
         "trl_ratio": None if trl is None or pu is None else round(rate(pu) / rate(trl), 3),
         "trl_ratio_target": RATIO_TARGET,
         "trl_ratio_baseline": TRL_BASELINE,
@@ -758,6 +851,19 @@ def aggregation_memory(params: int) -> dict:
     }
 
 
+def steady_warmup(contributors: int, groups: int) -> int:
+    """Steps that take every contributor off probation, plus one: each step trains
+    ``groups`` groups spread over ``contributors``, and a key leaves probation after
+    ``PROBATION_ROLLOUTS`` audited group verdicts (every group is audited until then)."""
+    from ledger.reputation import PROBATION_ROLLOUTS
+
+    return 1 + math.ceil(PROBATION_ROLLOUTS * contributors / groups)
+
+
+def warmup_steps(text: str) -> int | str:
+    return text if text == "steady" else int(text)
+
+
 def counts(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(","))
 
@@ -767,6 +873,14 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per side")
+    parser.add_argument(
+        "--warmup-steps",
+        type=warmup_steps,
+        default=1,
+        help="untimed steps before them on every side (default 1); 'steady': enough to "
+        "take every contributor off probation, plus one, so the timed steps see the "
+        "validator's steady audit rate",
+    )
     parser.add_argument("--groups", type=int, default=8, help="prompts per optimizer step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
     parser.add_argument("--max-tokens", type=int, default=8, help="completion length limit")
@@ -808,6 +922,14 @@ def parse_args() -> argparse.Namespace:
         help="prooftrain's aggregator works from a random W x W sketch of each weight "
         "matrix's per-contributor gradient (trainer aggregator.gram_sketch; default 0: "
         "the exact Gram matrix)",
+    )
+    parser.add_argument(
+        "--keep-gib",
+        type=float,
+        default=1.0,
+        help="memory (GiB) for per-contributor gradient rows kept between prooftrain's Gram "
+        "matrix and its combine (trainer aggregator.keep_gib; default 1.0); rows beyond it "
+        "are formed twice",
     )
     parser.add_argument("--unshared-prefill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -853,6 +975,10 @@ def parse_args() -> argparse.Namespace:
         or args.group_size < 2
     ):
         parser.error("need --group-size >= 2 and every other count >= 1")
+    if args.warmup_steps == "steady":
+        args.warmup_steps = steady_warmup(args.contributors, args.groups)
+    elif args.warmup_steps < 1:
+        parser.error("need --warmup-steps >= 1 (the first step loads and warms every side)")
     args.size = "14m" if args.width == 384 and args.layers == 6 else None
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")

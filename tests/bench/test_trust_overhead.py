@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ LOAD = ("before", "after")
 def _args(**kw: object) -> argparse.Namespace:
     base = dict(
         steps=4,
+        warmup_steps=1,
         groups=2,
         group_size=4,
         max_tokens=8,
@@ -27,6 +29,7 @@ def _args(**kw: object) -> argparse.Namespace:
         model_dir=None,
         pass_per_contributor=False,
         gram_sketch=0,
+        keep_gib=1.0,
         task="reverse_text",
     )
     base.update(kw)
@@ -46,7 +49,7 @@ def _side(samples: int, wall_s: float, **extra: object) -> dict:
 def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baselines() -> None:
     ons = [
         _side(32, 2.0, audit_rate_mean=0.5, audit_ok=True),
-        _side(32, 1.0, audit_rate_mean=0.25, audit_ok=True),
+        _side(32, 1.0, audit_rate_mean=0.25, audited_share=0.125, audit_ok=True),
     ]
     offs = [_side(32, 0.8), _side(32, 0.5)]
     trls = [_side(32, 0.5), _side(32, 0.8)]
@@ -64,6 +67,7 @@ def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baseline
     }
     assert out["trust_ratio_baseline"] == bench.TRUST_BASELINE
     assert out["audit_rate_mean"] == 0.25  # from the round that counts
+    assert out["audited_share"] == 0.125 and out["warmup_steps"] == 1
     assert out["trl_samples_per_s"] == 64.0 and out["unshared_samples_per_s"] == 8.0
     assert out["trl_ratio"] == 0.125 and out["trl_ratio_baseline"] == bench.TRL_BASELINE
     assert out["unshared_generation_s_per_step"] == 0.3
@@ -118,6 +122,8 @@ def test_tiny_run_prints_json_last() -> None:
         str(ROOT / "bench" / "trust_overhead.py"),
         "--steps",
         "1",
+        "--warmup-steps",
+        "2",
         "--rounds",
         "1",
         "--groups",
@@ -145,10 +151,18 @@ def test_tiny_run_prints_json_last() -> None:
     # The trust-on side signs, verifies, admits, records, aggregates and publishes...
     calls = result["trust_on_calls"]
     assert {k for k, n in calls.items() if n > 0} == {name for name, _, _ in bench.TRUST_CALLS}
-    assert result["trust_on_verdicts"] == 2 * 2  # 2 steps of 2 groups, every one judged
+    assert result["warmup_steps"] == 2
+    assert result["trust_on_verdicts"] == 3 * 2  # 3 steps of 2 groups, every one judged
+    assert result["audited_share"] == 1.0  # a new key's groups are all audited (probation)
+    for side in ("on", "off"):  # both sides' batches: 2 groups x 2 rows of prompt + 2 tokens
+        padded, real = (
+            result[f"trust_{side}_tokens_per_step"],
+            result[f"trust_{side}_real_tokens_per_step"],
+        )
+        assert padded % 4 == 0 and 4 * 3 <= real <= padded
     # ... the trust-off side none of it: one plain pass and step per step, its own groups.
     assert result["trust_off_calls"] == {}
-    assert result["trust_off_counts"] == {"groups": 4, "samples": 8, "steps": 2, "passes": 2}
+    assert result["trust_off_counts"] == {"groups": 6, "samples": 12, "steps": 3, "passes": 3}
     assert {"generation", "rl_forward_backward", "optimizer_step"} <= set(
         result["trust_off_phases_s"]
     )
@@ -177,6 +191,15 @@ def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
     assert not hasattr(box.outer, "__wrapped__")  # restored
     steps = per_step({}, got, 1, wall_s=1.0)
     assert steps["other"] == pytest.approx(1.0 - got["inner"] - got["outer"], abs=1e-3)
+
+
+def test_the_steady_warm_up_takes_every_contributor_off_probation() -> None:
+    from ledger.reputation import PROBATION_ROLLOUTS
+
+    # 8 groups a step over 8 contributors: one audited group per key per step.
+    assert bench.steady_warmup(8, 8) == 1 + PROBATION_ROLLOUTS
+    assert bench.steady_warmup(8, 16) == 1 + PROBATION_ROLLOUTS // 2
+    assert bench.steady_warmup(3, 2) == 1 + math.ceil(PROBATION_ROLLOUTS * 3 / 2)
 
 
 def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) -> None:
