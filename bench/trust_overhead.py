@@ -67,14 +67,20 @@ are in the JSON (``trust_rounds``).
   of the next (generation, rewards, the step); its generation seconds are the
   model's ``generate`` calls.
 
-On every side the first ``--warmup-steps`` steps (default 1) are a warm-up and
-are not counted; the figure is completions trained per wall-clock second over
-the ``steps`` after them. A run's first steps audit every group: a new key is on
-probation (audited at rate 1) for ``ledger.reputation.PROBATION_ROLLOUTS``
-audited groups. ``--warmup-steps steady`` warms up until every contributor is
-off probation (33 steps at the defaults), so the timed steps see the audit rate
-of a long-running deployment. The JSON's ``audited_share`` is the share of
-groups spot-checked during the timed steps.
+Each side's first steps are a warm-up and are not counted; the figure is
+completions trained per wall-clock second over the ``steps`` after them. A
+deployment's first steps audit every completion: a new key is on probation
+(audited at rate 1) for ``ledger.reputation.PROBATION_ROLLOUTS`` audited
+completions, a cost paid once per key. So prooftrain's side warms up until every
+contributor is off probation (``--warmup-steps steady``, the default: 5 steps at
+the defaults) and its timed steps see the reputation-driven rate that follows
+(about 0.16 per completion just after probation, falling towards about 0.09 as
+evidence accumulates; the JSON's ``audit_rate_timed``); the sides
+without contributors (trust off, TRL) warm up ``--baseline-warmup-steps``
+(default 1). ``--warmup-steps N`` times prooftrain from step N + 1 instead,
+probation included. The JSON's ``audited_share`` is the share of groups
+with a completion spot-checked during the timed steps, and each side's token positions per step
+show that both trained batches of the same shape.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
   trust_ratio                                    trust_on / trust_off samples per second
@@ -93,9 +99,12 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                                                  passes and steps
   audit_rate_mean                                mean spot-check probability the validator
                                                  applied (reputation-driven, whole run)
-  audited_share                                  groups spot-checked / groups judged during
+  audit_rate_timed                               mean per-completion spot-check rate during
                                                  the timed steps
-  warmup_steps                                   untimed steps before them
+  audited_share                                  groups with a completion spot-checked /
+                                                 groups judged, during the timed steps
+  warmup_steps, baseline_warmup_steps            untimed steps before them (prooftrain;
+                                                 trust off and TRL)
   trl_ratio, trl_ratio_baseline                  prooftrain (prefill unshared) / TRL
   unshared_generation_s_per_step,
   trl_generation_s_per_step                      each side's generation seconds per step
@@ -128,10 +137,13 @@ backward pass per contributor (its fallback) instead of one pass for all
 weight matrix's per-contributor gradient (the trainer's
 ``aggregator.gram_sketch``; the JSON's ``gram_sketch``). ``--keep-gib G`` gives
 its one pass G GiB for per-contributor gradient rows (the trainer's
-``aggregator.keep_gib``, default 1): with 8 contributors SmolLM2-135M's rows take
-4.0 GiB, and those beyond the budget are formed twice (the JSON's ``keep_gib``).
+``aggregator.keep_gib``, whose default is 1): rows beyond the budget are formed
+twice. By default the bench gives it every contributor's rows of the model
+(contributors x parameters x 4 bytes rounded up to whole GiB, plus 1), as an
+operator with the memory would: 6 GiB for SmolLM2-135M with 8 contributors. The
+JSON's ``keep_gib`` is the budget used.
 
-    python bench/trust_overhead.py [--steps 20] [--warmup-steps N] [--rounds 3] [--groups 8] [--group-size 8]
+    python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 3] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
                                    [--gram-sketch W]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
@@ -414,11 +426,17 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     events = read_events(log_path)
     rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
     judged = [e for e in events if isinstance(e, Verdict) and timed_from and e.t > timed_from[0]]
+    timed_rates = [
+        e.audit_rate
+        for e in events
+        if isinstance(e, Reputation) and timed_from and e.t > timed_from[0]
+    ]
     return {
         **_timed(samples, durations, rewards, warmup, after_warmup, timed),
         "total_wall_s": total,
         "audit_ok": values["audit_ok"],
         "audit_rate_mean": sum(rates) / len(rates) if rates else None,
+        "audit_rate_timed": sum(timed_rates) / len(timed_rates) if timed_rates else None,
         "audited_share": sum(e.audited for e in judged) / len(judged) if judged else None,
         **_tokens_per_step(tokens, tokens_at_warmup[0], len(durations) - warmup),
         "verdicts": sum(isinstance(e, Verdict) for e in events),
@@ -555,7 +573,7 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         "--steps",
         str(args.steps),
         "--warmup-steps",
-        str(args.warmup_steps),
+        str(side_warmup(side, args)),
         "--groups",
         str(args.groups),
         "--group-size",
@@ -582,7 +600,7 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         cmd.append("--quiet")
     say(
         f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + "
-        f"{args.warmup_steps} warm-up steps "
+        f"{side_warmup(side, args)} warm-up steps "
         f"of {args.groups} x {args.group_size} completions"
     )
     before = load()
@@ -639,6 +657,7 @@ def summarise(
         "bench": "trust_overhead",
         "steps": args.steps,
         "warmup_steps": args.warmup_steps,
+        "baseline_warmup_steps": args.baseline_warmup_steps,
         "rounds": args.rounds,
         "batch_completions": args.groups * args.group_size,
         "groups": args.groups,
@@ -676,6 +695,7 @@ def summarise(
         "trust_off_train_reward_mean": _r4(off.get("train_reward_mean")),
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
+        "audit_rate_timed": _r4(on.get("audit_rate_timed")),
         "audited_share": _r4(on.get("audited_share")),
         "ledger_audit_ok": all(p["audit_ok"] for p in ons + unshared),
         "contributor_gradients": (
@@ -707,6 +727,16 @@ def _r4(x: float | None) -> float | None:
     return None if x is None else round(x, 4)
 
 
+def rows_gib(args: argparse.Namespace) -> float:
+    """A kept-rows budget that holds every contributor's gradient rows of the model: whole
+    GiB over contributors x parameters x 4 bytes, plus 1 (the trainer's default, 1 GiB,
+    for the demo model, whose directory the trainer side builds itself)."""
+    if not args.model_dir:
+        return 1.0
+    rows = args.contributors * model_params(Path(args.model_dir)) * 4
+    return float(math.ceil(rows / 2**30) + 1)
+
+
 def compare(args: argparse.Namespace, skipped: str | None) -> dict:
     """``args.rounds`` rounds, each running trust-on and trust-off (first one, then the
     other, the order swapped every round so neither always runs first), then, with TRL,
@@ -716,6 +746,8 @@ def compare(args: argparse.Namespace, skipped: str | None) -> dict:
     trls: list[dict] = []
     unshared: list[dict] = []
     order: list[str] = []
+    if args.keep_gib is None:
+        args = argparse.Namespace(**{**vars(args), "keep_gib": rows_gib(args)})
     for r in range(args.rounds):
         say(f"round {r + 1}/{args.rounds}")
         first = "trust_on" if r % 2 == 0 else "trust_off"
@@ -851,13 +883,20 @@ def aggregation_memory(params: int) -> dict:
     }
 
 
-def steady_warmup(contributors: int, groups: int) -> int:
+def steady_warmup(contributors: int, groups: int, group_size: int) -> int:
     """Steps that take every contributor off probation, plus one: each step trains
-    ``groups`` groups spread over ``contributors``, and a key leaves probation after
-    ``PROBATION_ROLLOUTS`` audited group verdicts (every group is audited until then)."""
+    ``groups`` groups of ``group_size`` completions spread over ``contributors``, and a key
+    leaves probation after ``PROBATION_ROLLOUTS`` audited completions (every completion is
+    audited until then)."""
     from ledger.reputation import PROBATION_ROLLOUTS
 
-    return 1 + math.ceil(PROBATION_ROLLOUTS * contributors / groups)
+    return 1 + math.ceil(PROBATION_ROLLOUTS * contributors / (groups * group_size))
+
+
+def side_warmup(side: str, args: argparse.Namespace) -> int:
+    """Untimed steps of ``side``: prooftrain's own, or the baseline sides' (no contributors,
+    no probation)."""
+    return args.warmup_steps if side == "prooftrain" else args.baseline_warmup_steps
 
 
 def warmup_steps(text: str) -> int | str:
@@ -876,10 +915,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--warmup-steps",
         type=warmup_steps,
-        default=1,
-        help="untimed steps before them on every side (default 1); 'steady': enough to "
+        default="steady",
+        help="untimed steps before them on prooftrain's side (default 'steady': enough to "
         "take every contributor off probation, plus one, so the timed steps see the "
-        "validator's steady audit rate",
+        "validator's steady audit rate; N: from step N + 1, probation included)",
+    )
+    parser.add_argument(
+        "--baseline-warmup-steps",
+        type=int,
+        default=1,
+        help="untimed steps before them on the trust-off and TRL sides (default 1)",
     )
     parser.add_argument("--groups", type=int, default=8, help="prompts per optimizer step")
     parser.add_argument("--group-size", type=int, default=8, help="completions per prompt (G)")
@@ -926,10 +971,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--keep-gib",
         type=float,
-        default=1.0,
+        default=None,
         help="memory (GiB) for per-contributor gradient rows kept between prooftrain's Gram "
-        "matrix and its combine (trainer aggregator.keep_gib; default 1.0); rows beyond it "
-        "are formed twice",
+        "matrix and its combine (trainer aggregator.keep_gib); rows beyond it are formed "
+        "twice (default: every contributor's rows of the model, rounded up, plus 1 GiB)",
     )
     parser.add_argument("--unshared-prefill", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
@@ -976,9 +1021,12 @@ def parse_args() -> argparse.Namespace:
     ):
         parser.error("need --group-size >= 2 and every other count >= 1")
     if args.warmup_steps == "steady":
-        args.warmup_steps = steady_warmup(args.contributors, args.groups)
-    elif args.warmup_steps < 1:
-        parser.error("need --warmup-steps >= 1 (the first step loads and warms every side)")
+        args.warmup_steps = steady_warmup(args.contributors, args.groups, args.group_size)
+    if min(args.warmup_steps, args.baseline_warmup_steps) < 1:
+        parser.error(
+            "need --warmup-steps and --baseline-warmup-steps >= 1 "
+            "(the first step loads and warms every side)"
+        )
     args.size = "14m" if args.width == 384 and args.layers == 6 else None
     if args.width and args.model_dir:
         parser.error("give --model-dir or --width, not both")

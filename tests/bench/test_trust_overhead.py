@@ -21,6 +21,7 @@ def _args(**kw: object) -> argparse.Namespace:
     base = dict(
         steps=4,
         warmup_steps=1,
+        baseline_warmup_steps=1,
         groups=2,
         group_size=4,
         max_tokens=8,
@@ -151,18 +152,20 @@ def test_tiny_run_prints_json_last() -> None:
     # The trust-on side signs, verifies, admits, records, aggregates and publishes...
     calls = result["trust_on_calls"]
     assert {k for k, n in calls.items() if n > 0} == {name for name, _, _ in bench.TRUST_CALLS}
-    assert result["warmup_steps"] == 2
+    assert result["warmup_steps"] == 2 and result["baseline_warmup_steps"] == 1
     assert result["trust_on_verdicts"] == 3 * 2  # 3 steps of 2 groups, every one judged
-    assert result["audited_share"] == 1.0  # a new key's groups are all audited (probation)
+    # A new key is on probation: every completion audited.
+    assert result["audited_share"] == 1.0 and result["audit_rate_timed"] == 1.0
     for side in ("on", "off"):  # both sides' batches: 2 groups x 2 rows of prompt + 2 tokens
         padded, real = (
             result[f"trust_{side}_tokens_per_step"],
             result[f"trust_{side}_real_tokens_per_step"],
         )
         assert padded % 4 == 0 and 4 * 3 <= real <= padded
-    # ... the trust-off side none of it: one plain pass and step per step, its own groups.
+    # ... the trust-off side none of it: one plain pass and step per step, its own groups
+    # (one warm-up step: it has no contributors on probation).
     assert result["trust_off_calls"] == {}
-    assert result["trust_off_counts"] == {"groups": 6, "samples": 12, "steps": 3, "passes": 3}
+    assert result["trust_off_counts"] == {"groups": 4, "samples": 8, "steps": 2, "passes": 2}
     assert {"generation", "rl_forward_backward", "optimizer_step"} <= set(
         result["trust_off_phases_s"]
     )
@@ -196,10 +199,20 @@ def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
 def test_the_steady_warm_up_takes_every_contributor_off_probation() -> None:
     from ledger.reputation import PROBATION_ROLLOUTS
 
-    # 8 groups a step over 8 contributors: one audited group per key per step.
-    assert bench.steady_warmup(8, 8) == 1 + PROBATION_ROLLOUTS
-    assert bench.steady_warmup(8, 16) == 1 + PROBATION_ROLLOUTS // 2
-    assert bench.steady_warmup(3, 2) == 1 + math.ceil(PROBATION_ROLLOUTS * 3 / 2)
+    # 8 groups of 8 a step over 8 contributors: 8 audited completions per key per step.
+    assert bench.steady_warmup(8, 8, 8) == 1 + PROBATION_ROLLOUTS // 8
+    assert bench.steady_warmup(8, 16, 8) == 1 + PROBATION_ROLLOUTS // 16
+    assert bench.steady_warmup(3, 2, 5) == 1 + math.ceil(PROBATION_ROLLOUTS * 3 / 10)
+
+
+def test_the_default_kept_rows_budget_holds_every_contributors_rows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(bench, "model_params", lambda _: 134_515_008)  # SmolLM2-135M
+    # 8 x 134.5M float32 rows are 4.01 GiB: 5 whole GiB, plus 1.
+    assert bench.rows_gib(_args(model_dir=str(tmp_path), contributors=8)) == 6.0
+    assert bench.rows_gib(_args(model_dir=str(tmp_path), contributors=4)) == 4.0
+    assert bench.rows_gib(_args(model_dir=None)) == 1.0  # the demo model: the trainer's
 
 
 def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) -> None:
@@ -239,6 +252,12 @@ def test_tiny_scaling_run_prints_every_figure() -> None:
     assert demo["params"] > 0 and demo["trust_on_samples_per_s"] > 0
     assert result["trust_ratios"] == {"demo": demo["trust_ratio"]} and demo["trust_ratio"] > 0
     assert demo["trust_off_calls"] == {} and demo["trust_off_counts"]["passes"] == 2  # + warm-up
+    # prooftrain's side warms up until its one contributor's 32 probation completions are
+    # audited (4 a step), then runs at the lower reputation-driven rate.
+    assert demo["warmup_steps"] == 1 + 32 // 4 and demo["baseline_warmup_steps"] == 1
+    assert demo["trust_on_verdicts"] == 2 * (1 + 1 + 32 // 4)
+    assert 0 < demo["audit_rate_timed"] < 1
+    assert demo["keep_gib"] == 2.0  # every row of the demo model: under 1 GiB, plus 1
     phases = demo["trust_on_phases_s"]
     assert {
         "generation",
