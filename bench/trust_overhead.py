@@ -424,24 +424,29 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         timed = clock.snapshot()
     total = time.perf_counter() - start
     events = read_events(log_path)
-    rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
-    judged = [e for e in events if isinstance(e, Verdict) and timed_from and e.t > timed_from[0]]
-    timed_rates = [
-        e.audit_rate
+    after = [  # the timed steps' verdicts and reputations
+        e
         for e in events
-        if isinstance(e, Reputation) and timed_from and e.t > timed_from[0]
+        if isinstance(e, Reputation | Verdict) and timed_from and e.t > timed_from[0]
     ]
+    rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
+    timed_rates = [e.audit_rate for e in after if isinstance(e, Reputation)]
+    judged = [e.audited for e in after if isinstance(e, Verdict)]
     return {
         **_timed(samples, durations, rewards, warmup, after_warmup, timed),
         "total_wall_s": total,
         "audit_ok": values["audit_ok"],
-        "audit_rate_mean": sum(rates) / len(rates) if rates else None,
-        "audit_rate_timed": sum(timed_rates) / len(timed_rates) if timed_rates else None,
-        "audited_share": sum(e.audited for e in judged) / len(judged) if judged else None,
+        "audit_rate_mean": _mean(rates),
+        "audit_rate_timed": _mean(timed_rates),
+        "audited_share": _mean(judged),
         **_tokens_per_step(tokens, tokens_at_warmup[0], len(durations) - warmup),
         "verdicts": sum(isinstance(e, Verdict) for e in events),
         "trust_calls": dict(calls.calls),
     }
+
+
+def _mean(values: list[float] | list[bool]) -> float | None:
+    return sum(values) / len(values) if values else None
 
 
 def _tokens_per_step(tokens: TrainedTokens, at_warmup: tuple[int, int], steps: int) -> dict:
@@ -565,6 +570,7 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
     """Run one side in a fresh Python process; its figures come back as its last stdout line,
     with the machine's load averages just before and just after (``os.getloadavg``).
     ``unshared``: prooftrain generates with its shared prefill off."""
+    warmup = side_warmup(side, args)
     cmd = [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -573,7 +579,7 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         "--steps",
         str(args.steps),
         "--warmup-steps",
-        str(side_warmup(side, args)),
+        str(warmup),
         "--groups",
         str(args.groups),
         "--group-size",
@@ -600,7 +606,7 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         cmd.append("--quiet")
     say(
         f"{side}{' (prefill unshared)' if unshared else ''}: {args.steps} + "
-        f"{side_warmup(side, args)} warm-up steps "
+        f"{warmup} warm-up steps "
         f"of {args.groups} x {args.group_size} completions"
     )
     before = load()
