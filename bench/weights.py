@@ -11,6 +11,12 @@ feedback). Prints one JSON object on its last line:
   codecs.<name>.tracking_error     |current - published| / |current - base| after the
                                    last step (what contributors lag behind the trainer)
   codecs.<name>.seconds_per_update encode + apply, one core
+  int8_apply               the publisher's int8-block update (encoded in place, the copy
+                           advanced by the values it decoded) against the same update
+                           encoded and then applied by decoding its own blob as a
+                           contributor does (the baseline, same steps, order alternating):
+                           seconds per update of each, the speedup, and whether both
+                           made the same blobs and bit-identical published copies
   pass_at_1                with ``--train-steps N``: greedy held-out pass@1 (95% interval)
                            after N RL steps of ``configs/trainer.toml`` publishing with
                            each codec (fp32 deltas are the uncompressed run)
@@ -109,7 +115,8 @@ def measure(model, tokenizer, args) -> tuple[dict, dict[str, StagePublisher]]:
     rows = _supervised_rows(tokenizer, args.task, 4_096, args.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     gen = torch.Generator().manual_seed(args.seed)
-    for _ in tracked(range(args.steps), "train + publish", "steps"):
+    decoding = _DecodingPublisher(base, *CODECS["int8-block"])
+    for step in tracked(range(args.steps), "train + publish", "steps"):
         model.train()
         idx = torch.randint(len(rows), (args.batch,), generator=gen).tolist()
         ids, labels, mask = _batch(rows, idx, tokenizer.pad_token_id)
@@ -118,10 +125,17 @@ def measure(model, tokenizer, args) -> tuple[dict, dict[str, StagePublisher]]:
         loss.backward()
         opt.step()
         current = publishable_state(model)
+        if step % 2:
+            decoding.update(current)
         for key, pub in pubs.items():
             start = time.perf_counter()
-            sizes[key].append(pub.update(current).nbytes)
+            update = pub.update(current)
+            sizes[key].append(update.nbytes)
             seconds[key] += time.perf_counter() - start
+            if key == "int8-block":
+                decoding.check(update.blob)
+        if not step % 2:
+            decoding.update(current)
     current = publishable_state(model)
     moved = _norm(current, base)
     bf16 = 2 * sum(t.numel() for t in base.values())
@@ -134,7 +148,53 @@ def measure(model, tokenizer, args) -> tuple[dict, dict[str, StagePublisher]]:
             "tracking_error": round(_norm(current, pub.published_state()) / moved, 4),
             "seconds_per_update": round(seconds[key] / args.steps, 4),
         }
-    return {"bf16_bytes": bf16, "params": bf16 // 2, "codecs": out}, pubs
+    fast = seconds["int8-block"] / args.steps
+    slow = decoding.seconds / args.steps
+    same = all(
+        torch.equal(a.view(torch.int32), decoding.copy[n].view(torch.int32))
+        for n, a in pubs["int8-block"].published_state().items()
+    )
+    apply = {
+        "seconds_per_update": round(fast, 4),
+        "decode_to_apply_seconds_per_update": round(slow, 4),
+        "speedup": round(slow / fast, 3),
+        "same_blobs": decoding.same_blobs,
+        "published_copies_bit_identical": same,
+    }
+    return {"bf16_bytes": bf16, "params": bf16 // 2, "codecs": out, "int8_apply": apply}, pubs
+
+
+class _DecodingPublisher:
+    """The baseline of ``int8_apply``: each update encoded (``encode_state_delta``), then
+    applied to the published copy by decoding its own blob (``add_state_delta_``), as a
+    contributor applies it. Only the encode and the apply are timed (no input checks)."""
+
+    def __init__(self, base: dict[str, torch.Tensor], name: str, params: dict) -> None:
+        from verify.weights_codec import get_codec
+
+        self.codec = get_codec(name, **params)
+        self.copy = {n: t.clone() for n, t in base.items()}
+        self.seconds, self.same_blobs = 0.0, True
+        self.blobs: list[bytes] = []
+
+    def update(self, current: dict[str, torch.Tensor]) -> None:
+        from verify.weights_codec import add_state_delta_, encode_state_delta
+
+        start = time.perf_counter()
+        deltas = {n: current[n].detach() - w for n, w in self.copy.items()}
+        blob = encode_state_delta(deltas, self.codec)
+        del deltas
+        add_state_delta_(self.copy, blob)
+        self.seconds += time.perf_counter() - start
+        self.blobs.append(blob)
+
+    def check(self, blob: bytes) -> None:
+        """Compare the publisher's blob with this one's for the same version (whichever
+        of the two ran first this step)."""
+        self.blobs.append(blob)
+        if len(self.blobs) == 2:
+            self.same_blobs &= self.blobs[0] == self.blobs[1]
+            self.blobs.clear()
 
 
 def sft_proxy(model, tokenizer, pubs: dict[str, StagePublisher], args) -> dict:
@@ -168,6 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="a local Hugging Face model to publish (default: the demo base model), e.g. "
+        "the one `prooftrain models fetch smollm2-135m` caches",
+    )
+    ap.add_argument(
         "--eval",
         type=int,
         default=0,
@@ -193,7 +260,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from trainer.base_model import ensure_base_model
 
-    model_dir = ensure_base_model(args.task)
+    model_dir = args.model_dir or ensure_base_model(args.task)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     result, pubs = measure(model, tokenizer, args)

@@ -218,8 +218,8 @@ class GroupGradients:
     def gram(self) -> Tensor:
         """The groups' Gram matrix ``K[a, b] = <R_a, R_b>`` (n, n) float64 after a
         :meth:`capture_gram` pass, formed ``GRAM_BLOCK`` entries per group at a time in one
-        scratch buffer (a parameter whose rows are kept for :meth:`combine`: at once, into
-        its own buffer)."""
+        scratch buffer (a parameter whose rows are kept for :meth:`combine`: into its own
+        buffer, block by block, each block's products taken while it is still in cache)."""
         n = len(self._segments)
         k = torch.zeros((n, n), dtype=torch.float64)
         parts = _parts(self)
@@ -230,16 +230,19 @@ class GroupGradients:
                 continue
             rows = p.shape[0] if p.dim() else 1
             size = 4 * n * p.numel()
+            kept = None
             if size <= budget:
                 budget -= size
-                k += _products(_form(parts[id(p)], self._kept_rows(p, n), 0, rows))
+                kept = self._kept_rows(p, n)
                 self._formed.add(id(p))
-                continue
             per_row = max(1, p.numel() // rows)
             step = max(1, GRAM_BLOCK // per_row)
             for a in range(0, rows, step):
                 b = min(a + step, rows)
-                block = self._scratch_block(n * (b - a) * per_row).view(n, b - a, *p.shape[1:])
+                if kept is None:
+                    block = self._scratch_block(n * (b - a) * per_row).view(n, b - a, *p.shape[1:])
+                else:  # kept rows: formed in place, their products taken while still in cache
+                    block = kept[:, a:b]
                 k += _products(_form(parts[id(p)], block, a, b))
         self._scratch = None
         return k

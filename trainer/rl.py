@@ -133,6 +133,21 @@ def _squared_norms(rows: Tensor, spans: list[tuple[int, int]]) -> Tensor:
     return out
 
 
+def _squared_norm(t: Tensor) -> float:
+    """``t``'s squared l2 norm as in :func:`_squared_norms`: float32 norms of blocks of
+    ``COLUMN_BLOCK`` entries, squared and summed in float64 (casting a large tensor to
+    float64 first costs several times as long)."""
+    flat = t.detach().reshape(-1)
+    whole = flat.numel() // COLUMN_BLOCK * COLUMN_BLOCK
+    total = 0.0
+    if whole:
+        blocks = flat[:whole].view(-1, COLUMN_BLOCK)
+        total += float((torch.linalg.vector_norm(blocks, dim=1).double() ** 2).sum())
+    if whole < flat.numel():
+        total += float(torch.linalg.vector_norm(flat[whole:]).double()) ** 2
+    return total
+
+
 def flat_grad(params: list[torch.nn.Parameter], out: Tensor | None = None) -> Tensor:
     """This stage's gradient as one float32 vector (missing grads count as zero), written
     into ``out`` when given."""
@@ -457,11 +472,7 @@ class RLStep:
     def _finish(self, norms: Tensor, labels: list[str]) -> Metrics:
         """Clip ``.grad`` (the aggregate) by the global norm and step. ``norms`` (n,): each
         contributor's squared gradient norm on this stage."""
-        agg_sq = sum(
-            float(torch.linalg.vector_norm(p.grad, dtype=torch.float64)) ** 2
-            for p in self._counted
-            if p.grad is not None
-        )
+        agg_sq = sum(_squared_norm(p.grad) for p in self._counted if p.grad is not None)
         local = torch.cat([norms.double(), torch.tensor([agg_sq], dtype=torch.float64)])
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(local)

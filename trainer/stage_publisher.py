@@ -7,9 +7,12 @@ policy from the chain of blobs (``rollout.sync``).
 
 Invariants:
 - A :class:`StagePublisher` holds the *published copy*: float32 weights equal,
-  bit for bit, to what every contributor rebuilds. It advances that copy only
-  by decoding its own blob with ``apply_state_delta``, the function
-  contributors use, so the two can never drift apart.
+  bit for bit, to what every contributor rebuilds. It advances that copy by
+  the values its own blob decodes to: decoded with ``add_state_delta_``, the
+  function contributors use, or (``Int8Block``) by the same IEEE float32
+  products and additions from the encoder's own quantised values
+  (``encode_state_delta_applied_``), which the tests check bit for bit against
+  a contributor's rebuild.
 - Error feedback. By default (``train_on="master"``) the trainer keeps
   optimizing its own float32 weights and every update sends
   ``current - published``: whatever a lossy codec dropped last time is still in
@@ -51,6 +54,7 @@ from verify.weights_codec import (
     add_state_delta_,
     apply_state_delta,
     encode_state_delta,
+    encode_state_delta_applied_,
     get_codec,
 )
 
@@ -94,17 +98,32 @@ def _advance(
     codec: Codec,
     feedback: ErrorFeedback | None,
     full: bool,
+    scratch: dict[str, Tensor],
 ) -> tuple[bytes, dict[str, Tensor]]:
-    """(blob, new published copy): encode, then apply exactly as a contributor would."""
+    """(blob, new published copy): encode, then apply exactly as a contributor would.
+
+    Without explicit error feedback the deltas are formed in ``scratch`` (buffers kept
+    from version to version, so a step does not page in a fresh stage-sized allocation)
+    and the copy advances by the values the codec decodes from its own bytes
+    (``encode_state_delta_applied_``: bit for bit what ``add_state_delta_`` adds)."""
     if full:
         blob = encode_state_delta({n: current[n] for n in published}, Fp32())
         zeros = {n: torch.zeros_like(t) for n, t in published.items()}
         return blob, apply_state_delta(zeros, blob)
-    deltas = {n: _f32(current[n]) - published[n] for n in published}
-    blob = encode_state_delta(deltas, codec, feedback)
-    del deltas
-    add_state_delta_(published, blob)  # in place: no second copy of the stage per version
-    return blob, published
+    if feedback is not None:
+        deltas = {n: _f32(current[n]) - published[n] for n in published}
+        blob = encode_state_delta(deltas, codec, feedback)
+        del deltas
+        add_state_delta_(published, blob)  # in place: no second copy of the stage per version
+        return blob, published
+    for n, w in published.items():
+        buf = scratch.get(n)
+        if buf is None or buf.shape != w.shape:
+            buf = scratch[n] = torch.empty_like(w)
+        torch.sub(_f32(current[n]), w, out=buf)
+    return encode_state_delta_applied_(
+        published, {n: scratch[n] for n in published}, codec
+    ), published
 
 
 class StagePublisher:
@@ -149,6 +168,7 @@ class StagePublisher:
         explicit = train_on == "published"
         self._feedback = ErrorFeedback() if explicit else None
         self._mirror_feedback = ErrorFeedback() if explicit else None
+        self._scratch: dict[str, Tensor] = {}  # the deltas' buffers (``_advance``)
 
     @classmethod
     def for_stage(
@@ -201,10 +221,12 @@ class StagePublisher:
             for fb in (self._feedback, self._mirror_feedback):
                 if fb is not None:
                     fb.reset()
-        blob, self._own = _advance(self._own, current_state, self.codec, self._feedback, full)
+        blob, self._own = _advance(
+            self._own, current_state, self.codec, self._feedback, full, self._scratch
+        )
         if self._mirror:
             _, self._mirror = _advance(
-                self._mirror, current_state, self.codec, self._mirror_feedback, full
+                self._mirror, current_state, self.codec, self._mirror_feedback, full, self._scratch
             )
         self.version += 1
         codec = FULL_CODEC if full else self.codec_name

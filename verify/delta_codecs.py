@@ -41,6 +41,7 @@ from verify.delta_quant import (
     dequantize_int8,
     n_blocks,
     quantize_int8,
+    quantize_int8_,
     sparse_indices,
     values_f32,
 )
@@ -122,6 +123,28 @@ class Int8Block:
         head = DeltaHeader(CodecId.INT8_BLOCK, sd, tuple(delta.shape), self.block_size)
         scales, q = quantize_int8(x, self.block_size, sd)
         return head.to_bytes() + scales + q
+
+    def encode_decoded_(self, delta: Tensor) -> list[bytes | memoryview] | None:
+        """:meth:`encode` of ``delta`` as byte parts (joined, they are ``encode(delta)``),
+        leaving in ``delta`` the values a decoder forms from them, bit for bit. None, with
+        ``delta`` untouched, unless it is contiguous float32 on the CPU and a whole number
+        of blocks, or when a scale is near the float32 limit (``quantize_int8_``): the
+        caller then encodes and decodes the usual way. ValueError, with ``delta``
+        untouched, when it is not finite."""
+        if (
+            delta.dtype != torch.float32
+            or delta.device.type != "cpu"
+            or not delta.is_contiguous()
+            or delta.numel() % self.block_size
+        ):
+            return None
+        sd = ScaleDtype[self.scale_dtype.upper()]
+        head = DeltaHeader(CodecId.INT8_BLOCK, sd, tuple(delta.shape), self.block_size)
+        quantised = quantize_int8_(delta.view(-1), self.block_size, sd)
+        if quantised is None:
+            return None
+        scales, q = quantised
+        return [head.to_bytes(), scales, q.data]
 
     def check_header(self, header: DeltaHeader, limits: DecodeLimits) -> None:
         _check_block(header.block_size, limits)

@@ -47,18 +47,59 @@ def quantize_int8(x: Tensor, block: int, scale_dtype: ScaleDtype) -> tuple[bytes
         padded = torch.zeros(nb * block, dtype=torch.float32)
         padded[:n] = x
     blocks = padded.view(nb, block)  # (nb, B)
-    scale = blocks.abs().amax(dim=1) / 127.0  # (nb,)
+    scale = _stored_scale(blocks.abs().amax(dim=1), scale_dtype)
+    q = blocks / _safe(scale)[:, None]
+    q.round_().clamp_(-127, 127)
+    return scale_dtype.pack(scale), q.to(torch.int8).flatten()[:n].numpy().tobytes()
+
+
+def quantize_int8_(
+    x: Tensor, block: int, scale_dtype: ScaleDtype
+) -> tuple[bytes, np.ndarray] | None:
+    """:func:`quantize_int8` of ``x`` (1-D float32, contiguous, a whole number of blocks)
+    without a temporary the size of ``x``: returns (scale bytes, q as an int8 array) and
+    leaves in ``x`` what :func:`dequantize_int8` decodes from them, bit for bit (int8 ->
+    float32 is exact, then the same IEEE float32 multiply by the block's scale; a zero
+    comes out as +0.0, as the int8 round trip gives it).
+
+    Raises ValueError, with ``x`` unchanged, when ``x`` is not finite. Returns None, with
+    ``x`` unchanged, when a block's scale is so large that a decoded value could overflow
+    (``127 * scale`` above the float32 maximum): whether it does depends on the block's
+    values, so those go through :func:`quantize_int8` and the decoder."""
+    n = x.numel()
+    if x.dtype != torch.float32 or not x.is_contiguous() or n % block:
+        raise ValueError("in-place quantisation needs contiguous float32 whole blocks")
+    blocks = x.view(n // block, block)
+    # max(high, -low) is |x|'s block maximum exactly; adding +0.0 turns a -0.0 into +0.0
+    # (amax and amin: one pass each, faster than aminmax or abs().amax on the CPU)
+    high, low = blocks.amax(dim=1), blocks.amin(dim=1)
+    scale = _stored_scale(torch.maximum(high, low.neg_()).add_(0.0), scale_dtype)
+    if not bool(torch.isfinite(scale).all()):  # a NaN or infinity makes its block's scale so
+        raise ValueError("delta has non-finite values")
+    if n and float(scale.max()) * 127.0 > float(torch.finfo(torch.float32).max):
+        return None
+    blocks.div_(_safe(scale)[:, None]).round_().clamp_(-127, 127)
+    q = blocks.to(torch.int8).view(-1).numpy()
+    blocks.add_(0.0).mul_(scale[:, None])  # float32(q) * scale, as the decoder forms it
+    return scale_dtype.pack(scale), q
+
+
+def _stored_scale(absmax: Tensor, scale_dtype: ScaleDtype) -> Tensor:
+    """absmax / 127 rounded *up* to ``scale_dtype``, as float32 (see :func:`quantize_int8`)."""
+    scale = absmax / 127.0
     if scale_dtype is not ScaleDtype.FLOAT32:
         dt = scale_dtype.torch_dtype
         top = torch.finfo(dt).max
         low = scale.clamp(max=top).to(dt)
         up = torch.nextafter(low, torch.full_like(low, top))
         scale = torch.where(low.to(torch.float32) < scale, up, low).to(torch.float32)
-    # A block whose scale is 0 holds only zeros, so dividing it by 1 gives q = 0 there.
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = blocks / safe[:, None]
-    q.round_().clamp_(-127, 127)
-    return scale_dtype.pack(scale), q.to(torch.int8).flatten()[:n].numpy().tobytes()
+    return scale
+
+
+def _safe(scale: Tensor) -> Tensor:
+    """The divisor of each block: its scale, or 1 where the scale is 0 (a block whose scale
+    is 0 holds only zeros, so dividing it by 1 gives q = 0 there)."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
 
 
 def dequantize_int8(buf: memoryview, n: int, block: int, scale_dtype: ScaleDtype) -> np.ndarray:

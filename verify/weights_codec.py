@@ -86,6 +86,7 @@ __all__ = [
     "decode_state_delta",
     "dequantize_int8",
     "encode_state_delta",
+    "encode_state_delta_applied_",
     "get_codec",
     "parse_header",
     "quantize_int8",
@@ -116,20 +117,13 @@ def apply_delta(
     """
     if weights.dtype != torch.float32:
         raise ValueError(f"weights must be float32, got {weights.dtype}")
-    header, idx, values = decode_parts(data, limits)
-    if tuple(weights.shape) != header.shape:
-        raise decode_error(
-            "delta shape differs from the weights",
-            Reason.INCONSISTENT,
-            tuple(weights.shape),
-            header.shape,
-        )
+    idx, values = _decode_for(weights, data, limits)
     out = weights.detach().to("cpu").contiguous().numpy().reshape(-1).copy()
     if idx is None:
         out = out + values
     else:
         out[idx] = out[idx] + values
-    return torch.from_numpy(out).reshape(header.shape)
+    return torch.from_numpy(out).reshape(weights.shape)
 
 
 class ErrorFeedback:
@@ -179,14 +173,61 @@ def encode_state_delta(
     names = sorted(deltas, key=lambda s: s.encode())
     parts = [_STATE_HEAD.pack(STATE_MAGIC, FORMAT_VERSION, b"\0\0\0", len(names))]
     for name in names:
-        raw = name.encode()
-        if not 0 < len(raw) <= DEFAULT_LIMITS.max_name_bytes:
-            raise ValueError(f"parameter name length must be 1..{DEFAULT_LIMITS.max_name_bytes}")
+        raw = _name_bytes(name)
         data = (
             feedback.encode(name, deltas[name], codec) if feedback else codec.encode(deltas[name])
         )
         parts += [_NAME_LEN.pack(len(raw)), raw, _BLOB_LEN.pack(len(data)), data]
     return b"".join(parts)
+
+
+def encode_state_delta_applied_(
+    weights: dict[str, Tensor], deltas: dict[str, Tensor], codec: Codec
+) -> bytes:
+    """``encode_state_delta(deltas, codec)``, with ``weights`` advanced by the blob exactly
+    as :func:`add_state_delta_` advances them, bit for bit.
+
+    A codec that can leave its decoded values in the delta (``encode_decoded_``, such as
+    ``Int8Block``) encodes each one in place, without decoding its own bytes again;
+    ``deltas`` then hold those values. Every delta is encoded before any weight changes,
+    so a delta that does not encode (ValueError) leaves ``weights`` as they were.
+    """
+    if set(deltas) != set(weights):
+        raise ValueError("deltas and weights name different parameters")
+    names = sorted(deltas, key=lambda s: s.encode())
+    parts: list[bytes | memoryview] = [
+        _STATE_HEAD.pack(STATE_MAGIC, FORMAT_VERSION, b"\0\0\0", len(names))
+    ]
+    adds: list[tuple[Tensor, Tensor | bytes]] = []
+    fused = getattr(codec, "encode_decoded_", None)
+    for name in names:
+        raw, w, delta = _name_bytes(name), weights[name], deltas[name]
+        _check_weight(name, w)
+        if tuple(w.shape) != tuple(delta.shape):
+            raise ValueError(f"{name}: delta shape {tuple(delta.shape)} differs from the weights")
+        pieces = fused(delta) if fused is not None else None
+        if pieces is None:
+            data = codec.encode(delta)
+            pieces = [data]
+            adds.append((w, data))
+        else:
+            adds.append((w, delta))
+        size = sum(memoryview(p).nbytes for p in pieces)
+        parts += [_NAME_LEN.pack(len(raw)), raw, _BLOB_LEN.pack(size), *pieces]
+    blob = b"".join(parts)
+    for w, values in adds:
+        if isinstance(values, Tensor):
+            w.view(-1).add_(values.view(-1))
+        else:
+            _add_part_(w, values, DEFAULT_LIMITS)
+    return blob
+
+
+def _name_bytes(name: str) -> bytes:
+    raw = name.encode()
+    if not 0 < len(raw) <= DEFAULT_LIMITS.max_name_bytes:
+        raise ValueError(f"parameter name length must be 1..{DEFAULT_LIMITS.max_name_bytes}")
+    return raw
 
 
 def split_state_delta(
@@ -263,22 +304,38 @@ def add_state_delta_(
     if {name for name, _ in entries} != set(weights):
         raise decode_error("state delta names differ from the weights", Reason.INCONSISTENT)
     for name, part in entries:
-        w = weights[name]
-        if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
-            raise ValueError(f"{name}: weights must be contiguous float32 on the CPU")
-        header, idx, values = decode_parts(part, limits)
-        if tuple(w.shape) != header.shape:
-            raise decode_error(
-                "delta shape differs from the weights",
-                Reason.INCONSISTENT,
-                tuple(w.shape),
-                header.shape,
-            )
-        flat = w.detach().numpy().reshape(-1)
-        if idx is None:
-            flat += values
-        else:
-            flat[idx] += values
+        _check_weight(name, weights[name])
+        _add_part_(weights[name], part, limits)
+
+
+def _decode_for(
+    w: Tensor, part: bytes | memoryview, limits: DecodeLimits
+) -> tuple[np.ndarray | None, np.ndarray]:
+    """One delta's (indices or None, values), refused unless it has ``w``'s shape."""
+    header, idx, values = decode_parts(part, limits)
+    if tuple(w.shape) != header.shape:
+        raise decode_error(
+            "delta shape differs from the weights",
+            Reason.INCONSISTENT,
+            tuple(w.shape),
+            header.shape,
+        )
+    return idx, values
+
+
+def _check_weight(name: str, w: Tensor) -> None:
+    if w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous():
+        raise ValueError(f"{name}: weights must be contiguous float32 on the CPU")
+
+
+def _add_part_(w: Tensor, part: bytes | memoryview, limits: DecodeLimits) -> None:
+    """Add one delta's decoded values to the float32 CPU weight ``w`` in place."""
+    idx, values = _decode_for(w, part, limits)
+    flat = w.detach().numpy().reshape(-1)
+    if idx is None:
+        flat += values
+    else:
+        flat[idx] += values
 
 
 def apply_state_delta(

@@ -283,3 +283,6 @@ def test_bench_weights_smoke() -> None:
     assert result["bench"] == "weights" and result["topk_meets_target"] is True
     assert result["codecs"]["topk-2%-int8"]["ratio_vs_bf16"] >= 10
     assert result["pass_at_1"] is None and "pass_at_1_note" in result
+    apply = result["int8_apply"]  # the in-place update against decoding its own blob
+    assert apply["same_blobs"] is True and apply["published_copies_bit_identical"] is True
+    assert apply["seconds_per_update"] > 0 and apply["decode_to_apply_seconds_per_update"] > 0

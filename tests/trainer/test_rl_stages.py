@@ -20,7 +20,7 @@ from trainer.batch import build_batch
 from trainer.launch import spawn
 from trainer.losses import get_policy_loss
 from trainer.pipeline import PipelineRunner
-from trainer.rl import RLStep, _squared_norms
+from trainer.rl import RLStep, _squared_norm, _squared_norms
 from trainer.stages import LM_HEAD_KEY, load_stage
 from verify.aggregate import get_aggregator
 
@@ -76,3 +76,14 @@ def test_squared_norms_skip_spans_and_accumulate_in_float64() -> None:
     got = _squared_norms(rows, spans)
     assert got.dtype == torch.float64
     assert torch.allclose(got, want, rtol=1e-6, atol=0)
+
+
+def test_a_tensors_squared_norm_is_float64_accurate_at_any_size() -> None:
+    """The clip's global norm: blocks of float32, summed in float64, within 1e-6 of the
+    float64 sum for a tensor of a whole number of blocks and a tail, a scalar and none."""
+    g = torch.Generator().manual_seed(1)
+    for t in (torch.randn(3 * 65_536 + 77, generator=g), torch.randn((300, 999), generator=g)):
+        want = float(t.double().square().sum())
+        assert abs(_squared_norm(t) - want) <= 1e-6 * want
+    assert abs(_squared_norm(torch.tensor(-3.0)) - 9.0) < 1e-5
+    assert _squared_norm(torch.zeros(0)) == 0.0

@@ -30,11 +30,13 @@ from verify.weights_codec import (
     Int8Block,
     ScaleDtype,
     TopK,
+    add_state_delta_,
     apply_delta,
     apply_state_delta,
     decode_delta,
     decode_state_delta,
     encode_state_delta,
+    encode_state_delta_applied_,
     get_codec,
     parse_header,
     split_state_delta,
@@ -162,6 +164,80 @@ def test_error_feedback_tracks_the_true_sum(codec: Codec) -> None:
     # ... and error feedback beats compressing each step alone
     gap_no_ef = float((no_ef_sum - true_sum).norm() / true_sum.norm())
     assert gap < 0.2 and gap < gap_no_ef
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.int32)  # -0.0 and +0.0 differ here
+
+
+block_shapes = st.sampled_from([(0,), (6,), (2, 6), (3, 4), (5, 1, 6), (12,)])
+signed_zeros = st.sampled_from([0.0, -0.0])
+subnormals = st.sampled_from([1e-40, -1e-40, 1.4e-45, -3e-39])
+values = st.one_of(floats, signed_zeros, subnormals)
+
+
+@SETTINGS
+@given(
+    st.data(),
+    st.sampled_from(CODEC_LIST + [Int8Block(block_size=6), Int8Block(block_size=2)]),
+)
+def test_encoding_in_place_advances_weights_as_a_contributor_does(
+    data: st.DataObject, codec: Codec
+) -> None:
+    """The publisher's one-pass encode-and-apply: the same blob as ``encode_state_delta``,
+    and weights bit for bit what ``add_state_delta_`` makes of it, signed zeros, zero
+    blocks and subnormals included, whether the codec encodes in place or not."""
+    names = data.draw(st.lists(st.sampled_from("abcd"), min_size=1, max_size=4, unique=True))
+    weights, deltas = {}, {}
+    for n in names:
+        shape = data.draw(block_shapes)
+        weights[n] = _tensor(data.draw(hnp.arrays(np.float32, shape, elements=values)))
+        zero_block = data.draw(st.booleans())
+        d = _tensor(data.draw(hnp.arrays(np.float32, shape, elements=values)))
+        deltas[n] = d * 0.0 if zero_block else d  # x * 0.0 keeps the signs of the zeros
+    want_blob = encode_state_delta({n: d.clone() for n, d in deltas.items()}, codec)
+    want = {n: w.clone() for n, w in weights.items()}
+    add_state_delta_(want, want_blob)
+    got = {n: w.clone() for n, w in weights.items()}
+    blob = encode_state_delta_applied_(got, {n: d.clone() for n, d in deltas.items()}, codec)
+    assert blob == want_blob
+    for n in names:
+        assert torch.equal(_bits(got[n]), _bits(want[n])), n
+
+
+def test_encoding_in_place_refuses_a_bad_delta_before_changing_a_weight() -> None:
+    weights = {"a": torch.zeros(64), "b": torch.ones(64)}
+    deltas = {"a": torch.full((64,), 0.5), "b": torch.full((64,), float("nan"))}
+    with pytest.raises(ValueError, match="non-finite"):
+        encode_state_delta_applied_(weights, deltas, Int8Block())
+    assert torch.equal(weights["a"], torch.zeros(64))
+    assert torch.equal(deltas["b"].isnan(), torch.ones(64, dtype=torch.bool))
+    with pytest.raises(ValueError, match="different parameters"):
+        encode_state_delta_applied_(weights, {"a": torch.zeros(64)}, Int8Block())
+    assert torch.equal(weights["a"], torch.zeros(64)) and torch.equal(weights["b"], torch.ones(64))
+
+
+@pytest.mark.parametrize("scale", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("value", [3.4028234e38, -3.4028234e38, 3.4e38, 3.0e38])
+def test_encoding_in_place_at_the_float32_limit_matches_a_contributor(
+    scale: str, value: float
+) -> None:
+    """Where a decoded value could overflow, both paths agree: the same weights, or the
+    same refusal (a decoder cannot apply a value that overflows)."""
+    codec = Int8Block(scale_dtype=scale)
+    blob = encode_state_delta({"b": torch.full((64,), value)}, codec)
+    want = {"b": torch.zeros(64)}
+    try:
+        add_state_delta_(want, blob)
+    except DecodeError:
+        with pytest.raises(DecodeError):
+            encode_state_delta_applied_(
+                {"b": torch.zeros(64)}, {"b": torch.full((64,), value)}, codec
+            )
+        return
+    got = {"b": torch.zeros(64)}
+    assert encode_state_delta_applied_(got, {"b": torch.full((64,), value)}, codec) == blob
+    assert torch.equal(_bits(got["b"]), _bits(want["b"]))
 
 
 def test_error_feedback_checks_shapes() -> None:
