@@ -16,7 +16,8 @@ feedback). Prints one JSON object on its last line:
                            encoded and then applied by decoding its own blob as a
                            contributor does (the baseline, same steps, order alternating):
                            seconds per update of each, the speedup, and whether both
-                           made the same blobs and bit-identical published copies
+                           made the same blobs (every version compared) and
+                           bit-identical published copies
   pass_at_1                with ``--train-steps N``: greedy held-out pass@1 (95% interval)
                            after N RL steps of ``configs/trainer.toml`` publishing with
                            each codec (fp32 deltas are the uncompressed run)
@@ -158,7 +159,8 @@ def measure(model, tokenizer, args) -> tuple[dict, dict[str, StagePublisher]]:
         "seconds_per_update": round(fast, 4),
         "decode_to_apply_seconds_per_update": round(slow, 4),
         "speedup": round(slow / fast, 3),
-        "same_blobs": decoding.same_blobs,
+        "same_blobs": decoding.same_blobs and decoding.compared == args.steps,
+        "versions_compared": decoding.compared,
         "published_copies_bit_identical": same,
     }
     return {"bf16_bytes": bf16, "params": bf16 // 2, "codecs": out, "int8_apply": apply}, pubs
@@ -174,8 +176,8 @@ class _DecodingPublisher:
 
         self.codec = get_codec(name, **params)
         self.copy = {n: t.clone() for n, t in base.items()}
-        self.seconds, self.same_blobs = 0.0, True
-        self.blobs: list[bytes] = []
+        self.seconds, self.same_blobs, self.compared = 0.0, True, 0
+        self._waiting: bytes | None = None  # this version's first blob, until the other comes
 
     def update(self, current: dict[str, torch.Tensor]) -> None:
         from verify.weights_codec import add_state_delta_, encode_state_delta
@@ -186,15 +188,17 @@ class _DecodingPublisher:
         del deltas
         add_state_delta_(self.copy, blob)
         self.seconds += time.perf_counter() - start
-        self.blobs.append(blob)
+        self.check(blob)
 
     def check(self, blob: bytes) -> None:
-        """Compare the publisher's blob with this one's for the same version (whichever
-        of the two ran first this step)."""
-        self.blobs.append(blob)
-        if len(self.blobs) == 2:
-            self.same_blobs &= self.blobs[0] == self.blobs[1]
-            self.blobs.clear()
+        """Meet the two blobs of a version (the publisher's and this one's, whichever came
+        first this step) and compare them."""
+        if self._waiting is None:
+            self._waiting = blob
+            return
+        self.same_blobs &= self._waiting == blob
+        self.compared += 1
+        self._waiting = None
 
 
 def sft_proxy(model, tokenizer, pubs: dict[str, StagePublisher], args) -> dict:

@@ -20,7 +20,7 @@ from trainer.stages import Stage, load_stage
 from verify.errors import ConfigError, Reason, VerificationError
 from verify.keys import SigningKey
 from verify.manifest import blob_digest, check_chain, check_manifest
-from verify.weights_codec import apply_state_delta
+from verify.weights_codec import Int8Block, apply_state_delta, encode_state_delta
 
 TRAINER = SigningKey.from_seed(b"\x41" * 32)
 BASE = b"\xba" * 32
@@ -285,4 +285,17 @@ def test_bench_weights_smoke() -> None:
     assert result["pass_at_1"] is None and "pass_at_1_note" in result
     apply = result["int8_apply"]  # the in-place update against decoding its own blob
     assert apply["same_blobs"] is True and apply["published_copies_bit_identical"] is True
+    assert apply["versions_compared"] == 2
     assert apply["seconds_per_update"] > 0 and apply["decode_to_apply_seconds_per_update"] > 0
+
+
+def test_bench_weights_baseline_compares_every_version_and_sees_a_difference() -> None:
+    from bench.weights import _DecodingPublisher
+
+    ref = _DecodingPublisher({"w": torch.zeros(64)}, "int8-block", {})
+    ref.update({"w": torch.full((64,), 0.5)})
+    ref.check(encode_state_delta({"w": torch.full((64,), 0.5)}, Int8Block()))
+    assert ref.same_blobs and ref.compared == 1
+    ref.check(b"another blob")  # the publisher first this time
+    ref.update({"w": torch.ones(64)})
+    assert not ref.same_blobs and ref.compared == 2
