@@ -74,7 +74,7 @@ def quantize_int8_(
     # (amax and amin: one pass each, faster than aminmax or abs().amax on the CPU)
     high, low = blocks.amax(dim=1), blocks.amin(dim=1)
     scale = _stored_scale(torch.maximum(high, low.neg_()).add_(0.0), scale_dtype)
-    if not bool(torch.isfinite(scale).all()):  # a NaN or infinity makes its block's scale so
+    if not bool(torch.isfinite(scale).all()):  # amax and amin carry a NaN or infinity here
         raise ValueError("delta has non-finite values")
     if n and float(scale.max()) * 127.0 > float(torch.finfo(torch.float32).max):
         return None
