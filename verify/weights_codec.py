@@ -34,6 +34,7 @@ Size per parameter, against 2 bytes for a bfloat16 copy: fp32 4; int8-block
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -170,15 +171,14 @@ def encode_state_delta(
     deltas: dict[str, Tensor], codec: Codec, feedback: ErrorFeedback | None = None
 ) -> bytes:
     """Encode a stage's deltas (ordered by parameter name) into one canonical blob."""
-    names = sorted(deltas, key=lambda s: s.encode())
-    parts = [_STATE_HEAD.pack(STATE_MAGIC, FORMAT_VERSION, b"\0\0\0", len(names))]
-    for name in names:
+    entries = []
+    for name in _ordered(deltas):
         raw = _name_bytes(name)
         data = (
             feedback.encode(name, deltas[name], codec) if feedback else codec.encode(deltas[name])
         )
-        parts += [_NAME_LEN.pack(len(raw)), raw, _BLOB_LEN.pack(len(data)), data]
-    return b"".join(parts)
+        entries.append((raw, [data]))
+    return _state_blob(entries)
 
 
 def encode_state_delta_applied_(
@@ -194,13 +194,10 @@ def encode_state_delta_applied_(
     """
     if set(deltas) != set(weights):
         raise ValueError("deltas and weights name different parameters")
-    names = sorted(deltas, key=lambda s: s.encode())
-    parts: list[bytes | memoryview] = [
-        _STATE_HEAD.pack(STATE_MAGIC, FORMAT_VERSION, b"\0\0\0", len(names))
-    ]
+    entries: list[tuple[bytes, list[bytes | memoryview]]] = []
     adds: list[tuple[Tensor, Tensor | bytes]] = []
     fused = getattr(codec, "encode_decoded_", None)
-    for name in names:
+    for name in _ordered(deltas):
         raw, w, delta = _name_bytes(name), weights[name], deltas[name]
         _check_weight(name, w)
         if tuple(w.shape) != tuple(delta.shape):
@@ -212,15 +209,31 @@ def encode_state_delta_applied_(
             adds.append((w, data))
         else:
             adds.append((w, delta))
-        size = sum(memoryview(p).nbytes for p in pieces)
-        parts += [_NAME_LEN.pack(len(raw)), raw, _BLOB_LEN.pack(size), *pieces]
-    blob = b"".join(parts)
+        entries.append((raw, pieces))
+    blob = _state_blob(entries)
     for w, values in adds:
         if isinstance(values, Tensor):
             w.view(-1).add_(values.view(-1))
         else:
             _add_part_(w, values, DEFAULT_LIMITS)
     return blob
+
+
+def _ordered(deltas: dict[str, Tensor]) -> list[str]:
+    """Parameter names in blob order: increasing as UTF-8 bytes."""
+    return sorted(deltas, key=lambda s: s.encode())
+
+
+def _state_blob(entries: Sequence[tuple[bytes, Sequence[bytes | memoryview]]]) -> bytes:
+    """The stage blob of ``(name bytes, delta parts)`` entries, in blob order: each delta's
+    parts are written one after the other, its length their total."""
+    parts: list[bytes | memoryview] = [
+        _STATE_HEAD.pack(STATE_MAGIC, FORMAT_VERSION, b"\0\0\0", len(entries))
+    ]
+    for raw, pieces in entries:
+        size = sum(memoryview(p).nbytes for p in pieces)
+        parts += [_NAME_LEN.pack(len(raw)), raw, _BLOB_LEN.pack(size), *pieces]
+    return b"".join(parts)
 
 
 def _name_bytes(name: str) -> bytes:
