@@ -21,7 +21,9 @@ tokenizer has a chat template gets each prompt as one user message, rendered
 by that template), no KL term, one optimizer step per generated batch, float32
 on the CPU with one torch thread each. Each side runs in its own Python
 process. A round runs trust-on and trust-off one after the other (which goes
-first alternates from round to round), then, with TRL installed, prooftrain
+first alternates from round to round, and the default, 4 rounds, lets each side
+go first equally often: on this machine trust-on runs faster when it follows
+trust-off than when it goes first), then, with TRL installed, prooftrain
 with its prefill unshared and TRL; the best round of each side counts (the one
 least disturbed by other load on a shared machine), and every round's figures
 and the machine's load averages (``os.getloadavg``) before and after each side
@@ -89,6 +91,7 @@ Prints progress on stderr and one JSON object on the last line of stdout:
   trust_rounds                                   per round: which side went first, each
                                                  side's rate and load before/after, the ratio
   trust_ratio_median_of_rounds                   the median of the rounds' ratios
+  order_balanced                                 each side went first in half the rounds
   trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
                                                  (exclusive; ``other`` is the rest of the step)
   trust_on_calls / trust_off_calls               calls of the trust layer's functions
@@ -114,7 +117,7 @@ Prints progress on stderr and one JSON object on the last line of stdout:
 model; a random-init Llama, hidden 384, 6 layers, 14M parameters; SmolLM2-135M
 from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
 it, skipped with the reason when absent), with ``--scaling-steps`` and
-``--scaling-rounds`` per size (defaults 20,12,10 steps and 3 rounds each), then
+``--scaling-rounds`` per size (defaults 20,12,10 steps and 4 rounds each), then
 measures the default aggregator's extra peak memory on (n, d) rows at two
 contributor counts (``bench/_phases.py``). Its JSON line holds ``sizes`` (each
 size's figures as above, plus ``params`` and ``trust_ratio_target``),
@@ -143,11 +146,11 @@ twice. By default the bench gives it every contributor's rows of the model
 operator with the memory would: 6 GiB for SmolLM2-135M with 8 contributors. The
 JSON's ``keep_gib`` is the budget used.
 
-    python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 3] [--groups 8] [--group-size 8]
+    python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 4] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
                                    [--gram-sketch W]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
-                                   [--scaling-rounds 3,3,3]
+                                   [--scaling-rounds 4,4,4]
 """
 
 from __future__ import annotations
@@ -681,6 +684,7 @@ def summarise(
             statistics.median(x["trust_ratio"] for x in rounds), 3
         ),
         "trust_rounds": rounds,
+        "order_balanced": _balanced([x["first"] for x in rounds]),
         "trust_on_samples_per_s": round(rate(on), 2),
         "trust_off_samples_per_s": round(rate(off), 2),
         "trust_on_wall_s": round(on["wall_s"], 2),
@@ -727,6 +731,12 @@ def summarise(
     if skipped:
         result["skipped"] = skipped
     return result
+
+
+def _balanced(firsts: list[str]) -> bool:
+    """Whether trust on and trust off each went first in half the rounds (the best-round
+    rule favours the side that more often runs second)."""
+    return firsts.count("trust_on") == firsts.count("trust_off")
 
 
 def _r4(x: float | None) -> float | None:
@@ -779,7 +789,7 @@ SIZES = {
     "smollm2-135m": "SmolLM2-135M-Instruct",
 }
 SIZE_STEPS = (20, 12, 10)
-SIZE_ROUNDS = (3, 3, 3)
+SIZE_ROUNDS = (4, 4, 4)
 MEMORY_CONTRIBUTORS = (4, 8)
 
 
@@ -945,9 +955,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--rounds",
         type=int,
-        default=3,
+        default=4,
         help="rounds, each running every side once (trust on and off alternate which goes "
-        "first); the best round of each side counts",
+        "first: an even count lets each go first equally often); the best round of each "
+        "side counts (default 4)",
     )
     parser.add_argument(
         "--model-dir",

@@ -62,6 +62,7 @@ def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baseline
     assert [r["trust_ratio"] for r in out["trust_rounds"]] == [0.4, 0.5]  # 16/40, 32/64
     assert out["trust_ratio_median_of_rounds"] == 0.45
     assert [r["first"] for r in out["trust_rounds"]] == ["trust_on", "trust_off"]
+    assert out["order_balanced"] is True
     assert out["trust_rounds"][0]["trust_on_load"] == {
         "before": [1.0, 1.0, 1.0],
         "after": [1.5, 1.0, 1.0],
@@ -87,6 +88,7 @@ def test_summary_without_trl_is_null_and_says_why() -> None:
     assert out["trl_samples_per_s"] is None and out["trl_ratio"] is None
     assert out["trust_ratio"] == 1.0
     assert out["skipped"] == bench.TRL_MISSING
+    assert out["order_balanced"] is False  # one round: trust on went first, trust off never
     assert out["ledger_audit_ok"] is False
 
 
@@ -220,6 +222,7 @@ def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) ->
     assert path is None and why is not None and "smollm2-135m" in why
 
 
+@pytest.mark.slow  # about 30 s: test_tiny_run_prints_json_last runs the same comparison once
 def test_tiny_scaling_run_prints_every_figure() -> None:
     cmd = [
         sys.executable,

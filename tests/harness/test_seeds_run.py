@@ -110,6 +110,7 @@ def test_cli_rejects_a_seed_count_below_one(tiny: Path, tmp_path: Path) -> None:
     assert r.returncode == 2 and "must be at least 1" in r.stderr
 
 
+@pytest.mark.slow  # about 30 s: four runs; the pairing and layout are tested above
 def test_two_seeds_end_to_end(tiny: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     r = _cli(str(tiny), "--out", str(out), "--seeds", "2")

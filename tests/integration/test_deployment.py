@@ -73,7 +73,11 @@ def _versions_generated(ledger: str) -> set[int]:
         store.close()
 
 
-@pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+@pytest.mark.parametrize(
+    "store_kind",
+    # about 40 s each; the README test runs this deployment over SQLite
+    [pytest.param("sqlite", marks=pytest.mark.slow), "postgres"],
+)
 def test_validator_contributors_and_trainer_as_processes(
     store_kind: str, tmp_path: Path, tiny_model: Path, request: pytest.FixtureRequest
 ) -> None:

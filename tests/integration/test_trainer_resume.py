@@ -86,7 +86,15 @@ def _checkpoint(work: Path, version: int) -> dict:
     return torch.load(path, weights_only=False)
 
 
-@pytest.mark.parametrize("store_kind", ["sqlite", "postgres"])
+@pytest.mark.parametrize(
+    "store_kind",
+    [
+        # about 80 s each; resume is the same over both stores, and the README and
+        # test_deployment run the SQLite network
+        pytest.param("sqlite", marks=pytest.mark.slow),
+        "postgres",
+    ],
+)
 def test_trainer_continues_after_a_restart_from_its_checkpoint_or_the_chain(
     store_kind: str, tmp_path: Path, tiny_model: Path, request: pytest.FixtureRequest
 ) -> None:

@@ -167,6 +167,7 @@ def test_evaluate_counts_every_completion_as_its_batch_finishes(policy):
     assert eval_completions(10, 1) == 10
 
 
+@pytest.mark.slow  # about 25 s; test_eval_cli_reports_progress_as_lines_in_a_log runs the CLI
 def test_eval_cli_table_and_json(model_dir, tmp_path):
     base = [
         sys.executable,
