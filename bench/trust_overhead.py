@@ -22,8 +22,8 @@ by that template), no KL term, one optimizer step per generated batch, float32
 on the CPU with one torch thread each. Each side runs in its own Python
 process. A round runs trust-on and trust-off one after the other (which goes
 first alternates from round to round, and the default, 4 rounds, lets each side
-go first equally often: on this machine trust-on runs faster when it follows
-trust-off than when it goes first), then, with TRL installed, prooftrain
+go first equally often, so an order effect cannot favour either side's best
+round), then, with TRL installed, prooftrain
 with its prefill unshared and TRL; the best round of each side counts (the one
 least disturbed by other load on a shared machine), and every round's figures
 and the machine's load averages (``os.getloadavg``) before and after each side

@@ -89,8 +89,8 @@ def _checkpoint(work: Path, version: int) -> dict:
 @pytest.mark.parametrize(
     "store_kind",
     [
-        # about 80 s each; resume is the same over both stores, and the README and
-        # test_deployment run the SQLite network
+        # about 80 s each; resume is the same over both stores, and the README test
+        # runs the SQLite network
         pytest.param("sqlite", marks=pytest.mark.slow),
         "postgres",
     ],
