@@ -117,8 +117,9 @@ Prints progress on stderr and one JSON object on the last line of stdout:
 model; a random-init Llama, hidden 384, 6 layers, 14M parameters; SmolLM2-135M
 from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
 it, skipped with the reason when absent), with ``--scaling-steps`` and
-``--scaling-rounds`` per size (defaults 20,12,10 steps and 4 rounds each), then
-measures the default aggregator's extra peak memory on (n, d) rows at two
+``--scaling-rounds`` per size (defaults 80,12,10 steps and 4 rounds each; a
+demo step takes about a fifth of a second, so 80 give each side of a round
+about 15 s), then measures the default aggregator's extra peak memory on (n, d) rows at two
 contributor counts (``bench/_phases.py``). Its JSON line holds ``sizes`` (each
 size's figures as above, plus ``params`` and ``trust_ratio_target``),
 ``trust_ratios``, ``trl_ratios``, ``trl_ratio_holds_with_size`` and
@@ -149,7 +150,7 @@ JSON's ``keep_gib`` is the budget used.
     python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 4] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
                                    [--gram-sketch W]
-    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 20,12,10]
+    python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 80,12,10]
                                    [--scaling-rounds 4,4,4]
 """
 
@@ -788,7 +789,7 @@ SIZES = {
     "14m": "random-init Llama, hidden 384, 6 layers",
     "smollm2-135m": "SmolLM2-135M-Instruct",
 }
-SIZE_STEPS = (20, 12, 10)
+SIZE_STEPS = (80, 12, 10)
 SIZE_ROUNDS = (4, 4, 4)
 MEMORY_CONTRIBUTORS = (4, 8)
 

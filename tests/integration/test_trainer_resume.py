@@ -89,10 +89,16 @@ def _checkpoint(work: Path, version: int) -> dict:
 @pytest.mark.parametrize(
     "store_kind",
     [
-        # about 80 s each; resume is the same over both stores, and the README test
-        # runs the SQLite network
+        # 80 to 95 s each, so both run in make test-all. make test covers the parts:
+        # tests/integration/test_remote_trainer.py (a trainer killed between publication
+        # and checkpoint resumes and publishes on), tests/harness/test_trainer_faults.py
+        # (trainer processes killed at random resume to one consistent history),
+        # tests/trainer/test_chain_resume.py (the chain's rebuilt weights are the
+        # publisher's copy bit for bit), tests/node/test_remote_resume.py (where a trainer
+        # starts) and tests/integration/test_deployment.py[postgres] (the processes over
+        # one PostgreSQL ledger).
         pytest.param("sqlite", marks=pytest.mark.slow),
-        "postgres",
+        pytest.param("postgres", marks=pytest.mark.slow),
     ],
 )
 def test_trainer_continues_after_a_restart_from_its_checkpoint_or_the_chain(
