@@ -27,7 +27,14 @@ round), then, with TRL installed, prooftrain
 with its prefill unshared and TRL; the best round of each side counts (the one
 least disturbed by other load on a shared machine), and every round's figures
 and the machine's load averages (``os.getloadavg``) before and after each side
-are in the JSON (``trust_rounds``).
+are in the JSON (``trust_rounds``). With ``--interleave`` a round runs trust on and
+trust off as two processes at once that take turns: each loads and warms up, then
+they run their timed steps one at a time, alternately (the pair's order swaps
+every step), so load that comes and goes falls on both sides alike; each round
+says it ran no two timed steps together (``overlapping_steps``, from each
+step's interval on the system-wide monotonic clock) and that they alternated
+(``steps_alternated``). It needs both sides' memory at once, so ``--scaling``
+runs SmolLM2-135M in sequence regardless.
 
 * trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
@@ -89,8 +96,10 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                                                  (best round of each; trust_ratio_baseline
                                                  says what the baseline is)
   trust_rounds                                   per round: which side went first, each
-                                                 side's rate and load before/after, the ratio
+                                                 side's rate and load before/after, the ratio,
+                                                 overlapping_steps and steps_alternated
   trust_ratio_median_of_rounds                   the median of the rounds' ratios
+  interleaved                                    the sides took turns step by step
   order_balanced                                 each side went first in half the rounds
   trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
                                                  (exclusive; ``other`` is the rest of the step)
@@ -149,9 +158,9 @@ JSON's ``keep_gib`` is the budget used.
 
     python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 4] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
-                                   [--gram-sketch W]
+                                   [--gram-sketch W] [--interleave]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 80,12,10]
-                                   [--scaling-rounds 4,4,4]
+                                   [--scaling-rounds 4,4,4] [--interleave]
 """
 
 from __future__ import annotations
@@ -318,6 +327,40 @@ class TrainedTokens:
         return self.padded, self.real
 
 
+class Turns:
+    """A side's half of an interleaved round (``--interleave``; ``--turns R,W`` names its
+    pipe ends): before each timed step, and after the last, the side says it is idle (one
+    byte on W) and waits for its turn (one byte on R). The driver gives one side a step at a
+    time, so load that comes and goes falls on both sides alike. Without ``--turns`` every
+    call returns at once. Each timed step's interval on the system-wide monotonic clock goes
+    in the side's JSON (``step_intervals``), so a run can show that no two steps overlapped."""
+
+    def __init__(self, spec: str | None, warmup: int, steps: int) -> None:
+        self.fds = tuple(int(x) for x in spec.split(",")) if spec else None
+        self.warmup, self.last = warmup, warmup + steps
+        self.intervals: list[tuple[float, float]] = []
+
+    def before(self, done: int) -> None:
+        """Before a step, with ``done`` steps taken so far."""
+        if self.warmup <= done < self.last:
+            self._idle()
+
+    def after(self, done: int, started: float) -> None:
+        """After a step started at ``started`` (``time.monotonic``); ``done`` now counts it."""
+        if self.warmup < done <= self.last:
+            self.intervals.append((started, time.monotonic()))
+        if done == self.last:
+            self._idle()
+
+    def _idle(self) -> None:
+        if self.fds is None:
+            return
+        go, idle = self.fds
+        os.write(idle, b".")
+        if os.read(go, 1) != b".":
+            raise SystemExit("the bench's driver is gone")
+
+
 def trust_targets() -> list[Target]:
     import importlib
 
@@ -383,11 +426,15 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     sims: list[Any] = []
     timed_from: list[float] = []  # simulated time at the end of the warm-up
 
+    turns = Turns(args.turns, warmup, args.steps)
+
     class TimedLoop(hrun.TrainerLoop):
         def train_step(self):  # noqa: ANN202 - same signature as the base
-            start = time.perf_counter()
+            turns.before(len(durations))
+            began, start = time.monotonic(), time.perf_counter()
             metrics = super().train_step()
             durations.append(time.perf_counter() - start)
+            turns.after(len(durations), began)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
             if len(durations) == warmup:
@@ -446,6 +493,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         **_tokens_per_step(tokens, tokens_at_warmup[0], len(durations) - warmup),
         "verdicts": sum(isinstance(e, Verdict) for e in events),
         "trust_calls": dict(calls.calls),
+        "step_intervals": turns.intervals,
     }
 
 
@@ -522,10 +570,13 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
         calls.installed(trust_targets()),
     ):
         loop, counts = plain_loop(scenario, cfg, model_dir, share_prefill=not args.unshared_prefill)
+        turns = Turns(args.turns, args.warmup_steps, args.steps)
         for _ in range(cfg.steps):
-            t0 = time.perf_counter()
+            turns.before(len(durations))
+            began, t0 = time.monotonic(), time.perf_counter()
             metrics = loop.train_step()
             durations.append(time.perf_counter() - t0)
+            turns.after(len(durations), began)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
             if len(durations) == args.warmup_steps:
@@ -538,6 +589,7 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
         "counts": asdict(counts),
         "trust_calls": dict(calls.calls),
         **_tokens_per_step(tokens, tokens_at_warmup, len(durations) - args.warmup_steps),
+        "step_intervals": turns.intervals,
     }
 
 
@@ -570,10 +622,9 @@ def build_wide_model(width: int, layers: int, out: Path, task: str = TASK) -> Pa
     return out
 
 
-def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dict:
-    """Run one side in a fresh Python process; its figures come back as its last stdout line,
-    with the machine's load averages just before and just after (``os.getloadavg``).
-    ``unshared``: prooftrain generates with its shared prefill off."""
+def side_command(side: str, args: argparse.Namespace, unshared: bool = False) -> list[str]:
+    """The command line of one side's process (``unshared``: prooftrain generates with its
+    shared prefill off); says what it will run."""
     warmup = side_warmup(side, args)
     cmd = [
         sys.executable,
@@ -613,13 +664,78 @@ def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dic
         f"{warmup} warm-up steps "
         f"of {args.groups} x {args.group_size} completions"
     )
+    return cmd
+
+
+def run_side(side: str, args: argparse.Namespace, unshared: bool = False) -> dict:
+    """Run one side in a fresh Python process; its figures come back as its last stdout line,
+    with the machine's load averages just before and just after (``os.getloadavg``)."""
     before = load()
+    cmd = side_command(side, args, unshared)
     out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, cwd=ROOT).stdout
+    return _side_result(side, args, out, before, unshared)
+
+
+def _side_result(
+    side: str, args: argparse.Namespace, out: str, before: list[float], unshared: bool = False
+) -> dict:
     result = json.loads(out.strip().splitlines()[-1])
     result.update(load_before=before, load_after=load())
     # Each side's figures as they come (a run killed later still leaves them on stderr).
     say(f"{side} done: {json.dumps({**result, 'unshared': unshared, 'model': args.model_dir})}")
     return result
+
+
+def run_interleaved(args: argparse.Namespace, first: str) -> tuple[dict, dict]:
+    """Trust on and trust off as two processes at once, taking turns (``Turns``): each
+    loads and warms up, then they run their timed steps one at a time, alternately (``first``
+    begins, and the pair's order swaps every step), so the machine's load falls on both
+    alike. Both hold their model at once: twice the memory of a sequential round."""
+    names = {"trust_on": "prooftrain", "trust_off": "trust_off"}
+    before = load()
+    procs: dict[str, tuple[subprocess.Popen, int, int, Any]] = {}
+    try:
+        for key, side in names.items():
+            go_r, go_w = os.pipe()
+            idle_r, idle_w = os.pipe()
+            out = tempfile.TemporaryFile("w+")
+            cmd = side_command(side, args) + ["--turns", f"{go_r},{idle_w}"]
+            proc = subprocess.Popen(cmd, stdout=out, text=True, cwd=ROOT, pass_fds=(go_r, idle_w))
+            os.close(go_r)
+            os.close(idle_w)
+            procs[key] = (proc, go_w, idle_r, out)
+
+        def turn(key: str, go: bool = True) -> None:
+            proc, go_w, idle_r, _ = procs[key]
+            if go:
+                os.write(go_w, b".")
+            if os.read(idle_r, 1) != b".":
+                raise RuntimeError(f"{names[key]} side exited with {proc.wait()} mid-round")
+
+        for key in procs:
+            turn(key, go=False)  # loaded and warmed up
+        other = "trust_off" if first == "trust_on" else "trust_on"
+        for step in range(args.steps):
+            for key in (first, other) if step % 2 == 0 else (other, first):
+                turn(key)
+        for _, go_w, _, _ in procs.values():
+            os.write(go_w, b".")  # finish: each side's untimed end runs now
+        results = []
+        for key, (proc, _, _, out) in procs.items():
+            if proc.wait() != 0:
+                raise subprocess.CalledProcessError(proc.returncode, names[key])
+            out.seek(0)
+            results.append(_side_result(names[key], args, out.read(), before))
+        return results[0], results[1]
+    finally:
+        for proc, go_w, idle_r, out in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for fd in (go_w, idle_r):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            out.close()
 
 
 def load() -> list[float]:
@@ -640,7 +756,23 @@ def _round_entry(r: int, first: str, on: dict, off: dict) -> dict:
         "trust_ratio": round(rate(on) / rate(off), 3),
         "trust_on_load": {"before": on.get("load_before"), "after": on.get("load_after")},
         "trust_off_load": {"before": off.get("load_before"), "after": off.get("load_after")},
+        "overlapping_steps": overlaps(on.get("step_intervals", []), off.get("step_intervals", [])),
+        "steps_alternated": alternated(on.get("step_intervals", []), off.get("step_intervals", [])),
     }
+
+
+def alternated(a: list[list[float]], b: list[list[float]]) -> bool:
+    """Whether the two sides' timed steps, in the order they started, alternate in pairs
+    (each pair one step of each side, in either order): what an interleaved round runs."""
+    order = [side for _, side in sorted([(x[0], 0) for x in a] + [(x[0], 1) for x in b])]
+    pairs = [order[i : i + 2] for i in range(0, len(order), 2)]
+    return bool(order) and len(a) == len(b) and all(sorted(p) == [0, 1] for p in pairs)
+
+
+def overlaps(a: list[list[float]], b: list[list[float]]) -> int:
+    """Pairs of timed steps, one of each side, whose intervals overlap (0 when the sides
+    took turns or ran one after the other)."""
+    return sum(1 for s, e in a for s2, e2 in b if s < e2 and s2 < e)
 
 
 def summarise(
@@ -685,6 +817,7 @@ def summarise(
             statistics.median(x["trust_ratio"] for x in rounds), 3
         ),
         "trust_rounds": rounds,
+        "interleaved": bool(getattr(args, "interleave", False)),
         "order_balanced": _balanced([x["first"] for x in rounds]),
         "trust_on_samples_per_s": round(rate(on), 2),
         "trust_off_samples_per_s": round(rate(off), 2),
@@ -769,7 +902,11 @@ def compare(args: argparse.Namespace, skipped: str | None) -> dict:
         say(f"round {r + 1}/{args.rounds}")
         first = "trust_on" if r % 2 == 0 else "trust_off"
         order.append(first)
-        if first == "trust_on":
+        if args.interleave:
+            on, off = run_interleaved(args, first)
+            ons.append(on)
+            offs.append(off)
+        elif first == "trust_on":
             ons.append(run_side("prooftrain", args))
             offs.append(run_side("trust_off", args))
         else:
@@ -860,6 +997,8 @@ def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
                     "steps": steps[i],
                     "rounds": rounds[i],
                     "size": size,
+                    # both sides of 135M do not fit in memory at once (19.9 and 7.9 GB)
+                    "interleave": args.interleave and size != "smollm2-135m",
                 }
             )
             result = compare(sub, skipped)
@@ -1032,6 +1171,14 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--quiet", dest="progress", action="store_false", help="no progress bars")
     parser.add_argument("--side", choices=sorted(SIDES), help=argparse.SUPPRESS)
+    parser.add_argument("--turns", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run trust on and trust off at once, taking turns step by step, so load that "
+        "comes and goes falls on both alike (needs both sides' memory at once; --scaling "
+        "runs SmolLM2-135M in sequence regardless)",
+    )
     args = parser.parse_args()
     if (
         min(args.steps, args.groups, args.max_tokens, args.contributors, args.rounds) < 1

@@ -179,6 +179,35 @@ def test_tiny_run_prints_json_last() -> None:
         assert result["trl_generation_s_per_step"] > 0
 
 
+def test_step_intervals_show_whether_the_sides_took_turns() -> None:
+    on = [[0.0, 1.0], [2.0, 3.0], [5.0, 6.0]]
+    off = [[1.0, 2.0], [4.0, 5.0], [3.0, 4.0]]  # pairs: (on, off), (on, off), (off, on)
+    assert bench.overlaps(on, off) == 0 and bench.alternated(on, off)
+    late = [[1.5, 2.5], [4.0, 5.0], [3.0, 4.0]]  # the first overlaps an on step
+    assert bench.overlaps(on, late) == 1
+    together = [[6.0, 7.0], [7.0, 8.0], [8.0, 9.0]]  # all of off after all of on
+    assert bench.overlaps(on, together) == 0 and not bench.alternated(on, together)
+    assert not bench.alternated(on, off[:2]) and not bench.alternated([], [])
+
+
+def test_an_interleaved_run_takes_turns_step_by_step() -> None:
+    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py"), "--interleave"]
+    cmd += ["--steps", "3", "--warmup-steps", "2", "--rounds", "2", "--groups", "2"]
+    cmd += ["--group-size", "2", "--max-tokens", "2", "--contributors", "1"]
+    cmd += ["--task", "arithmetic", "--quiet"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["interleaved"] is True and result["order_balanced"] is True
+    assert [r["first"] for r in result["trust_rounds"]] == ["trust_on", "trust_off"]
+    for r in result["trust_rounds"]:
+        # both processes were up at once, yet no two timed steps ran together
+        assert r["overlapping_steps"] == 0 and r["steps_alternated"] is True, r
+        assert r["trust_ratio"] == pytest.approx(
+            r["trust_on_samples_per_s"] / r["trust_off_samples_per_s"], abs=0.01
+        )
+    assert result["ledger_audit_ok"] is True
+
+
 def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
     import time
     import types
