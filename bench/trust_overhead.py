@@ -128,11 +128,11 @@ from ``--smollm2-dir`` or where ``prooftrain models fetch smollm2-135m`` puts
 it, skipped with the reason when absent), with ``--scaling-steps`` and
 ``--scaling-rounds`` per size (defaults 80,12,10 steps and 4 rounds each; a
 demo step takes about a fifth of a second, so 80 give each side of a round
-about 15 s), then measures the default aggregator's extra peak memory on (n, d) rows at two
-contributor counts (``bench/_phases.py``). Its JSON line holds ``sizes`` (each
-size's figures as above, plus ``params`` and ``trust_ratio_target``),
-``trust_ratios``, ``trl_ratios``, ``trl_ratio_holds_with_size`` and
-``aggregation_memory``.
+about 15 s), then measures the default aggregator's extra peak memory on (n, d)
+rows at two contributor counts (``bench/_phases.py``). Its JSON line holds
+``sizes`` (each size's figures as above, plus ``params`` and
+``trust_ratio_target``), ``trust_ratios``, ``trl_ratios``,
+``trl_ratio_holds_with_size`` and ``aggregation_memory``.
 
 The task is reverse-text because its reward is partial credit (edit-distance
 similarity to the reversed string): every model, a random-init one included,
@@ -176,7 +176,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -340,17 +340,20 @@ class Turns:
         self.warmup, self.last = warmup, warmup + steps
         self.intervals: list[tuple[float, float]] = []
 
-    def before(self, done: int) -> None:
-        """Before a step, with ``done`` steps taken so far."""
-        if self.warmup <= done < self.last:
+    def step(self, train_step: Callable[[], Any], durations: list[float]) -> Any:
+        """Run ``train_step`` in its turn, append its seconds to ``durations`` (the side's
+        steps so far) and return what it returned."""
+        timed = self.warmup <= len(durations) < self.last
+        if timed:
             self._idle()
-
-    def after(self, done: int, started: float) -> None:
-        """After a step started at ``started`` (``time.monotonic``); ``done`` now counts it."""
-        if self.warmup < done <= self.last:
-            self.intervals.append((started, time.monotonic()))
-        if done == self.last:
+        began, start = time.monotonic(), time.perf_counter()
+        metrics = train_step()
+        durations.append(time.perf_counter() - start)
+        if timed:
+            self.intervals.append((began, time.monotonic()))
+        if len(durations) == self.last:
             self._idle()
+        return metrics
 
     def _idle(self) -> None:
         if self.fds is None:
@@ -430,11 +433,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 
     class TimedLoop(hrun.TrainerLoop):
         def train_step(self):  # noqa: ANN202 - same signature as the base
-            turns.before(len(durations))
-            began, start = time.monotonic(), time.perf_counter()
-            metrics = super().train_step()
-            durations.append(time.perf_counter() - start)
-            turns.after(len(durations), began)
+            metrics = turns.step(super().train_step, durations)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
             if len(durations) == warmup:
@@ -572,11 +571,7 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
         loop, counts = plain_loop(scenario, cfg, model_dir, share_prefill=not args.unshared_prefill)
         turns = Turns(args.turns, args.warmup_steps, args.steps)
         for _ in range(cfg.steps):
-            turns.before(len(durations))
-            began, t0 = time.monotonic(), time.perf_counter()
-            metrics = loop.train_step()
-            durations.append(time.perf_counter() - t0)
-            turns.after(len(durations), began)
+            metrics = turns.step(loop.train_step, durations)
             samples.append(int(metrics.get("train/samples", 0)))
             rewards.append(float(metrics.get("train/reward", 0.0)))
             if len(durations) == args.warmup_steps:
