@@ -27,14 +27,18 @@ round), then, with TRL installed, prooftrain
 with its prefill unshared and TRL; the best round of each side counts (the one
 least disturbed by other load on a shared machine), and every round's figures
 and the machine's load averages (``os.getloadavg``) before and after each side
-are in the JSON (``trust_rounds``). With ``--interleave`` a round runs trust on and
-trust off as two processes at once that take turns: each loads and warms up, then
+are in the JSON (``trust_rounds``). By default trust on and trust off run as two
+processes at once that take turns (``interleaved``): each loads and warms up, then
 they run their timed steps one at a time, alternately (the pair's order swaps
-every step), so load that comes and goes falls on both sides alike; each round
-says it ran no two timed steps together (``overlapping_steps``, from each
-step's interval on the system-wide monotonic clock) and that they alternated
-(``steps_alternated``). It needs both sides' memory at once, so ``--scaling``
-runs SmolLM2-135M in sequence regardless.
+every step), so load that comes and goes falls on both sides alike and the
+verdict does not depend on when the machine was busy; each round says it ran no
+two timed steps together (``overlapping_steps``, from each step's interval on
+the system-wide monotonic clock) and that they alternated (``steps_alternated``).
+That needs both sides' memory at once (:func:`interleave_refusal`: about
+``(240 + 4 x contributors)`` bytes a parameter, against the memory available);
+where it does not fit (SmolLM2-135M on a 24 GB machine), or with
+``--no-interleave``, the two run one after the other, and ``interleave_skipped``
+says why.
 
 * trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
@@ -96,11 +100,15 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                                                  (best round of each; trust_ratio_baseline
                                                  says what the baseline is)
   trust_rounds                                   per round: which side went first, each
-                                                 side's rate and load before/after, the ratio,
-                                                 overlapping_steps and steps_alternated
+                                                 side's rate, CPU per wall second and load
+                                                 before/after, the ratio, overlapping_steps
+                                                 and steps_alternated
   trust_ratio_median_of_rounds                   the median of the rounds' ratios
   interleaved                                    the sides took turns step by step
+  interleave_skipped                             why they ran one after the other instead
   order_balanced                                 each side went first in half the rounds
+  trust_on_cpu_per_wall, trust_off_cpu_per_wall  CPU seconds (all threads) per wall second
+                                                 over the timed steps (about 1: one core)
   trust_on_phases_s / trust_off_phases_s         seconds per timed step of each phase
                                                  (exclusive; ``other`` is the rest of the step)
   trust_on_calls / trust_off_calls               calls of the trust layer's functions
@@ -158,9 +166,9 @@ JSON's ``keep_gib`` is the budget used.
 
     python bench/trust_overhead.py [--steps 20] [--warmup-steps steady|N] [--rounds 4] [--groups 8] [--group-size 8]
                                    [--max-tokens 8] [--contributors 8] [--pass-per-contributor]
-                                   [--gram-sketch W] [--interleave]
+                                   [--gram-sketch W] [--no-interleave]
     python bench/trust_overhead.py --scaling [--smollm2-dir DIR] [--scaling-steps 80,12,10]
-                                   [--scaling-rounds 4,4,4] [--interleave]
+                                   [--scaling-rounds 4,4,4] [--no-interleave]
 """
 
 from __future__ import annotations
@@ -333,12 +341,14 @@ class Turns:
     byte on W) and waits for its turn (one byte on R). The driver gives one side a step at a
     time, so load that comes and goes falls on both sides alike. Without ``--turns`` every
     call returns at once. Each timed step's interval on the system-wide monotonic clock goes
-    in the side's JSON (``step_intervals``), so a run can show that no two steps overlapped."""
+    in the side's JSON (``step_intervals``), so a run can show that no two steps overlapped,
+    and so do the process's CPU seconds over the timed steps (``cpu_s``: every thread's)"""
 
     def __init__(self, spec: str | None, warmup: int, steps: int) -> None:
         self.fds = tuple(int(x) for x in spec.split(",")) if spec else None
         self.warmup, self.last = warmup, warmup + steps
         self.intervals: list[tuple[float, float]] = []
+        self.cpu_s = 0.0
 
     def step(self, train_step: Callable[[], Any], durations: list[float]) -> Any:
         """Run ``train_step`` in its turn, append its seconds to ``durations`` (the side's
@@ -346,11 +356,12 @@ class Turns:
         timed = self.warmup <= len(durations) < self.last
         if timed:
             self._idle()
-        began, start = time.monotonic(), time.perf_counter()
+        began, start, cpu = time.monotonic(), time.perf_counter(), time.process_time()
         metrics = train_step()
         durations.append(time.perf_counter() - start)
         if timed:
             self.intervals.append((began, time.monotonic()))
+            self.cpu_s += time.process_time() - cpu
         if len(durations) == self.last:
             self._idle()
         return metrics
@@ -493,6 +504,7 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         "verdicts": sum(isinstance(e, Verdict) for e in events),
         "trust_calls": dict(calls.calls),
         "step_intervals": turns.intervals,
+        "cpu_s": turns.cpu_s,
     }
 
 
@@ -585,6 +597,7 @@ def run_trust_off(args: argparse.Namespace, work: Path) -> dict:
         "trust_calls": dict(calls.calls),
         **_tokens_per_step(tokens, tokens_at_warmup, len(durations) - args.warmup_steps),
         "step_intervals": turns.intervals,
+        "cpu_s": turns.cpu_s,
     }
 
 
@@ -749,6 +762,8 @@ def _round_entry(r: int, first: str, on: dict, off: dict) -> dict:
         "trust_on_samples_per_s": round(rate(on), 2),
         "trust_off_samples_per_s": round(rate(off), 2),
         "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_on_cpu_per_wall": _cpu_per_wall(on),
+        "trust_off_cpu_per_wall": _cpu_per_wall(off),
         "trust_on_load": {"before": on.get("load_before"), "after": on.get("load_after")},
         "trust_off_load": {"before": off.get("load_before"), "after": off.get("load_after")},
         "overlapping_steps": overlaps(on.get("step_intervals", []), off.get("step_intervals", [])),
@@ -813,11 +828,14 @@ def summarise(
         ),
         "trust_rounds": rounds,
         "interleaved": bool(getattr(args, "interleave", False)),
+        "interleave_skipped": getattr(args, "interleave_skipped", None),
         "order_balanced": _balanced([x["first"] for x in rounds]),
         "trust_on_samples_per_s": round(rate(on), 2),
         "trust_off_samples_per_s": round(rate(off), 2),
         "trust_on_wall_s": round(on["wall_s"], 2),
         "trust_off_wall_s": round(off["wall_s"], 2),
+        "trust_on_cpu_per_wall": _cpu_per_wall(on),
+        "trust_off_cpu_per_wall": _cpu_per_wall(off),
         "trust_on_phases_s": on.get("phases_s"),
         "trust_off_phases_s": off.get("phases_s"),
         "trust_on_calls": on.get("trust_calls"),
@@ -862,6 +880,12 @@ def summarise(
     return result
 
 
+def _cpu_per_wall(side: dict) -> float | None:
+    """The side's CPU seconds (every thread of its process) per wall-clock second over its
+    timed steps: about 1 for a side that kept to one core."""
+    return round(side["cpu_s"] / side["wall_s"], 3) if "cpu_s" in side and side["wall_s"] else None
+
+
 def _balanced(firsts: list[str]) -> bool:
     """Whether trust on and trust off each went first in half the rounds (the best-round
     rule favours the side that more often runs second)."""
@@ -882,6 +906,41 @@ def rows_gib(args: argparse.Namespace) -> float:
     return float(math.ceil(rows / 2**30) + 1)
 
 
+SIDE_BYTES_PER_PARAM = 240
+"""Both sides' resident memory together per model parameter, besides the trust-on side's
+per-contributor gradient rows (4 bytes a parameter each): an upper bound on what was
+measured (trust on 2.6 and trust off 1.2 GB at 14M; 19.9 and 7.9 GB at SmolLM2-135M, with
+8 contributors' rows kept)."""
+PROCESS_BYTES = 1 << 30
+"""Each side's Python process, torch and transformers before any model (at most)."""
+
+
+def interleave_refusal(args: argparse.Namespace) -> str | None:
+    """Why trust on and trust off cannot run at once on this machine, or None when they
+    fit: both sides' estimated memory (``SIDE_BYTES_PER_PARAM`` and the rows per
+    parameter) against the memory available now."""
+    if not args.model_dir:
+        return None  # the demo model: a few MB a side
+    params = model_params(Path(args.model_dir))
+    need = params * (SIDE_BYTES_PER_PARAM + 4 * args.contributors) + 2 * PROCESS_BYTES
+    have = available_bytes()
+    if need <= have:
+        return None
+    return (
+        f"both sides at once need about {need / 2**30:.1f} GiB for {params / 1e6:.1f}M "
+        f"parameters and {args.contributors} contributors; {have / 2**30:.1f} GiB is available"
+    )
+
+
+def available_bytes() -> int:
+    """Memory available to new processes (Linux ``MemAvailable``; elsewhere all of it)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/meminfo") as f:
+            line = next(x for x in f if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def compare(args: argparse.Namespace, skipped: str | None) -> dict:
     """``args.rounds`` rounds, each running trust-on and trust-off (first one, then the
     other, the order swapped every round so neither always runs first), then, with TRL,
@@ -893,6 +952,10 @@ def compare(args: argparse.Namespace, skipped: str | None) -> dict:
     order: list[str] = []
     if args.keep_gib is None:
         args = argparse.Namespace(**{**vars(args), "keep_gib": rows_gib(args)})
+    why = interleave_refusal(args) if args.interleave else "--no-interleave"
+    if why:
+        say(f"the sides run one after the other: {why}")
+        args = argparse.Namespace(**{**vars(args), "interleave": False, "interleave_skipped": why})
     for r in range(args.rounds):
         say(f"round {r + 1}/{args.rounds}")
         first = "trust_on" if r % 2 == 0 else "trust_off"
@@ -992,8 +1055,6 @@ def run_scaling(args: argparse.Namespace, skipped: str | None) -> dict:
                     "steps": steps[i],
                     "rounds": rounds[i],
                     "size": size,
-                    # both sides of 135M do not fit in memory at once (19.9 and 7.9 GB)
-                    "interleave": args.interleave and size != "smollm2-135m",
                 }
             )
             result = compare(sub, skipped)
@@ -1169,10 +1230,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--turns", help=argparse.SUPPRESS)
     parser.add_argument(
         "--interleave",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="run trust on and trust off at once, taking turns step by step, so load that "
-        "comes and goes falls on both alike (needs both sides' memory at once; --scaling "
-        "runs SmolLM2-135M in sequence regardless)",
+        "comes and goes falls on both alike (default; a size whose two sides do not fit in "
+        "the memory available runs them one after the other, and the JSON's "
+        "interleave_skipped says so); --no-interleave: always one after the other",
     )
     args = parser.parse_args()
     if (

@@ -140,10 +140,12 @@ def test_tiny_run_prints_json_last() -> None:
         "--task",
         "arithmetic",
         "--quiet",
+        "--no-interleave",  # one side after the other (the default takes turns: next test)
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bench"] == "trust_overhead" and result["task"] == "arithmetic"
+    assert result["interleaved"] is False and result["interleave_skipped"] == "--no-interleave"
     on, off = result["trust_on_samples_per_s"], result["trust_off_samples_per_s"]
     assert on > 0 and off > 0
     assert result["trust_ratio"] == pytest.approx(on / off, abs=0.01)
@@ -191,21 +193,42 @@ def test_step_intervals_show_whether_the_sides_took_turns() -> None:
 
 
 def test_an_interleaved_run_takes_turns_step_by_step() -> None:
-    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py"), "--interleave"]
+    cmd = [sys.executable, str(ROOT / "bench" / "trust_overhead.py")]  # turns by default
     cmd += ["--steps", "3", "--warmup-steps", "2", "--rounds", "2", "--groups", "2"]
     cmd += ["--group-size", "2", "--max-tokens", "2", "--contributors", "1"]
     cmd += ["--task", "arithmetic", "--quiet"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=ROOT, timeout=300)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result["interleaved"] is True and result["order_balanced"] is True
+    assert result["interleaved"] is True and result["interleave_skipped"] is None
+    assert result["order_balanced"] is True
     assert [r["first"] for r in result["trust_rounds"]] == ["trust_on", "trust_off"]
     for r in result["trust_rounds"]:
         # both processes were up at once, yet no two timed steps ran together
         assert r["overlapping_steps"] == 0 and r["steps_alternated"] is True, r
+        # each side's process kept to about one core while its steps ran
+        assert 0 < r["trust_on_cpu_per_wall"] <= 1.5 and 0 < r["trust_off_cpu_per_wall"] <= 1.5
         assert r["trust_ratio"] == pytest.approx(
             r["trust_on_samples_per_s"] / r["trust_off_samples_per_s"], abs=0.01
         )
     assert result["ledger_audit_ok"] is True
+
+
+def test_sides_that_do_not_fit_in_memory_together_run_in_turn(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(bench, "available_bytes", lambda: 22 * 2**30)  # a 24 GB machine
+    monkeypatch.setattr(bench, "model_params", lambda _: 134_515_008)  # SmolLM2-135M
+    args = _args(model_dir=str(tmp_path), contributors=8)
+    why = bench.interleave_refusal(args)
+    # measured there: 19.9 + 7.9 GB resident; the estimate must not fall below that
+    assert why is not None and "134.5M parameters" in why and "22.0 GiB is available" in why
+    need = float(why.split("about ")[1].split(" GiB")[0])
+    assert 27.8 * 1e9 / 2**30 <= need <= 40
+    monkeypatch.setattr(bench, "model_params", lambda _: 14_199_552)  # the 14M Llama
+    assert bench.interleave_refusal(args) is None  # 2.6 + 1.2 GB measured
+    monkeypatch.setattr(bench, "available_bytes", lambda: 4 * 2**30)
+    assert bench.interleave_refusal(args) is not None
+    assert bench.interleave_refusal(_args(model_dir=None, contributors=8)) is None  # demo
 
 
 def test_phase_clock_charges_nested_calls_to_the_inner_phase() -> None:
