@@ -20,25 +20,24 @@ reward function (``rewards.reward``), the same prompt tokens (a model whose
 tokenizer has a chat template gets each prompt as one user message, rendered
 by that template), no KL term, one optimizer step per generated batch, float32
 on the CPU with one torch thread each. Each side runs in its own Python
-process. A round runs trust-on and trust-off one after the other (which goes
-first alternates from round to round, and the default, 4 rounds, lets each side
-go first equally often, so an order effect cannot favour either side's best
-round), then, with TRL installed, prooftrain
-with its prefill unshared and TRL; the best round of each side counts (the one
-least disturbed by other load on a shared machine), and every round's figures
-and the machine's load averages (``os.getloadavg``) before and after each side
-are in the JSON (``trust_rounds``). By default trust on and trust off run as two
-processes at once that take turns (``interleaved``): each loads and warms up, then
-they run their timed steps one at a time, alternately (the pair's order swaps
-every step), so load that comes and goes falls on both sides alike and the
-verdict does not depend on when the machine was busy; each round says it ran no
-two timed steps together (``overlapping_steps``, from each step's interval on
-the system-wide monotonic clock) and that they alternated (``steps_alternated``).
-That needs both sides' memory at once (:func:`interleave_refusal`: about
-``(240 + 4 x contributors)`` bytes a parameter, against the memory available);
-where it does not fit (SmolLM2-135M on a 24 GB machine), or with
-``--no-interleave``, the two run one after the other, and ``interleave_skipped``
-says why.
+process. A round runs trust on and trust off, then, with TRL installed,
+prooftrain with its prefill unshared and TRL; the best round of each side
+counts (the one least disturbed by other load on a shared machine), and every
+round's figures and the machine's load averages (``os.getloadavg``) before and
+after each side are in the JSON (``trust_rounds``). By default trust on and
+trust off run as two processes at once that take turns (``interleaved``): each
+loads and warms up, then they run their timed steps one at a time, alternately
+(the pair's order swaps every step), so load that comes and goes falls on both
+sides alike and the verdict does not depend on when the machine was busy; each
+round says it ran no two timed steps together (``overlapping_steps``, from each
+step's interval on the system-wide monotonic clock) and that they alternated
+(``steps_alternated``). That needs both sides' memory at once
+(:func:`interleave_refusal`: about ``(240 + 4 x contributors)`` bytes a
+parameter, against the memory available); where it does not fit (SmolLM2-135M
+on a 24 GB machine), or with ``--no-interleave``, the two run one after the
+other, and ``interleave_skipped`` says why. Which side goes first alternates
+from round to round either way, and the default, 4 rounds, lets each go first
+equally often, so an order effect cannot favour either side's best round.
 
 * trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
