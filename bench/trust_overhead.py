@@ -941,8 +941,8 @@ def available_bytes() -> int:
 
 
 def compare(args: argparse.Namespace, skipped: str | None) -> dict:
-    """``args.rounds`` rounds, each running trust-on and trust-off (first one, then the
-    other, the order swapped every round so neither always runs first), then, with TRL,
+    """``args.rounds`` rounds, each running trust-on and trust-off (in turns where both fit
+    in memory, else one after the other; which goes first swaps every round), then, with TRL,
     prooftrain with its prefill unshared and TRL; their summary."""
     ons: list[dict] = []
     offs: list[dict] = []
