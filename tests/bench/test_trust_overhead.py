@@ -213,7 +213,7 @@ def test_an_interleaved_run_takes_turns_step_by_step() -> None:
     assert result["ledger_audit_ok"] is True
 
 
-def test_sides_that_do_not_fit_in_memory_together_run_in_turn(
+def test_sides_that_do_not_fit_in_memory_together_run_one_after_the_other(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(bench, "available_bytes", lambda: 22 * 2**30)  # a 24 GB machine
