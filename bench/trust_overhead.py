@@ -908,8 +908,8 @@ def rows_gib(args: argparse.Namespace) -> float:
 SIDE_BYTES_PER_PARAM = 240
 """Both sides' resident memory together per model parameter, besides the trust-on side's
 per-contributor gradient rows (4 bytes a parameter each): an upper bound on what was
-measured (trust on 2.6 and trust off 1.2 GB at 14M; 19.9 and 7.9 GB at SmolLM2-135M, with
-8 contributors' rows kept)."""
+measured (peak resident: trust on 2514 and trust off 1217 MiB at 14M; 19238 and 7754 MiB
+at SmolLM2-135M, with 8 contributors' rows kept)."""
 PROCESS_BYTES = 1 << 30
 """Each side's Python process, torch and transformers before any model (at most)."""
 
