@@ -73,12 +73,16 @@ def quantize_int8_(
     # max(high, -low) is |x|'s block maximum exactly; adding +0.0 turns a -0.0 into +0.0
     # (amax and amin: one pass each, faster than aminmax or abs().amax on the CPU)
     high, low = blocks.amax(dim=1), blocks.amin(dim=1)
-    scale = _stored_scale(torch.maximum(high, low.neg_()).add_(0.0), scale_dtype)
+    absmax = torch.maximum(high, low.neg_()).add_(0.0)
+    scale = _stored_scale(absmax, scale_dtype)
     if not bool(torch.isfinite(scale).all()):  # amax and amin carry a NaN or infinity here
         raise ValueError("delta has non-finite values")
     if n and float(scale.max()) * 127.0 > float(torch.finfo(torch.float32).max):
         return None
-    blocks.div_(_safe(scale)[:, None]).round_().clamp_(-127, 127)
+    divisor = _safe(scale)
+    blocks.div_(divisor[:, None]).round_()
+    if _rounds_past_127(absmax, divisor):
+        blocks.clamp_(-127, 127)
     q = blocks.to(torch.int8).view(-1).numpy()
     blocks.add_(0.0).mul_(scale[:, None])  # float32(q) * scale, as the decoder forms it
     return scale_dtype.pack(scale), q
@@ -94,6 +98,15 @@ def _stored_scale(absmax: Tensor, scale_dtype: ScaleDtype) -> Tensor:
         up = torch.nextafter(low, torch.full_like(low, top))
         scale = torch.where(low.to(torch.float32) < scale, up, low).to(torch.float32)
     return scale
+
+
+def _rounds_past_127(absmax: Tensor, divisor: Tensor) -> bool:
+    """Whether some value of a block divided by the block's ``divisor`` rounds past 127.
+    Division by a positive number is monotone, so ``|x| / divisor`` is at most
+    ``absmax / divisor``; below 127.5 every quotient rounds to 127 at most and clamping
+    changes nothing (the usual case: a scale rounded up from ``absmax / 127``). A scale
+    that saturates its storage type or is a float32 subnormal can fall short of it."""
+    return bool((absmax / divisor >= 127.5).any())
 
 
 def _safe(scale: Tensor) -> Tensor:

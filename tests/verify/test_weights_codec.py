@@ -205,6 +205,41 @@ def test_encoding_in_place_advances_weights_as_a_contributor_does(
         assert torch.equal(_bits(got[n]), _bits(want[n])), n
 
 
+@pytest.mark.parametrize("scale", ["float32", "bfloat16", "float16"])
+def test_in_place_int8_clamps_exactly_where_a_value_would_round_past_127(scale: str) -> None:
+    """The in-place encoder clamps q to [-127, 127] only when some block's absmax divided by
+    its stored scale reaches 127.5. Across every float32 exponent that never happens where
+    the scale is a normal float32 its storage type can hold; a float32 subnormal absmax
+    (190 x 2^-149, whose float32 scale rounds down to 2^-149) and a float16 scale saturated
+    at 65504 both make it happen. Either way the bytes are the reference encoder's."""
+    from verify.delta_quant import _rounds_past_127, _safe, _stored_scale
+
+    sd = ScaleDtype[scale.upper()]
+    gen = torch.Generator().manual_seed(0)
+    top = 15 if scale == "float16" else 126  # float16 scales saturate above 65504 * 127
+    exponents = torch.randint(-125, top, (4096, 1), generator=gen).float()
+    x = (torch.rand((4096, 64), generator=gen) * 2 - 1) * torch.exp2(exponents)
+    absmax = x.abs().amax(dim=1)
+    divisor = _safe(_stored_scale(absmax, sd))
+    assert not _rounds_past_127(absmax, divisor)
+    assert float((x / divisor[:, None]).round().abs().max()) == 127.0
+
+    sub = torch.zeros(64)
+    sub[3] = 190 * 2.0**-149
+    huge = torch.full((64,), 3.0e38)
+    cases = [x[:8].flatten(), sub, huge]
+    for values in cases:
+        peak = values.view(-1, 64).abs().amax(dim=1)
+        past = _rounds_past_127(peak, _safe(_stored_scale(peak, sd)))
+        assert past == (
+            (values is sub and scale == "float32") or (values is huge and scale == "float16")
+        )
+        codec = Int8Block(scale_dtype=scale)  # type: ignore[arg-type]
+        pieces = codec.encode_decoded_(values.clone())
+        if pieces is not None:  # None: a decoded value could overflow (the reference path)
+            assert b"".join(bytes(p) for p in pieces) == codec.encode(values.clone())
+
+
 def test_encoding_in_place_refuses_a_bad_delta_before_changing_a_weight() -> None:
     weights = {"a": torch.zeros(64), "b": torch.ones(64)}
     deltas = {"a": torch.full((64,), 0.5), "b": torch.full((64,), float("nan"))}
