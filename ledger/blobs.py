@@ -26,7 +26,12 @@ def blob_digest(data: bytes) -> bytes:
 
 class BlobStore(Protocol):
     def put(self, data: bytes) -> bytes: ...
-    def get(self, digest: bytes) -> bytes: ...
+    def get(self, digest: bytes) -> bytes:
+        """The bytes stored under ``digest``, re-hashed on every read: LedgerError
+        (``digest_mismatch``) when they no longer hash to it, so callers need not hash
+        them again."""
+        ...
+
     def has(self, digest: bytes) -> bool: ...
 
 

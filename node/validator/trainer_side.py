@@ -32,7 +32,7 @@ from node.validator.policy import PolicyVersions
 from node.validator.state import State
 from verify.errors import AdmissionError, Reason, VerificationError
 from verify.keys import PublicKey
-from verify.manifest import check_blob, check_manifest
+from verify.manifest import check_blob_size, check_manifest
 from verify.signed import open_sealed, sealed_digest
 from verify.types import (
     SCHEMA_VERSION,
@@ -109,7 +109,7 @@ def publish_policy(
                 reason=Reason.NOT_FOUND,
                 expected=shard.digest,
             )
-        check_blob(manifest, shard.stage, blobs.get(shard.digest))
+        check_blob_size(manifest, shard.stage, blobs.get(shard.digest))  # get re-hashes it
     version, parent, digest = versions.publish(sealed_manifest)
     state.put_manifest(version, canonical_bytes(sealed_manifest))
     if ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
