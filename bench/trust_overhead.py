@@ -21,10 +21,9 @@ tokenizer has a chat template gets each prompt as one user message, rendered
 by that template), no KL term, one optimizer step per generated batch, float32
 on the CPU with one torch thread each. Each side runs in its own Python
 process. A round runs trust on and trust off, then, with TRL installed,
-prooftrain with its prefill unshared and TRL; the best round of each side
-counts (the one least disturbed by other load on a shared machine), and every
-round's figures and the machine's load averages (``os.getloadavg``) before and
-after each side are in the JSON (``trust_rounds``). By default trust on and
+prooftrain with its prefill unshared and TRL; every round's figures and the
+machine's load averages (``os.getloadavg``) before and after each side are in
+the JSON (``trust_rounds``). By default trust on and
 trust off run as two processes at once that take turns (``interleaved``): each
 loads and warms up, then they run their timed steps one at a time, alternately
 (the pair's order swaps every step), so load that comes and goes falls on both
@@ -37,7 +36,15 @@ parameter, against the memory available); where it does not fit (SmolLM2-135M
 on a 24 GB machine), or with ``--no-interleave``, the two run one after the
 other, and ``interleave_skipped`` says why. Which side goes first alternates
 from round to round either way, and the default, 4 rounds, lets each go first
-equally often, so an order effect cannot favour either side's best round.
+equally often, so an order effect cannot favour either side.
+
+Which figure counts (``trust_ratio_rule``): where the sides took turns, the
+median of the rounds' ratios, each round comparing the two under the same load
+(the best round of each side would pair rounds run at different times and
+undo that); where they ran one after the other, the best round of each side,
+the one least disturbed by other load on a shared machine. Both figures are in
+the JSON either way (``trust_ratio_median_of_rounds``,
+``trust_ratio_best_of_sides``). TRL and the unshared side count their best round.
 
 * trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
@@ -95,14 +102,17 @@ with a completion spot-checked during the timed steps, and each side's token pos
 show that both trained batches of the same shape.
 Prints progress on stderr and one JSON object on the last line of stdout:
 
-  trust_ratio                                    trust_on / trust_off samples per second
-                                                 (best round of each; trust_ratio_baseline
-                                                 says what the baseline is)
+  trust_ratio                                    trust_on / trust_off samples per second:
+                                                 the median of the rounds' ratios where the
+                                                 sides took turns, else the best round of
+                                                 each (trust_ratio_rule says which;
+                                                 trust_ratio_baseline what the baseline is)
   trust_rounds                                   per round: which side went first, each
                                                  side's rate, CPU per wall second and load
                                                  before/after, the ratio, overlapping_steps
                                                  and steps_alternated
   trust_ratio_median_of_rounds                   the median of the rounds' ratios
+  trust_ratio_best_of_sides                      trust on's best round over trust off's
   interleaved                                    the sides took turns step by step
   interleave_skipped                             why they ran one after the other instead
   order_balanced                                 each side went first in half the rounds
@@ -209,6 +219,11 @@ TRL_BASELINE = (
     "(TransformersBackend(share_prefill=False)): both sides prefill every completion's prompt"
 )
 TASK = "reverse_text"
+PAIRED_RULE = (
+    "median of the rounds' ratios (the sides took turns step by step, so each round "
+    "compares them under the same load)"
+)
+SEQUENCE_RULE = "best round of each side (the sides ran one after the other)"
 TRL_MISSING = "trl not installed (pip install '.[bench]')"
 
 SCENARIO = """
@@ -792,15 +807,20 @@ def summarise(
     unshared: list[dict],
     skipped: str | None,
 ) -> dict:
-    """The trust ratio (trust-on / trust-off, each side's best round: the one least disturbed
-    by other load on the machine), every round's figures and load, then the TRL ratio
-    (prooftrain with its prefill unshared against TRL, best rounds) when TRL ran."""
+    """The trust ratio (trust-on / trust-off: the median of the rounds' ratios where the sides
+    took turns, each round comparing them under the same load; otherwise each side's best
+    round, the one least disturbed by other load on the machine), every round's figures and
+    load, then the TRL ratio (prooftrain with its prefill unshared against TRL, best rounds)
+    when TRL ran. The phases, rates and memory reported are each side's best round's."""
     on, off = max(ons, key=rate), max(offs, key=rate)
     size = getattr(args, "size", None)
     rounds = [
         _round_entry(r, getattr(args, "order", ["trust_on"] * len(ons))[r], a, b)
         for r, (a, b) in enumerate(zip(ons, offs, strict=True))
     ]
+    median = statistics.median(x["trust_ratio"] for x in rounds)
+    best = rate(on) / rate(off)
+    paired = bool(getattr(args, "interleave", False))
     audited = on.get("audit_rate_mean")
     trl = max(trls, key=rate) if trls else None
     pu = max(unshared, key=rate) if unshared else None
@@ -818,13 +838,12 @@ def summarise(
         "threads": 1,
         "model": args.model_dir or "demo base model",
         "task": args.task,
-        "trust_ratio": round(rate(on) / rate(off), 3),
+        "trust_ratio": round(median if paired else best, 3),
         "trust_ratio_target": TRUST_TARGETS.get(size) if size else None,
         "trust_ratio_baseline": TRUST_BASELINE,
-        "trust_ratio_rule": "best round of each side (per-round ratios in trust_rounds)",
-        "trust_ratio_median_of_rounds": round(
-            statistics.median(x["trust_ratio"] for x in rounds), 3
-        ),
+        "trust_ratio_rule": PAIRED_RULE if paired else SEQUENCE_RULE,
+        "trust_ratio_median_of_rounds": round(median, 3),
+        "trust_ratio_best_of_sides": round(best, 3),
         "trust_rounds": rounds,
         "interleaved": bool(getattr(args, "interleave", False)),
         "interleave_skipped": getattr(args, "interleave_skipped", None),
@@ -1152,8 +1171,9 @@ def parse_args() -> argparse.Namespace:
         type=int,
         default=4,
         help="rounds, each running every side once (trust on and off alternate which goes "
-        "first: an even count lets each go first equally often); the best round of each "
-        "side counts (default 4)",
+        "first: an even count lets each go first equally often); trust_ratio is the median "
+        "of the rounds' ratios where the sides take turns, else each side's best round "
+        "(default 4)",
     )
     parser.add_argument(
         "--model-dir",

@@ -47,6 +47,24 @@ def _side(samples: int, wall_s: float, **extra: object) -> dict:
     }
 
 
+def test_in_turns_the_trust_ratio_is_the_median_of_the_paired_rounds() -> None:
+    """Where the sides took turns, each round compares them under the same load, so the
+    rounds' ratios count, not each side's best round: here trust on's best round (round 3)
+    and trust off's (round 1) ran under different loads, and pairing them gives 0.6 where
+    the rounds' median is 0.8."""
+    ons = [
+        _side(30, 1.0, audit_ok=True),
+        _side(24, 1.0, audit_ok=True),
+        _side(36, 1.0, audit_ok=True),
+    ]
+    offs = [_side(60, 1.0), _side(30, 1.0), _side(45, 1.0)]
+    out = bench.summarise(_args(interleave=True), ons, offs, [], [], None)
+    assert [r["trust_ratio"] for r in out["trust_rounds"]] == [0.5, 0.8, 0.8]
+    assert out["trust_ratio"] == 0.8 == out["trust_ratio_median_of_rounds"]
+    assert out["trust_ratio_rule"] == bench.PAIRED_RULE and out["interleaved"] is True
+    assert out["trust_ratio_best_of_sides"] == 0.6  # 36 / 60
+
+
 def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baselines() -> None:
     ons = [
         _side(32, 2.0, audit_rate_mean=0.5, audit_ok=True),
@@ -58,9 +76,11 @@ def test_summary_takes_the_trust_ratio_from_the_two_sides_and_names_its_baseline
     args = _args(order=["trust_on", "trust_off"])
     out = bench.summarise(args, ons, offs, trls, unshared, None)
     assert out["trust_on_samples_per_s"] == 32.0 and out["trust_off_samples_per_s"] == 64.0
-    assert out["trust_ratio"] == 0.5  # best round of each side: 32 / 64
+    assert out["trust_ratio"] == 0.5  # in sequence, the best round of each side: 32 / 64
+    assert out["trust_ratio_rule"] == bench.SEQUENCE_RULE
     assert [r["trust_ratio"] for r in out["trust_rounds"]] == [0.4, 0.5]  # 16/40, 32/64
     assert out["trust_ratio_median_of_rounds"] == 0.45
+    assert out["trust_ratio_best_of_sides"] == 0.5
     assert [r["first"] for r in out["trust_rounds"]] == ["trust_on", "trust_off"]
     assert out["order_balanced"] is True
     assert out["trust_rounds"][0]["trust_on_load"] == {
