@@ -845,7 +845,7 @@ def summarise(
         "trust_ratio_median_of_rounds": round(median, 3),
         "trust_ratio_best_of_sides": round(best, 3),
         "trust_rounds": rounds,
-        "interleaved": bool(getattr(args, "interleave", False)),
+        "interleaved": paired,
         "interleave_skipped": getattr(args, "interleave_skipped", None),
         "order_balanced": _balanced([x["first"] for x in rounds]),
         "trust_on_samples_per_s": round(rate(on), 2),
