@@ -55,6 +55,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from bench._util import emit  # noqa: E402
+from rollout.loading import model_dir_arg  # noqa: E402
 
 
 def say(message: str) -> None:
@@ -188,7 +189,9 @@ def main() -> None:
         help="contributor counts to time, comma-separated (default: 2, --contributors and "
         "twice it; the pass per contributor holds count x parameters float32 rows)",
     )
-    parser.add_argument("--model-dir", help="a local Hugging Face model directory")
+    parser.add_argument(
+        "--model-dir", type=model_dir_arg, help="a local Hugging Face model directory"
+    )
     parser.add_argument(
         "--width", type=int, help="instead: a random-init Llama of this hidden size (14M: 384)"
     )

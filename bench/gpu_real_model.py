@@ -60,6 +60,7 @@ from bench.real_model import (  # noqa: E402
     true_logprobs,
 )
 from rollout.backends import TransformersBackend  # noqa: E402
+from rollout.loading import model_dir_arg  # noqa: E402
 from rollout.oracle import TransformersOracle  # noqa: E402
 from verify.spotcheck import DEFAULT_TOLERANCES, Tolerances  # noqa: E402
 
@@ -164,7 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, help="SmolLM2-135M directory (default: fetched)")
+    ap.add_argument("--model", type=model_dir_arg, help="SmolLM2-135M directory (default: fetched)")
     ap.add_argument("--rollouts", type=int, default=256, help="rollouts per precision (256)")
     ap.add_argument("--tokens", type=int, default=128, help="tokens per rollout (128)")
     ap.add_argument(

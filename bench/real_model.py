@@ -61,6 +61,7 @@ from node.validator.policy import HFTextCodec  # noqa: E402
 from node.validator.spot import _check  # noqa: E402
 from rewards.tasks import generate  # noqa: E402
 from rollout.backends import GeneratedCompletion, GenerationRequest, TransformersBackend  # noqa: E402
+from rollout.loading import model_dir_arg  # noqa: E402
 from rollout.pretrained import ensure_model  # noqa: E402
 from verify.commitment import n_chunks  # noqa: E402
 from verify.envelope import build_envelope, verify_envelope  # noqa: E402
@@ -496,7 +497,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
-        "--model", type=Path, help="SmolLM2-135M directory (default: fetched into the cache)"
+        "--model",
+        type=model_dir_arg,
+        help="SmolLM2-135M directory (default: fetched into the cache)",
     )
     ap.add_argument(
         "--rollouts", type=int, default=256, help="honest rollouts per precision (default 256)"

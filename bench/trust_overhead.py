@@ -203,6 +203,7 @@ sys.path.insert(0, str(ROOT))
 from bench._phases import PhaseClock, Target, aggregation_peak, peak_rss_mib, per_step  # noqa: E402
 from bench._trl import SEED, pool_size, reward_fn, run_trl, trl_prompt  # noqa: E402, F401
 from bench._util import emit  # noqa: E402
+from rollout.loading import model_dir_arg  # noqa: E402
 
 RATIO_TARGET = 0.8
 """TRL ratio target (prooftrain with its prefill unshared / TRL)."""
@@ -1177,6 +1178,7 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument(
         "--model-dir",
+        type=model_dir_arg,
         help="a local Hugging Face model directory for both sides (default: the demo base model)",
     )
     parser.add_argument(

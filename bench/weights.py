@@ -39,6 +39,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench._util import emit  # noqa: E402
+from rollout.loading import model_dir_arg  # noqa: E402
 from rollout.progress import tracked  # noqa: E402
 from trainer.publish import StagePublisher, publishable_state  # noqa: E402
 
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
         "--model-dir",
-        type=Path,
+        type=model_dir_arg,
         default=None,
         help="a local Hugging Face model to publish (default: the demo base model), e.g. "
         "the one `prooftrain models fetch smollm2-135m` caches",

@@ -31,6 +31,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from rollout.loading import model_dir_arg
+
 
 def _start(work: Path, port: int) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
@@ -106,7 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--contributors", type=int, default=3)
     parser.add_argument(
-        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+        "--model", type=model_dir_arg, default=None, help="model dir (default: the demo base model)"
     )
     parser.add_argument("--seed", type=int, default=0)
     return parser

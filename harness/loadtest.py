@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rollout.loading import model_dir_arg
+
 if TYPE_CHECKING:
     from node.validator.core import Validator
     from node.validator.policy import HFTextCodec
@@ -73,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--groups", type=int, default=20, help="groups per contributor at most")
     parser.add_argument("--seconds", type=float, default=120.0, help="wall-clock bound")
     parser.add_argument(
-        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+        "--model", type=model_dir_arg, default=None, help="model dir (default: the demo base model)"
     )
     return parser
 

@@ -43,6 +43,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from rollout.loading import model_dir_arg
 from trainer.network_rules import NetworkRules
 
 REPO = Path(__file__).resolve().parent.parent
@@ -315,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of the run")
     parser.add_argument(
-        "--model", type=Path, default=None, help="model dir (default: the demo base model)"
+        "--model", type=model_dir_arg, default=None, help="model dir (default: the demo base model)"
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--work", type=Path, default=None, help="keep the run here")

@@ -6,6 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from rollout.loading import model_dir_arg
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -20,7 +22,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "test of the precision its header declares. Every setting must measure at least 2,000 "
         "tokens (else it says how many --prompts would). Point audit.tolerance_file at the result.",
     )
-    p.add_argument("model_dir", type=Path, help="local Hugging Face model directory")
+    p.add_argument("model_dir", type=model_dir_arg, help="local Hugging Face model directory")
     p.add_argument("--out", type=Path, required=True, help="tolerance file to write (JSON)")
     p.add_argument("--task", default="arithmetic", help="task whose train prompts are used")
     p.add_argument("--prompts", type=int, default=32, help="number of prompts")

@@ -6,11 +6,13 @@ import argparse
 import signal
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from rollout.loading import model_dir_arg
 
 if TYPE_CHECKING:
     from node.contributor import Contributor
-from pathlib import Path
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -29,7 +31,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--key", type=Path, required=True, help="contributor key file (prooftrain keys new)"
     )
     p.add_argument(
-        "--model", type=Path, required=True, help="local base model directory (policy version 0)"
+        "--model",
+        type=model_dir_arg,
+        required=True,
+        help="local base model directory (policy version 0)",
     )
     p.add_argument(
         "--state-dir",

@@ -6,6 +6,8 @@ import argparse
 import dataclasses
 from pathlib import Path
 
+from rollout.loading import model_dir_arg
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
@@ -15,7 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "and mean length with 95% confidence intervals, for any Hugging Face model "
         "directory (base models and trainer checkpoints alike).",
     )
-    p.add_argument("model_dir", help="directory saved with save_pretrained")
+    p.add_argument("model_dir", type=model_dir_arg, help="directory saved with save_pretrained")
     p.add_argument("--task", default="arithmetic", help="synthetic task (default: arithmetic)")
     p.add_argument(
         "--split",

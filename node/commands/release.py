@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
+from rollout.loading import model_dir_arg
 from verify.errors import ConfigError, KeyFileError
 
 
@@ -28,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--version", type=int, help="policy version (default: the latest published)")
     p.add_argument("--out", type=Path, help="release directory to create")
-    p.add_argument("--base-model", type=Path, help="the base model directory")
+    p.add_argument("--base-model", type=model_dir_arg, help="the base model directory")
     p.add_argument("--trainer-key", type=Path, help="the trainer's private key file")
     p.add_argument("--eval-problems", type=int, default=300, help="problems per eval (default 300)")
     p.add_argument("-k", "--k", type=int, default=8, help="k of pass@k (default 8)")
@@ -56,7 +57,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--validator-key", required=True, help="validator (log) public key (hex, .pub file or vkey)"
     )
     v.add_argument("--blobs", type=Path, help="update blobs to replay instead of DIR/chain/blobs")
-    v.add_argument("--base-model", type=Path, help="base model instead of DIR/chain/base")
+    v.add_argument("--base-model", type=model_dir_arg, help="base model instead of DIR/chain/base")
     v.add_argument("--json", action="store_true", help="print the report as JSON")
     v.set_defaults(func=run_verify)
 

@@ -18,6 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.loading import local_model_dir, model_dir_arg
 from verify.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -42,7 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--trainer-key", type=Path, help="trainer signing key file (remote mode)")
     p.add_argument(
         "--model",
-        type=Path,
+        type=model_dir_arg,
         help="base model directory (overrides model_dir; remote "
         "mode: the validator's policy.model_dir)",
     )
@@ -164,6 +165,8 @@ def run(args: argparse.Namespace) -> int:
 
     hf_logging.disable_progress_bar()
     cfg = load_trainer_config(args.config, _overrides(args))
+    if cfg.model_dir is not None:  # refused here, not in a stage under torchrun
+        local_model_dir(cfg.model_dir, "model_dir")
     if args.validator:
         return _run_remote(cfg, args, stop)
     if cfg.stages > 1:  # torchrun's default handling: it stops the stages

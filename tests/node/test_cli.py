@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from node.cli import build_parser
 
 CLI = [sys.executable, "-m", "node.cli"]
@@ -46,3 +48,47 @@ def test_hugging_face_bars_are_off_when_stderr_is_a_log(monkeypatch, capsys) -> 
     monkeypatch.delenv("HF_HUB_DISABLE_PROGRESS_BARS")
     assert main(["models", "list"]) == 0  # pytest's captured stderr is not a terminal
     assert os.environ.get("HF_HUB_DISABLE_PROGRESS_BARS") == "1"
+
+
+def _usage_error(main, argv: list[str], capsys) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_every_model_directory_flag_refuses_what_is_no_model_directory(tmp_path, capsys) -> None:
+    from harness import faults, loadtest, trainer_faults
+    from node.cli import main
+
+    bad = str(tmp_path / "no-model")
+    commands = {
+        "trainer --model": (main, ["trainer", "--model", bad]),
+        "contributor --model": (
+            main,
+            ["contributor", "--model", bad, "--validator", "http://127.0.0.1:9", "--key", "k"],
+        ),
+        "calibrate": (main, ["calibrate", bad, "--out", str(tmp_path / "t.json")]),
+        "eval": (main, ["eval", bad]),
+        "release --base-model": (main, ["release", "--base-model", bad]),
+        "release verify --base-model": (main, ["release", "verify", "d", "--base-model", bad]),
+        "harness.faults --model": (faults.main, ["--model", bad]),
+        "harness.loadtest --model": (loadtest.main, ["--model", bad]),
+        "harness.trainer_faults --model": (trainer_faults.main, ["--model", bad]),
+    }
+    for name, (entry, argv) in commands.items():
+        err = _usage_error(entry, argv, capsys)
+        assert f"the model directory {bad} does not exist" in err, name
+        assert "prooftrain base-model build" in err, name
+    assert not (tmp_path / "t.json").exists()  # refused before the command ran
+
+
+def test_a_trainer_config_naming_no_model_directory_fails_before_training(tmp_path) -> None:
+    config = tmp_path / "trainer.toml"
+    config.write_text(f'model_dir = "{tmp_path / "gone"}"\n')
+    result = subprocess.run(
+        [*CLI, "trainer", "--config", str(config), "--quiet"], capture_output=True, text=True
+    )
+    assert result.returncode == 1
+    assert result.stderr.startswith(f"error: model_dir {tmp_path / 'gone'} does not exist: ")
+    assert "Traceback" not in result.stderr
