@@ -78,8 +78,6 @@ from verify.types import PolicyManifest, SignedManifest, Verdict, canonical_byte
 _LOAD_LOCK = threading.Lock()
 # A refused key ends the loop; every other refusal drops one group.
 _STOP = (Reason.UNKNOWN_KEY, Reason.BANNED_KEY)
-# A busy validator has not judged the group (or is still recording it): send it again.
-_BUSY = (Reason.BACKPRESSURE, Reason.RATE_LIMITED)
 
 
 @dataclass
@@ -208,31 +206,33 @@ class Contributor:
 
     def _submit(self, raw: bytes, idle_s: float = 1.0) -> list[Verdict]:
         """Submit one pending group and drop it once answered. A busy validator (still
-        busy after the client's retries) gets the same bytes again after ``idle_s``,
-        until it answers; the assignment's expiry bounds this. An unreachable one
-        (still, after the client's retries) gets them again too, until it answers or
-        ``stop`` is set: then :class:`LeftPending` is raised and the group stays
-        pending. A refusal is counted and returns no verdicts; a refused key is
-        re-raised. Any other exception leaves the group pending, to be resubmitted
-        after a restart."""
+        busy after the client's retries: a 429, or a 5xx such as a node whose disk is
+        full) and an unreachable one (still, after the client's retries) get the same
+        bytes again after ``idle_s``, until it answers (the assignment's expiry bounds
+        this) or ``stop`` is set: then :class:`LeftPending` is raised and the group stays
+        pending, to be sent again on the next start. Sending them again is always safe: a
+        group the validator recorded is answered from its record, never judged twice. A
+        refusal is counted and returns no verdicts; a refused key is re-raised. Any other
+        exception leaves the group pending, to be resubmitted after a restart."""
+        cause: Exception
         while True:
             try:
                 signed = self.client.submit(raw)
                 break
             except ServiceError as exc:
-                if exc.reason not in _BUSY:
+                if not exc.busy:
                     return self._refused(raw, exc)
-                self.log(f"validator busy: {exc}; sending the group again in {idle_s:g} s")
-                time.sleep(idle_s)
+                why, cause = f"validator busy: {exc}", exc
             except httpx.TransportError as exc:  # still failing after the client's retries
-                if not self.stop.is_set():
-                    self.log(f"{_unreachable(exc)}; sending the group again in {idle_s:g} s")
-                if self.stop.is_set() or self.stop.wait(idle_s):
-                    self.log(
-                        f"{_unreachable(exc)} while stopping: the group stays "
-                        "pending and is sent again on the next start"
-                    )
-                    raise LeftPending from exc
+                why, cause = _unreachable(exc), exc
+            if not self.stop.is_set():
+                self.log(f"{why}; sending the group again in {idle_s:g} s")
+            if self.stop.is_set() or self.stop.wait(idle_s):
+                self.log(
+                    f"{why} while stopping: the group stays pending and is sent again "
+                    "on the next start"
+                )
+                raise LeftPending from cause
         verdicts = open_group_verdict(signed, self.validator, group_digest(raw))
         self._drop_pending(raw.hex())
         with self._stats_lock:
@@ -390,8 +390,9 @@ def _unreachable(exc: httpx.TransportError) -> str:
 
 
 class LeftPending(Exception):
-    """An upload ended without an answer because the validator could not be reached once
-    the contributor was stopping; its group stays pending in the state directory."""
+    """An upload ended without an answer because the validator could not be reached, or
+    was busy, once the contributor was stopping; its group stays pending in the state
+    directory."""
 
 
 class _Inline(Executor):

@@ -79,6 +79,7 @@ class Reason(enum.StrEnum):
     BACKPRESSURE = "backpressure"
     UNAUTHORIZED = "unauthorized"
     NOT_FOUND = "not_found"
+    STORAGE_FULL = "storage_full"  # the node's disk is full: nothing was recorded, ask again later
 
 
 class ProofTrainError(Exception):

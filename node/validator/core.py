@@ -403,8 +403,10 @@ class Validator:
         reason ABANDONED, drawn like a discard: it counts against reputation when its draw
         picks it) and give their prompt back to the pool (abandoning a prompt does not keep
         it from training); one ``ttl_s`` later their contributor's place frees (abandoning
-        costs that long). A late answer gets EXPIRED_ASSIGNMENT, unrecorded."""
-        abandoned: list[EpochVerdict] = []
+        costs that long). A late answer gets EXPIRED_ASSIGNMENT, unrecorded. Nothing changes
+        for an expiry whose record fails to reach the ledger (a full disk): it is swept again
+        next time, so every assignment still ends in the ledger."""
+        due: list[tuple[int, bytes, Issued]] = []
         while self._expiries and self._expiries[0][0] < now:
             when, aid, freed = heapq.heappop(self._expiries)
             if freed:
@@ -419,12 +421,19 @@ class Validator:
             if aid in self._inflight:  # its answer is being judged: look again after it
                 heapq.heappush(self._expiries, (now, aid, False))
                 continue
+            due.append((when, aid, item))
+        if not due:
+            return
+        try:
+            self.ledger.append_many([self._abandonment(item, now) for _, _, item in due])
+        except BaseException:
+            for when, aid, _ in due:
+                heapq.heappush(self._expiries, (when, aid, False))
+            raise
+        for when, _, item in due:
             item.abandoned = True
             self._give_back(item)
             self._hold(item, when)
-            abandoned.append(self._abandonment(item, now))
-        if abandoned:
-            self.ledger.append_many(abandoned)
 
     def _abandonment(self, item: Issued, now: int) -> EpochVerdict:
         """The verdict of an assignment that expired unanswered, with the assignment's draw."""
@@ -495,28 +504,43 @@ class Validator:
                 issued.append(item)
                 out.append(item.sealed)
             if issued:
-                self.state.put_assignments(
-                    [(i.wire.assignment_id, canonical_bytes(i.sealed)) for i in issued]
-                )
-                self.ledger.append_many(
-                    [
-                        AssignmentIssued(
-                            w.assignment_id,
-                            w.contributor_key,
-                            w.task_id,
-                            w.prompt_id,
-                            w.prompt_digest,
-                            w.policy_version,
-                            w.group_size,
-                            w.nonce,
-                            w.issued_at_ms,
-                        )
-                        for w in (i.wire for i in issued)
-                    ]
-                )
+                try:
+                    self._store_issued(issued)
+                except BaseException:
+                    self._unissue(issued)
+                    raise
                 for i in issued:
                     self._track(i)
         return out
+
+    def _store_issued(self, issued: list[Issued]) -> None:
+        self.state.put_assignments(
+            [(i.wire.assignment_id, canonical_bytes(i.sealed)) for i in issued]
+        )
+        self.ledger.append_many(
+            [
+                AssignmentIssued(
+                    w.assignment_id,
+                    w.contributor_key,
+                    w.task_id,
+                    w.prompt_id,
+                    w.prompt_digest,
+                    w.policy_version,
+                    w.group_size,
+                    w.nonce,
+                    w.issued_at_ms,
+                )
+                for w in (i.wire for i in issued)
+            ]
+        )
+
+    def _unissue(self, issued: list[Issued]) -> None:
+        """Undo what :meth:`assign_many` noted of assignments its write failed to record (a
+        full disk): none reached its contributor, so none may hold a place, a prompt or a
+        share, or expire against the contributor's reputation."""
+        for i in issued:
+            self._give_back(i)
+            self._open.get(i.wire.contributor_key, set()).discard(i.wire.assignment_id)
 
     def _issue(self, contributor: bytes) -> Issued:
         a_cfg = self.cfg.assignment
@@ -639,7 +663,7 @@ class Validator:
             issued = self._issued.get(aid)
             # An open assignment has no stored answer to look up: its answer is stored while its
             # admission is in flight, and a resubmission then gets BACKPRESSURE as it would anyway.
-            prior = self.state.submission(aid) if issued is None else None
+            prior = self._recorder.stored_answer(aid) if issued is None else None
             if prior is not None:
                 if prior[0] == digest:
                     return SubmitResult(self._stored_answer(digest, prior[1]), fresh=False)

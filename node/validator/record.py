@@ -17,7 +17,9 @@ Invariants:
 - Bodies are on disk before the ledger records commit (the ledger's
   transaction is written while they are fsync'd, and waits for them), so
   every accepted verdict in the ledger has its body; stored answers come
-  last, so an answer always has its verdicts in the ledger.
+  last, so an answer always has its verdicts in the ledger. Once the ledger
+  holds a group's verdicts the group is recorded: an answer that fails to
+  store is kept in memory and stored with a later batch, never judged twice.
 - :meth:`Recorder.record` returns only once the batch holding the group is
   durable in the ledger.
 - A checkpoint (signed tree head) is requested with the batch that brings the
@@ -26,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +80,7 @@ contributor is ``false_alarm`` (1e-6 built in) over ``horizon_tokens`` audited t
 SAMPLING_DISTRIBUTION, a statistical test an honest contributor fails with probability
 ``audit.pit_alpha``, is a recorded failure against reputation instead."""
 _U32 = np.dtype("<u4")
+LOG = logging.getLogger("prooftrain.validator")
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,16 @@ class Recorder:
         self._lock = lock
         self._records_since_checkpoint = 0
         self.committer: GroupCommitter[GroupWrite] = GroupCommitter(self._write_batch)
+        self._unstored: dict[bytes, tuple[bytes, bytes]] = {}
+        """Answers whose verdicts the ledger holds but whose store failed, by assignment id:
+        served from here and stored with the next batch."""
+        self._unstored_lock = threading.Lock()
+
+    def stored_answer(self, assignment_id: bytes) -> tuple[bytes, bytes] | None:
+        """(group digest, answer) stored for an answered assignment, or None."""
+        with self._unstored_lock:
+            kept = self._unstored.get(assignment_id)
+        return kept if kept is not None else self.state.submission(assignment_id)
 
     def record(
         self, issued: Issued, members: list[Member], group_digest: bytes, epoch: int
@@ -205,7 +219,30 @@ class Recorder:
             checkpoint=self._checkpoint_due(len(batch)),
             before_commit=stored,
         )
-        self.state.put_submissions([w.submission for w in batch])
+        self._store_answers([w.submission for w in batch])
+
+    def _store_answers(self, rows: list[tuple[bytes, bytes, bytes]]) -> None:
+        """Store (assignment id, group digest, answer) rows whose verdicts the ledger now
+        holds, with any an earlier batch failed to store. The groups are recorded whatever
+        happens here: a failure (a full disk) is logged, never raised, and the answers stay
+        in memory (:meth:`stored_answer`) until a later batch stores them, so a group sent
+        again gets its answer instead of a second judgement."""
+        with self._unstored_lock:
+            self._unstored.update((aid, (digest, answer)) for aid, digest, answer in rows)
+            pending = [(aid, digest, answer) for aid, (digest, answer) in self._unstored.items()]
+        try:
+            self.state.put_submissions(pending)
+        except Exception as exc:  # noqa: BLE001 - the verdicts are durable; see the docstring
+            LOG.error(
+                "the ledger holds the verdicts of %d group(s) whose answers could not be "
+                "stored (%s); they are kept in memory and stored with the next write",
+                len(pending),
+                exc,
+            )
+            return
+        with self._unstored_lock:
+            for aid, _, _ in pending:
+                self._unstored.pop(aid, None)
 
     def _checkpoint_due(self, groups: int = 1) -> bool:
         with self._lock:

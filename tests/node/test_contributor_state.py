@@ -25,8 +25,9 @@ def test_default_state_dir_differs_per_key() -> None:
     assert default_state_dir(ALICE.public).parent == Path("runs/contributor")
 
 
-def test_a_second_process_on_a_state_dir_is_refused_by_the_cli(tmp_path: Path) -> None:
-
+def test_a_second_process_on_a_state_dir_is_refused_by_the_cli(
+    tmp_path: Path, tiny_model: Path
+) -> None:
     key = tmp_path / "alice.key"
     subprocess.run(
         [sys.executable, "-m", "node.cli", "keys", "new", "--out", str(key)],
@@ -47,7 +48,7 @@ def test_a_second_process_on_a_state_dir_is_refused_by_the_cli(tmp_path: Path) -
             "--key",
             str(key),
             "--model",
-            str(tmp_path),
+            str(tiny_model),
             "--state-dir",
             str(state),
         ],

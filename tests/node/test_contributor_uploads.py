@@ -395,18 +395,27 @@ def test_concurrent_state_updates_lose_nothing(node, tmp_path: Path, tiny_model:
     )
 
 
+BUSY = {
+    "backpressure": (429, Reason.BACKPRESSURE.value, "audit queue is full"),
+    "disk full": (503, Reason.STORAGE_FULL.value, "the validator's disk is full"),
+    "server error": (500, "", "Internal Server Error"),  # no reason code: still not final
+}
+
+
+@pytest.mark.parametrize("busy", sorted(BUSY))
 @pytest.mark.parametrize("uploads", [1, 2])
 def test_a_busy_validator_gets_the_group_again_not_a_drop(
     node,
     tmp_path: Path,
     tiny_model: Path,  # type: ignore[no-untyped-def]
     uploads: int,
+    busy: str,
 ) -> None:
     v, url = node
 
     def busy_first(n: int, raw: bytes, answer: object) -> None:
         if n == 0:  # the group got in, but the answer came back as "busy"
-            raise ServiceError(429, Reason.BACKPRESSURE.value, "audit queue is full")
+            raise ServiceError(*BUSY[busy])
 
     client = Probe(url, _state(tmp_path), on_submit=busy_first, max_assigns=1)
     client.register("alice")
@@ -453,13 +462,15 @@ def test_an_unreachable_validator_is_tried_again_not_a_crash(
     assert json.loads(_state(tmp_path).read_text())["pending"] == []
 
 
+@pytest.mark.parametrize("failure", ["gone", "disk full"])
 @pytest.mark.parametrize("uploads", [1, 2])
 def test_a_stop_with_the_validator_gone_keeps_the_group_for_the_next_start(
-    node, tmp_path: Path, tiny_model: Path, uploads: int
+    node, tmp_path: Path, tiny_model: Path, uploads: int, failure: str
 ) -> None:  # type: ignore[no-untyped-def]
-    # `kill` reaches the validator and the contributor together: the contributor's upload in
-    # flight can no longer be answered. It stops cleanly with the group pending, and the next
-    # start sends it (the validator answers with the verdicts it recorded, once).
+    # `kill` reaches the validator and the contributor together (or the validator's disk is
+    # full): the contributor's upload in flight can no longer be answered. It stops cleanly,
+    # at once, with the group pending, and the next start sends it (the validator answers
+    # with the verdicts it recorded, once).
     import httpx
 
     v, url = node
@@ -467,6 +478,8 @@ def test_a_stop_with_the_validator_gone_keeps_the_group_for_the_next_start(
 
     def stop_and_lose_the_validator(n: int, raw: bytes, answer: object) -> None:
         worker[0].stop.set()  # what SIGTERM does in `prooftrain contributor`
+        if failure == "disk full":
+            raise ServiceError(*BUSY["disk full"])
         raise httpx.ConnectError("[Errno 111] Connection refused")
 
     client = Probe(

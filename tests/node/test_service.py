@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import sqlite3
 
 import httpx
 import pytest
@@ -251,3 +252,52 @@ def _fuzz(v, url: str, backend, codec, method: str, path: str) -> None:  # type:
     del auth
     report = verify_ledger(v.ledger.store, blobs=v.ledger.blobs)
     assert report.ok, report
+
+
+def _disk_full() -> sqlite3.OperationalError:
+    exc = sqlite3.OperationalError("database or disk is full")
+    exc.sqlite_errorcode = sqlite3.SQLITE_FULL  # type: ignore[attr-defined]
+    return exc
+
+
+def test_a_full_disk_answers_503_storage_full_and_the_node_goes_on(
+    live, backend, codec, monkeypatch, caplog
+) -> None:
+    """Every request that writes is refused with a reason the contributor retries (nothing
+    was recorded), the operator is told what to do once, not per request, and once space
+    is back the same group is admitted, judged once."""
+    v, url = live
+    alice = ValidatorClient(url, ALICE, retries=0)
+    alice.register("alice")
+    sealed = alice.assign()
+    raw = canonical_bytes(answer(ALICE, sealed, v.key.public, backend, codec))
+    size = v.ledger.size()
+    real_append, real_put = v.ledger.append_many, v.state.put_assignments
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise _disk_full()
+
+    monkeypatch.setattr(v.ledger, "append_many", full)
+    monkeypatch.setattr(v.state, "put_assignments", full)
+    with caplog.at_level("ERROR", logger="prooftrain.validator"):
+        for call in (lambda: alice.submit(raw), alice.assign, lambda: alice.submit(raw)):
+            with pytest.raises(ServiceError) as refused:
+                call()
+            assert refused.value.status == 503 and refused.value.busy
+            assert refused.value.reason is Reason.STORAGE_FULL
+            assert "nothing was recorded" in str(refused.value)
+    told = [r.getMessage() for r in caplog.records if "disk full" in r.getMessage()]
+    assert len(told) == 1 and "node.blob_dir" in told[0]
+    r = httpx.post(f"{url}/v1/submit", content=raw)
+    assert r.status_code == 503 and r.headers["retry-after"] == "30"
+    assert r.json()["reason"] == "storage_full"
+    assert v.ledger.size() == size
+
+    monkeypatch.setattr(v.ledger, "append_many", real_append)
+    monkeypatch.setattr(v.state, "put_assignments", real_put)
+    got = open_group_verdict(alice.submit(raw), v.key.public)
+    assert [x.accepted for x in got] == [True] * len(got)
+    assert alice.assign() is not None  # the refused assignment holds no place
+    spec = httpx.get(f"{url}/openapi.json").json()["paths"]
+    assert "503" in spec["/v1/submit"]["post"]["responses"]
+    assert "503" in spec["/v1/assign"]["post"]["responses"]

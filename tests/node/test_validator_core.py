@@ -190,6 +190,92 @@ def test_a_group_whose_write_failed_is_admitted_when_sent_again(
     assert len(v.samples(0).samples) == 4
 
 
+def test_assignments_a_failed_write_kept_from_the_ledger_hold_no_place(
+    make_validator, backend, codec, monkeypatch
+) -> None:
+    """Nothing of an assignment the disk refused stays behind: its contributor gets the
+    whole of its limit back (no phantom open assignment that never expires), its prompt
+    goes back to the pool, and the ledger holds nothing of it."""
+    v = make_validator({"assignment.max_outstanding": 2})
+    v.register(HONEST.public.raw, "c")
+    size = v.ledger.size()
+    real = v.ledger.append_many
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(v.ledger, "append_many", full)
+    for _ in range(3):  # more than the limit: each refusal gave its place back
+        with pytest.raises(OSError, match="No space"):
+            v.assign(HONEST.public.raw)
+    assert v.ledger.size() == size
+    monkeypatch.setattr(v.ledger, "append_many", real)
+    issued = [open_assignment(v.assign(HONEST.public.raw), v.key.public, HONEST.public)]
+    issued.append(open_assignment(v.assign(HONEST.public.raw), v.key.public, HONEST.public))
+    assert len({a.assignment_id for a in issued}) == 2
+    with pytest.raises(AdmissionError) as limit:
+        v.assign(HONEST.public.raw)
+    assert limit.value.reason is Reason.ASSIGNMENT_LIMIT
+
+
+def test_an_expiry_the_disk_refused_to_record_is_recorded_once_there_is_room(
+    make_validator, monkeypatch
+) -> None:
+    """Every assignment ends in the ledger: an abandonment whose record a full disk refused
+    is not forgotten but recorded by the next sweep, once."""
+    now = [1_000_000]
+    v = make_validator({"assignment.ttl_s": 10.0}, clock=lambda: now[0])
+    v.register(HONEST.public.raw, "c")
+    aid = open_assignment(v.assign(HONEST.public.raw), v.key.public, HONEST.public).assignment_id
+    now[0] += 10_001
+    real = v.ledger.append_many
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(v.ledger, "append_many", full)
+    with pytest.raises(OSError, match="No space"):
+        v.assign(HONEST.public.raw)  # the sweep before it cannot record the expiry
+    monkeypatch.setattr(v.ledger, "append_many", real)
+    v.assign(HONEST.public.raw)
+    v.assign(HONEST.public.raw)
+    ended = [
+        r
+        for _, r in v.ledger.entries()
+        if isinstance(r, VerdictRecorded) and r.assignment_id == aid
+    ]
+    assert [r.reason for r in ended] == [Reason.ABANDONED.value]
+
+
+def test_a_group_whose_answer_failed_to_store_after_its_verdicts_is_not_judged_again(
+    make_validator, backend, codec, monkeypatch, caplog
+) -> None:
+    """Once the ledger holds a group's verdicts the group is recorded: a failure storing its
+    answer (a full disk) is logged, not raised, and the same group sent again gets the same
+    answer from memory instead of a second judgement (duplicate verdicts and samples); the
+    next write stores it."""
+    v = make_validator()
+    raw = canonical_bytes(honest_group(v, backend, codec))
+    real = v.state.put_submissions
+
+    def fails_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        monkeypatch.setattr(v.state, "put_submissions", real)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(v.state, "put_submissions", fails_once)
+    with caplog.at_level("ERROR", logger="prooftrain.validator"):
+        first = v.submit(raw)
+    assert any("could not be stored" in r.getMessage() for r in caplog.records)
+    size, aid = v.ledger.size(), assignment_of(raw)
+    assert v.state.submission(aid) is None
+    again = v.submit(raw)
+    assert canonical_bytes(again) == canonical_bytes(first)
+    assert v.ledger.size() == size and len(v.samples(0).samples) == 4  # judged once
+    v.submit(canonical_bytes(honest_group(v, backend, codec)))  # the next write stores it
+    assert v.state.submission(aid) is not None
+    assert canonical_bytes(v.submit(raw)) == canonical_bytes(first)
+
+
 def test_a_group_whose_bodies_failed_to_reach_the_disk_has_no_verdict_and_is_admitted_again(
     make_validator, backend, codec, monkeypatch
 ) -> None:

@@ -209,7 +209,8 @@ def test_eval_cli_table_and_json(model_dir, tmp_path):
         text=True,
         timeout=300,
     )
-    assert missing.returncode == 1 and missing.stderr.startswith("error:")
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr  # a usage error
+    assert f"the model directory {tmp_path / 'absent'} does not exist" in missing.stderr
 
 
 def test_eval_cli_reports_progress_as_lines_in_a_log(model_dir):

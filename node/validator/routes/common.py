@@ -2,12 +2,19 @@
 
 Errors are JSON ``{"reason": ..., "message": ...}`` (``ErrorBody``) with a
 status chosen from the reason (``STATUS``); malformed input never produces a 500.
+A validator call that fails because the node's disk is full answers 503
+``storage_full`` with Retry-After (nothing was recorded: the same request can
+be sent again), and the node logs what the operator must do, at most once a
+minute.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import logging
+import sqlite3
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -43,7 +50,11 @@ STATUS = {
     Reason.RATE_LIMITED: 429,
     Reason.BACKPRESSURE: 429,
     Reason.ASSIGNMENT_LIMIT: 429,
+    Reason.STORAGE_FULL: 503,
 }
+RETRY_AFTER_S = {429: 1, 503: 30}
+"""Retry-After of a refusal that is no final answer: busy (429), disk full (503)."""
+LOG = logging.getLogger("prooftrain.validator")
 T = TypeVar("T")
 INT64_MAX = 2**63 - 1  # SQLite INTEGER range: a larger version or cursor cannot be looked up
 # OpenAPI: every signed endpoint needs all three X-Prooftrain-* headers (see node/validator/auth.py).
@@ -74,6 +85,7 @@ _ERROR_TEXT = {
     409: "replayed submission",
     413: "body over limits.max_body_bytes",
     429: "rate limited or audit queue full (Retry-After)",
+    503: "the node's disk is full: nothing was recorded (Retry-After)",
 }
 
 DirectRoute = Callable[[Scope, Receive, Send], Awaitable[None]]
@@ -113,7 +125,7 @@ class ApiError(Exception):
 
 def error_response(reason: Reason, message: str) -> JSONResponse:
     status = STATUS.get(reason, 400)
-    headers = {"Retry-After": "1"} if status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S[status])} if status in RETRY_AFTER_S else None
     return JSONResponse(
         {"reason": reason.value, "message": message[:1_000]}, status_code=status, headers=headers
     )
@@ -134,6 +146,16 @@ async def invalid_parameter(request: Request, exc: RequestValidationError) -> JS
 async def domain_error(request: Request, exc: ProofTrainError) -> JSONResponse:
     reason = getattr(exc, "reason", Reason.MALFORMED)
     return error_response(reason, str(exc))
+
+
+def storage_full(exc: BaseException) -> bool:
+    """Whether ``exc`` says a write found the disk full: ENOSPC or EDQUOT, SQLite's
+    SQLITE_FULL, PostgreSQL's disk_full (SQLSTATE 53100)."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if isinstance(exc, sqlite3.OperationalError):
+        return getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+    return getattr(exc, "sqlstate", None) == "53100"
 
 
 class TokenBuckets:
@@ -184,6 +206,7 @@ class Serving:
         )
         self.waiting_calls = 0
         """Validator calls waiting or running (the queue-depth gauge)."""
+        self._full_logged_at = -60.0  # the last "disk full" log line (time.monotonic)
         self.running: dict[str, Any] = {}
         """The admission queue ("intake") and precheck pool ("prechecks"), while serving."""
         self.read_through = 0
@@ -213,8 +236,32 @@ class Serving:
 
     async def call(self, fn: Callable[[], T]) -> T:
         """``fn()`` on the validator's worker thread, counted as waiting."""
-        with self.waiting():
+        with self.waiting(), self.refusing_when_full():
             return await asyncio.get_running_loop().run_in_executor(self.executor, fn)
+
+    @contextlib.contextmanager
+    def refusing_when_full(self) -> Iterator[None]:
+        """A validator call that found the disk full becomes a STORAGE_FULL refusal (503),
+        and the operator is told what to do, at most once a minute (``storage_full``)."""
+        try:
+            yield
+        except Exception as exc:
+            if not storage_full(exc):
+                raise
+            now = time.monotonic()
+            if now - self._full_logged_at >= 60.0:
+                self._full_logged_at = now
+                LOG.error(
+                    "disk full: %s. Free space on the disk of node.ledger, node.state_file "
+                    "and node.blob_dir; until then every request that writes is refused with "
+                    "503 storage_full and nothing is recorded",
+                    exc,
+                )
+            raise ApiError(
+                Reason.STORAGE_FULL,
+                "the validator's disk is full: nothing was recorded; send the same request "
+                "again later",
+            ) from None
 
     async def body_of(self, request: Request) -> bytes:
         return await asgi_body(request.scope, request.receive, self.cfg.limits.max_body_bytes)

@@ -48,7 +48,7 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
 
     @app.post(
         "/v1/register",
-        responses=errors(400, 401, 403, 413, 429),
+        responses=errors(400, 401, 403, 413, 429, 503),
         openapi_extra={
             "security": SIGNED,
             "requestBody": {
@@ -101,7 +101,7 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
         openapi_extra={"security": SIGNED},
         responses={
             **ok_binary(MSGPACK, "msgpack SignedAssignment"),
-            **errors(400, 401, 403, 413, 429),
+            **errors(400, 401, 403, 413, 429, 503),
         },
     )
     async def assign(request: Request) -> Response:
@@ -116,7 +116,7 @@ def add_contributor_routes(app: FastAPI, node: Serving) -> dict[tuple[str, str],
         openapi_extra={"requestBody": {"required": True, "content": binary(MSGPACK, max_body)}},
         responses={
             **ok_binary(MSGPACK, "msgpack SignedGroupVerdict"),
-            **errors(400, 403, 404, 409, 413, 429),
+            **errors(400, 403, 404, 409, 413, 429, 503),
         },
     )
     async def submit(request: Request) -> Response:
@@ -172,7 +172,7 @@ async def admitted(node: Serving, body: bytes) -> SubmitResult:
     """The submission through the admission queue; BACKPRESSURE when ``audit.queue`` calls wait."""
     if node.waiting_calls >= node.cfg.audit.queue:
         raise ApiError(Reason.BACKPRESSURE, "audit queue is full")
-    with node.waiting():
+    with node.waiting(), node.refusing_when_full():
         pre = await prechecked(node, body)
         return await asyncio.wrap_future(node.running["intake"].submit((body, pre)))  # type: ignore[no-any-return]
 

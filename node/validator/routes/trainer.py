@@ -27,7 +27,7 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
 
     @app.post(
         "/v1/policy",
-        responses=errors(400, 401, 403, 404, 409, 413, 429),
+        responses=errors(400, 401, 403, 404, 409, 413, 429, 503),
         openapi_extra={
             "security": SIGNED,
             "requestBody": {"required": True, "content": binary(MSGPACK, max_body)},
@@ -41,7 +41,7 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
 
     @app.post(
         "/v1/trainer/eval",
-        responses=errors(400, 401, 403, 404, 409, 413, 429),
+        responses=errors(400, 401, 403, 404, 409, 413, 429, 503),
         openapi_extra={
             "security": SIGNED,
             "requestBody": {"required": True, "content": binary(MSGPACK, max_body)},
@@ -55,7 +55,7 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
 
     @app.post(
         "/v1/blobs",
-        responses=errors(400, 401, 413, 429),
+        responses=errors(400, 401, 413, 429, 503),
         openapi_extra={
             "security": SIGNED,
             "requestBody": {
@@ -69,7 +69,9 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
         await node.trainer_only(request, body)
         if validator.ledger.blobs is None:
             raise ApiError(Reason.MALFORMED, "this validator has no blob store")
-        return {"digest": validator.ledger.blobs.put(body).hex()}
+        blobs = validator.ledger.blobs
+        with node.refusing_when_full():
+            return {"digest": blobs.put(body).hex()}
 
     @app.get(
         "/v1/samples",
