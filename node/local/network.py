@@ -209,6 +209,8 @@ class LocalNetwork:
         current = self.versions.current  # > 0 when reopening a network's work_dir
         if current:
             self._restore_publisher(current)
+        self._resumed = not current
+        """Whether the contributors took up what a previous process left open (``step``)."""
 
     def close(self) -> None:
         self.ledger.close()
@@ -227,9 +229,28 @@ class LocalNetwork:
         a group refused with BACKPRESSURE by an earlier one of its round is
         submitted again alone).
         """
+        if not self._resumed:
+            self._resumed = True
+            self._answer_open()
         turns = [next(self._turn) for _ in range(groups)]
         for lo in range(0, len(turns), len(self.contributors)):
             self._round([self.contributors[i] for i in turns[lo : lo + len(self.contributors)]])
+
+    def _answer_open(self) -> None:
+        """After a reopen, the contributors answer the assignments the previous process issued
+        them and never answered (it stopped between issuing a round and admitting it), as a
+        restarted contributor sends its pending groups: left open, each would hold its
+        contributor's place (``assignment.max_outstanding``) until it expired, and a few
+        restarts would leave the contributors no work. One of a policy version the
+        registry no longer holds is left to expire."""
+        issued = []
+        for key, name in self.contributors:
+            for sealed in self.validator.open_assignments(key.public.raw):
+                a = self.validator.open_assignment(sealed)
+                if a.policy_version in self.registry:
+                    issued.append((key, name, sealed, a))
+        if issued:
+            self._admit(issued)
 
     def _round(self, members: list[tuple[SigningKey, str]]) -> None:
         issued = []
@@ -240,6 +261,12 @@ class LocalNetwork:
                 self._refused(sealed)
             else:
                 issued.append((key, name, sealed, self.validator.open_assignment(sealed)))
+        self._admit(issued)
+
+    def _admit(
+        self, issued: list[tuple[SigningKey, str, SignedAssignment, WorkAssignment]]
+    ) -> None:
+        """Answer ``issued`` (honest groups generated in batches) and admit the answers."""
         bodies = self._answers(issued)
         for result in self.validator.admit_in_turn(bodies):
             if isinstance(result, VerificationError):

@@ -782,6 +782,17 @@ class Validator:
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:
         return open_sealed(WorkAssignment, sealed, self.key.public)
 
+    def open_assignments(self, contributor: bytes) -> list[SignedAssignment]:
+        """The assignments issued to ``contributor`` that are still open (neither answered nor
+        expired), oldest first: what a contributor that lost its own record of them (a
+        restart) can still answer."""
+        with self._lock:
+            return [
+                i.sealed
+                for i in self._issued.values()
+                if i.wire.contributor_key == contributor and not i.abandoned
+            ]
+
 
 class _Registered(Exception):
     """Another node registered the key first: nothing is appended (``Validator.register``)."""

@@ -121,6 +121,39 @@ def test_reopened_network_resumes_the_version_chain(tiny: Path, tmp_path: Path) 
         net.close()
 
 
+def test_a_reopened_network_answers_what_a_killed_one_left_open(tiny: Path, tmp_path: Path) -> None:
+    """A process killed between issuing a round and admitting it leaves each contributor an
+    open assignment. Reopened, the contributors answer them first, as restarted contributors
+    send their pending groups; left open, a few such kills (``max_outstanding`` of them)
+    would leave the contributors no work until the assignments expired."""
+    settings = small()
+    net = LocalNetwork(tiny, settings, work_dir=tmp_path / "net")
+    limit = net.validator.cfg.assignment.max_outstanding
+    try:
+        net.publish(1, nudged_stage(tiny, 1))
+        keys = [key.public.raw for key, _ in net.contributors]
+        for _ in range(limit):  # as many kills, each after issuing a round: every place taken
+            assert all(not isinstance(s, Exception) for s in net.validator.assign_many(keys))
+        left = {k: net.validator.open_assignments(k) for k in keys}
+        assert all(len(v) == limit for v in left.values())
+    finally:
+        net.close()
+    net = LocalNetwork(tiny, settings, work_dir=tmp_path / "net")
+    try:
+        assert all(len(net.validator.open_assignments(k)) == limit for k in keys)
+        got = net.fetch(0, 1000)
+        assert all(net.validator.open_assignments(k) == [] for k in keys)
+        groups = len(keys) * limit + settings.groups_per_fetch
+        assert net.stats.verdicts == {"accepted": settings.group_size * groups}
+        assert not net.stats.admission_errors  # no assignment_limit: the places came back
+        answered = {s.assignment_id for s in got.samples}
+        assert {
+            net.validator.open_assignment(a).assignment_id for v in left.values() for a in v
+        } <= answered
+    finally:
+        net.close()
+
+
 @pytest.mark.parametrize("codec", ["int8-block", "topk"])
 def test_published_chain_rebuilds_bit_exactly_from_the_ledger(tiny: Path, codec: str) -> None:
     from rollout.sync import PolicySync
