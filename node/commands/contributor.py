@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.loading import model_dir_arg
+from node.commands import model_dir_arg
 
 if TYPE_CHECKING:
     from node.contributor import Contributor

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from rollout.loading import model_dir_arg
+from node.commands import model_dir_arg
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

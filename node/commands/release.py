@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from rollout.loading import model_dir_arg
+from node.commands import model_dir_arg
 from verify.errors import ConfigError, KeyFileError
 
 

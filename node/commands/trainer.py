@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rollout.loading import local_model_dir, model_dir_arg
+from node.commands import model_dir_arg
 from verify.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging  # noqa: PLC0415
 
     from node.local import run_local  # noqa: PLC0415
+    from rollout.loading import local_model_dir  # noqa: PLC0415
     from trainer.config import load_trainer_config  # noqa: PLC0415
 
     hf_logging.disable_progress_bar()
