@@ -31,7 +31,9 @@ checks run in this order and stop at the first failing member:
    calibrated false-alarm bound is ``false_alarm`` over ``horizon_tokens``
    audited tokens); the ledger's ``DivergenceRecorded`` entries are the evidence
    and rebuild the detectors when the node starts;
-8. the pooled PIT uniformity test over the contributor's audited tokens. A
+8. the pooled PIT uniformity test over the tokens of the contributor's members
+   the keyed draw picked (a member audited only as a repeat was picked for what
+   it sampled, so its PIT values would bias the pool). A
    failure is a recorded, audited rejection (SAMPLING_DISTRIBUTION, with its
    statistics as evidence) that counts against reputation; it is not slashed,
    since an honest contributor fails it with probability ``audit.pit_alpha``.
@@ -131,6 +133,11 @@ class Member:
     """The rate this member was drawn at (0: its group failed before the draw)."""
     forced: bool = False
     """Audited whatever the draw: its completion repeats one recorded for the same prompt."""
+    keyed: bool = False
+    """Picked by the keyed audit draw, which its content cannot steer. Only these feed the
+    sampling-distribution test: a member audited only because it repeats a completion was
+    picked for what it sampled (a sharpened policy repeats its likeliest answers), and the
+    PIT values of such a pool are not uniform even for an honest contributor."""
     discard: bool = False
     """Its reason ends the assignment without a judged group (``ledger.reputation.DISCARDS``):
     recorded with the assignment's own draw (``ledger.records.GROUP_DRAW``)."""
@@ -215,16 +222,12 @@ class GroupChecks:
                 audit_rate = self.audit_rate(a.contributor_key)
                 for m in members:
                     m.audit_rate, m.forced = audit_rate, m.completion in repeats
-                drawn = [
-                    m
-                    for m in members
-                    if m.forced
-                    or should_audit(
+                    m.keyed = should_audit(
                         secret,
                         audit_subject(a.assignment_id, m.rollout.header.group_index, m.completion),
                         audit_rate,
                     )
-                ]
+                drawn = [m for m in members if m.forced or m.keyed]
                 failed = yield from self._score_and_audit(issued, members, drawn, secret)
         finally:
             if holds_slot:
@@ -383,9 +386,10 @@ class GroupChecks:
         return results
 
     def _pit_check(self, issued: Issued, members: list[Member]) -> Member | None:
-        """Pool the audited members' PIT values; at a full window, test it. A failure is the
-        last audited member's, with the window's statistics as evidence."""
-        audited = [m for m in members if m.pit is not None]
+        """Pool the PIT values of the members the keyed draw picked (``Member.keyed``); at a
+        full window, test it. A failure is the last pooled member's, with the window's
+        statistics as evidence."""
+        audited = [m for m in members if m.pit is not None and m.keyed]
         if not audited:
             return None
         contributor = issued.wire.contributor_key
