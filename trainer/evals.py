@@ -34,7 +34,7 @@ from rewards import Problem, reward
 from rewards.errors import TaskError, UnknownTaskError
 from rewards.tasks import generate as generate_problems
 from rewards.tasks import get_task
-from rollout.loading import load_pretrained_lm
+from rollout.loading import load_pretrained_lm, local_model_dir
 from trainer.generate import SamplingParams, generate
 from verify.keys import SigningKey
 from verify.signed import seal
@@ -132,11 +132,9 @@ def load_policy(
     model_dir: str | Path, device: str | None = None
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Model and tokenizer from a local directory (never the network)."""
-    path = Path(model_dir)
-    if not (path / "config.json").is_file():
-        raise TaskError(f"{path} is not a model directory (no config.json)")
+    path = local_model_dir(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    model = load_pretrained_lm(path, local_files_only=True)
+    model = load_pretrained_lm(path)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     # functools.wraps on PreTrainedModel.to hides the bound signature (mypy sees self first).
     return model.to(device).eval(), tokenizer  # type: ignore[arg-type]

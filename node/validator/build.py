@@ -13,6 +13,7 @@ from node.validator.state import State, StateStore
 from rewards.base import Problem
 from rewards.tasks.base import generate
 from rewards.tasks.jsonl import load_jsonl
+from rollout.loading import local_model_dir
 from rollout.oracle import TransformersOracle
 from rollout.sync import PolicySync
 from verify.errors import ConfigError, Reason, VerificationError
@@ -69,11 +70,7 @@ def trainer_key(cfg: ValidatorConfig) -> PublicKey | None:
 def build_validator(cfg: ValidatorConfig, key: SigningKey | None = None) -> Validator:
     key = key or load_key(cfg.node.key_file)
     model_dir = cfg.policy.model_dir
-    if not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(
-            f"policy.model_dir {model_dir} is not a model directory; build one with "
-            "`prooftrain base-model build`"
-        )
+    local_model_dir(model_dir, "policy.model_dir")
     cfg.node.blob_path().mkdir(parents=True, exist_ok=True)  # what `audit verify --blobs` reads
     ledger = Ledger.open(
         cfg.node.ledger, signing_key=key, origin=cfg.node.origin, blobs=cfg.node.blob_path()

@@ -30,6 +30,7 @@ from ledger.start_check import LedgerCheckError, Verified, verify_full, verify_s
 from ledger.storage import open_store, storage_errors
 from node.config import ValidatorConfig
 from node.validator.build import load_key, load_problems, load_tolerance, trainer_key
+from rollout.loading import local_model_dir
 from verify.errors import ConfigError, LedgerError, VerificationError
 from verify.keys import SigningKey
 
@@ -55,11 +56,7 @@ def describe(
     check_paths(cfg)
     key = key or load_key(cfg.node.key_file)
     model_dir = cfg.policy.model_dir
-    if not (Path(model_dir) / "config.json").exists():
-        raise ConfigError(
-            f"policy.model_dir {model_dir} is not a model directory; build one with "
-            "`prooftrain base-model build`"
-        )
+    local_model_dir(model_dir, "policy.model_dir")
     verified = check_ledger(cfg, key, verify, record=record)
     size, version = (None, 0) if verified is None else _ledger_summary(cfg)
     tolerances = load_tolerance(cfg)

@@ -69,9 +69,8 @@ def add_trainer_routes(app: FastAPI, node: Serving) -> None:
         await node.trainer_only(request, body)
         if validator.ledger.blobs is None:
             raise ApiError(Reason.MALFORMED, "this validator has no blob store")
-        blobs = validator.ledger.blobs
         with node.refusing_when_full():
-            return {"digest": blobs.put(body).hex()}
+            return {"digest": validator.ledger.blobs.put(body).hex()}
 
     @app.get(
         "/v1/samples",
