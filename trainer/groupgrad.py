@@ -49,9 +49,11 @@ from a random sketch of each matrix parameter's per-group gradient: with
 drawn afresh for every call, ``<A^T R_a B, A^T R_b B>`` is an unbiased
 estimate of ``<R_a, R_b>``, and for a linear layer ``A^T R_c B = (G_c A)^T
 (X_c B)``: two thin products over the tokens and one w x w product per group
-instead of ``d_out x d_in`` per group. Vectors (biases, norms) are formed
-exactly. The aggregator then runs on the sketched vectors' exact Gram
-matrix, and :meth:`GroupGradients.combine` forms ``sum_c alpha_c R_c`` exactly
+instead of ``d_out x d_in`` per group. Parameters that read the same input (a
+layer's query, key and value projections) share one ``B``, so ``X B`` is formed
+once for all of them: each estimate keeps its expectation, so their sum is
+still unbiased. Vectors (biases, norms) are formed exactly. The aggregator
+then runs on the sketched vectors' exact Gram matrix, and :meth:`GroupGradients.combine` forms ``sum_c alpha_c R_c`` exactly
 with one weighted product per module call. Who chooses the samples cannot see
 the sketch: it is drawn from the caller's generator after the batch is fixed.
 """
@@ -71,6 +73,13 @@ def _rms_normalize(x: Tensor, eps: float) -> Tensor:
     """``x / rms(x)`` in float32, back in ``x``'s dtype (the Llama RMSNorm)."""
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _inverse_rms(x: Tensor, eps: float) -> Tensor:
+    """``1 / rms(x)`` per row of ``x`` (tokens, features), float32 (tokens,): the factor
+    :func:`_rms_normalize` multiplies each row by, in one pass and without a copy of ``x``."""
+    norm = torch.linalg.vector_norm(x.float(), dim=-1)
+    return norm.square_().div_(x.shape[-1]).add_(eps).rsqrt_()
 
 
 def _norm_eps(module: nn.Module) -> float | None:
@@ -259,6 +268,8 @@ class GroupGradients:
         parts = _parts(self)
         self._formed = set()
         scale = width**-0.5
+        rights: dict[tuple, Tensor] = {}
+        projected: dict[tuple, Tensor] = {}  # each input's product with its right, once
         for p in self.params:
             if id(p) not in parts:
                 continue
@@ -268,10 +279,15 @@ class GroupGradients:
                 k += _products(_form(parts[id(p)], block, 0, rows))
                 continue
             left = torch.randn((p.shape[0], width), generator=generator).mul_(scale)
-            right = torch.randn((p[0].numel(), width), generator=generator).mul_(scale)
+            inputs = (p[0].numel(), *(call.input_key for call, _ in parts[id(p)]))
+            right = rights.get(inputs)
+            if right is None:  # parameters that read the same inputs share one
+                right = rights[inputs] = torch.randn(
+                    (p[0].numel(), width), generator=generator
+                ).mul_(scale)
             sketch = torch.zeros((n, width, width), dtype=torch.float32)
             for call, _role in parts[id(p)]:  # a matrix parameter has the "weight" role only
-                call.sketch(sketch, left, right)
+                call.sketch(sketch, left, right, projected)
             k += _products(sketch.reshape(n, -1))
         self._scratch = None
         return k
@@ -350,8 +366,6 @@ class GroupGradients:
         if self._calls is None:
             handler(self, module, x, g, arg)
             return
-        if handler is GroupGradients._rmsnorm:
-            x = _rms_normalize(x, arg)
         self._calls.append(_Call.keep(handler, module, x, g, arg, self._segments))
 
     def _linear(self, module: nn.Linear, x: Tensor, g: Tensor, _: Any) -> None:
@@ -422,11 +436,12 @@ def _form(parts: list[tuple[_Call, str]], out: Tensor, a: int, b: int) -> Tensor
 
 @dataclass(frozen=True)
 class _Call:
-    """One module call: its token rows' input ``x`` (RMS norms: the normalised input;
-    embeddings: the token ids) and output gradient ``g``, flattened to ``(tokens,
-    features)``, and each group's token span. Rows whose output gradient is zero (padding)
-    add nothing and are kept anyway: finding and copying the live ones cost more than the
-    products they saved."""
+    """One module call: its token rows' input ``x`` (embeddings: the token ids) and output
+    gradient ``g``, flattened to ``(tokens, features)``, and each group's token span; for
+    an RMS norm, ``scale`` holds each token's ``1 / rms(x)`` (tokens,), so its normalised
+    input is ``x * scale[:, None]`` without a copy of it being kept. Rows whose output
+    gradient is zero (padding) add nothing and are kept anyway: finding and copying the
+    live ones cost more than the products they saved."""
 
     handler: _HandlerFn
     module: nn.Module
@@ -434,6 +449,7 @@ class _Call:
     g: Tensor
     spans: list[tuple[int, int]]
     arg: Any
+    scale: Tensor | None = None
 
     @classmethod
     def keep(
@@ -449,7 +465,8 @@ class _Call:
         gf = g.reshape(-1, g.shape[-1])
         xf = x.reshape(-1) if x.dim() == g.dim() - 1 else x.reshape(-1, x.shape[-1])
         spans = [(lo * per_row, hi * per_row) for lo, hi in segments]
-        return cls(handler, module, xf, gf, spans, arg)
+        scale = _inverse_rms(xf, arg) if handler is GroupGradients._rmsnorm else None
+        return cls(handler, module, xf, gf, spans, arg, scale)
 
     @property
     def xs(self) -> list[Tensor]:
@@ -458,6 +475,12 @@ class _Call:
     @property
     def gs(self) -> list[Tensor]:
         return [self.g[lo:hi] for lo, hi in self.spans]
+
+    @property
+    def input_key(self) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+        """Where this call's input lives: calls that read one tensor (a layer's query, key
+        and value projections) have the same key while the capture holds them all."""
+        return (self.x.data_ptr(), tuple(self.x.shape), tuple(self.x.stride()))
 
     def parts(self) -> list[tuple[nn.Parameter, str]]:
         names = ("weight", "bias") if self.handler is GroupGradients._linear else ("weight",)
@@ -468,31 +491,43 @@ class _Call:
     def add(self, out: Tensor, role: str, a: int, b: int, fresh: list[bool]) -> None:
         """Rows ``a:b`` of this call's part of parameter ``role``'s gradient, group c's into
         ``out[c]``: written over it while ``fresh[c]`` (then False), else added."""
-        for c, (xc, gc) in enumerate(zip(self.xs, self.gs, strict=True)):
+        for c, ((lo, hi), xc, gc) in enumerate(zip(self.spans, self.xs, self.gs, strict=True)):
             if not len(gc):
                 continue
             dst, gc = out[c], gc.float()
+            rc = None if self.scale is None else self.scale[lo:hi]
             if fresh[c] and self.handler is not GroupGradients._embedding:
                 fresh[c] = False
-                self._part(dst, role, xc, gc, a, b, write=True)
+                self._part(dst, role, xc, gc, rc, a, b, write=True)
                 continue
             if fresh[c]:
                 fresh[c] = False
                 dst.zero_()
-            self._part(dst, role, xc, gc, a, b, write=False)
+            self._part(dst, role, xc, gc, rc, a, b, write=False)
 
     def _part(
-        self, dst: Tensor, role: str, xc: Tensor, gc: Tensor, a: int, b: int, *, write: bool
+        self,
+        dst: Tensor,
+        role: str,
+        xc: Tensor,
+        gc: Tensor,
+        rc: Tensor | None,
+        a: int,
+        b: int,
+        *,
+        write: bool,
     ) -> None:
-        """Rows ``a:b`` of the part of tokens ``xc``/``gc``, into (``write``: over) ``dst``."""
+        """Rows ``a:b`` of the part of tokens ``xc``/``gc`` (RMS norms: scaled per token by
+        ``rc``), into (``write``: over) ``dst``."""
         if self.handler is GroupGradients._embedding:
             keep = (xc >= a) & (xc < b)
             if self.arg is not None:  # nn.Embedding gives its padding row no gradient
                 keep &= xc != self.arg
             dst.index_add_(0, xc[keep] - a, gc[keep])
         elif self.handler is GroupGradients._rmsnorm:
+            assert rc is not None
             part = gc[:, a:b] * xc[:, a:b].float()
-            torch.sum(part, 0, out=dst) if write else dst.add_(part.sum(0))
+            torch.mv(part.t(), rc, out=dst) if write else dst.add_(torch.mv(part.t(), rc))
         elif role == "bias":
             torch.sum(gc[:, a:b], 0, out=dst) if write else dst.add_(gc[:, a:b].sum(0))
         elif write:
@@ -500,10 +535,13 @@ class _Call:
         else:
             dst.addmm_(gc[:, a:b].t(), xc.float())
 
-    def sketch(self, out: Tensor, left: Tensor, right: Tensor) -> None:
+    def sketch(
+        self, out: Tensor, left: Tensor, right: Tensor, projected: dict[tuple, Tensor]
+    ) -> None:
         """Add ``left^T R_c right`` to ``out[c]`` (n, w, w) for this call's part ``R_c`` of a
         matrix parameter's gradient (linear weight: ``R_c = G_c^T X_c``; embedding: the rows
-        of ``G_c`` added at the token ids of ``c``)."""
+        of ``G_c`` added at the token ids of ``c``). ``projected`` keeps ``X right`` for the
+        other calls that read the same input with the same ``right``."""
         if self.handler is GroupGradients._embedding:
             for c, (lo, hi) in enumerate(self.spans):
                 ids, g = self.x[lo:hi], self.g[lo:hi].float()
@@ -513,7 +551,11 @@ class _Call:
                 if len(ids):
                     out[c].addmm_(left[ids].t(), g @ right)
             return
-        ga, xb = self.g.float() @ left, self.x.float() @ right  # (tokens, w) each
+        key = (*self.input_key, id(right))
+        xb = projected.get(key)
+        if xb is None:
+            xb = projected[key] = self.x.float() @ right
+        ga = self.g.float() @ left  # (tokens, w), as xb
         for c, (lo, hi) in enumerate(self.spans):
             if hi > lo:
                 out[c].addmm_(ga[lo:hi].t(), xb[lo:hi])
@@ -531,7 +573,7 @@ class _Call:
             and all(self.spans[i][1] == self.spans[i + 1][0] for i in range(len(self.spans) - 1))
         ):
             end = self.spans[-1][1]
-            x, g = self.x[:end], self.g[:end].float()
+            x, g, index = self.x[:end], self.g[:end].float(), None
             w = torch.repeat_interleave(weights, torch.tensor(counts))
         else:
             live = [c for c, s in enumerate(scales) if s != 0.0 and counts[c]]
@@ -540,16 +582,20 @@ class _Call:
             )
             x, g = self.x[index], self.g[index].float()
             w = torch.repeat_interleave(weights[live], torch.tensor([counts[c] for c in live]))
-        g = g * w[:, None]  # (tokens, out)
         if self.handler is GroupGradients._embedding:
             out = torch.zeros(shape, dtype=torch.float32)
             keep = x != self.arg if self.arg is not None else slice(None)
-            return out.index_add_(0, x[keep], g[keep])
+            return out.index_add_(0, x[keep], (g * w[:, None])[keep])
         if self.handler is GroupGradients._rmsnorm:
-            return (g * x.float()).sum(0).view(shape)
+            assert self.scale is not None
+            r = self.scale[: len(w)] if index is None else self.scale[index]
+            return torch.mv((g * x.float()).t(), w * r).view(shape)
         if role == "bias":
-            return g.sum(0).view(shape)
-        return (g.t() @ x.float()).view(shape)
+            return torch.mv(g.t(), w).view(shape)
+        x = x.float()
+        if x.shape[1] < g.shape[1]:  # scale the narrower side of the product: fewer writes
+            return (g.t() @ (x * w[:, None])).view(shape)
+        return ((g * w[:, None]).t() @ x).view(shape)
 
 
 def _parts(grads: GroupGradients) -> dict[int, list[tuple[_Call, str]]]:

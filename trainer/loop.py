@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from rollout.progress import progress as progress_bar
+from trainer.allocator import retain_freed_memory
 from trainer.batch import build_batch
 from trainer.buffer import SampleBuffer, SampleSource
 from trainer.config import TrainerConfig
@@ -111,6 +112,7 @@ class TrainerLoop:
         stop: Callable[[], bool] | None = None,
         progress: bool = True,
     ) -> None:
+        retain_freed_memory()  # every step allocates the same buffers: keep their pages
         self.cfg = cfg
         self.runner = runner
         self.stage = runner.stage

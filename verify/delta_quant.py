@@ -70,22 +70,34 @@ def quantize_int8_(
     if x.dtype != torch.float32 or not x.is_contiguous() or n % block:
         raise ValueError("in-place quantisation needs contiguous float32 whole blocks")
     blocks = x.view(n // block, block)
+    rows = max(1, CHUNK_VALUES // block)  # blocks per chunk: each chunk's passes stay in cache
+    chunks = [(a, min(a + rows, len(blocks))) for a in range(0, len(blocks), rows)]
+    high, low = torch.empty(len(blocks)), torch.empty(len(blocks))
+    for a, b in chunks:  # amax and amin: one pass each, faster than aminmax or abs().amax
+        torch.amax(blocks[a:b], dim=1, out=high[a:b])
+        torch.amin(blocks[a:b], dim=1, out=low[a:b])
     # max(high, -low) is |x|'s block maximum exactly; adding +0.0 turns a -0.0 into +0.0
-    # (amax and amin: one pass each, faster than aminmax or abs().amax on the CPU)
-    high, low = blocks.amax(dim=1), blocks.amin(dim=1)
     absmax = torch.maximum(high, low.neg_()).add_(0.0)
     scale = _stored_scale(absmax, scale_dtype)
     if not bool(torch.isfinite(scale).all()):  # amax and amin carry a NaN or infinity here
         raise ValueError("delta has non-finite values")
     if n and float(scale.max()) * 127.0 > float(torch.finfo(torch.float32).max):
         return None
-    divisor = _safe(scale)
-    blocks.div_(divisor[:, None]).round_()
-    if _rounds_past_127(absmax, divisor):
-        blocks.clamp_(-127, 127)
-    q = blocks.to(torch.int8).view(-1).numpy()
-    blocks.add_(0.0).mul_(scale[:, None])  # float32(q) * scale, as the decoder forms it
-    return scale_dtype.pack(scale), q
+    divisor = _safe(scale)[:, None]
+    clamp = _rounds_past_127(absmax, divisor[:, 0])
+    q = torch.empty((n // block, block), dtype=torch.int8)
+    for a, b in chunks:
+        part = blocks[a:b].div_(divisor[a:b]).round_()
+        if clamp:
+            part.clamp_(-127, 127)
+        q[a:b].copy_(part)  # whole numbers in -127..127: the conversion is exact
+        part.add_(0.0).mul_(scale[a:b, None])  # float32(q) * scale, as the decoder forms it
+    return scale_dtype.pack(scale), q.view(-1).numpy()
+
+
+CHUNK_VALUES = 1 << 17
+"""Values per chunk of :func:`quantize_int8_` (512 KiB of float32: its passes over a chunk
+read it from cache, not from memory)."""
 
 
 def _stored_scale(absmax: Tensor, scale_dtype: ScaleDtype) -> Tensor:
