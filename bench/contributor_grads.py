@@ -31,12 +31,15 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                        formed twice)
   sketch_trainer_trust_ratio  the same with the one pass's Gram matrix estimated from a
                        --sketch x --sketch sketch per weight matrix (aggregator.gram_sketch)
+  *_page_faults        each mode's minor page faults in a timed step (median)
+  freed_memory_kept    whether freed memory stays in the process, as in the trainer loop
+                       (False with --default-allocator or without glibc)
   max_update_diff      largest |difference| between the one-pass and per-contributor
                        parameter updates after one SGD step from the same weights
                        (float rounding only)
 
     python bench/contributor_grads.py [--contributors 8] [--rows 8] [--rounds 9] [--sketch 64]
-                                      [--keep-gib 1.0]
+                                      [--keep-gib 1.0] [--default-allocator]
                                       [--counts 2,8,16] [--width 384 --layers 6 | --model-dir DIR]
 """
 
@@ -44,6 +47,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
+import statistics
 import sys
 import tempfile
 import time
@@ -147,18 +152,25 @@ def time_modes(
 ) -> dict[str, float]:  # type: ignore[no-untyped-def]
     steps = {mode: make_step(model_dir, 0.0, mode, sketch, keep_gib) for mode in MODES}
     best = dict.fromkeys(steps, float("inf"))
+    faults: dict[str, list[int]] = {name: [] for name in steps}
     for r in range(rounds + 1):
         order = list(steps) if r % 2 else list(reversed(steps))
         for name in order:  # interleaved, first and last alternating: all see the same load
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             steps[name](batch)
             if r:  # the first round is the warm-up
                 best[name] = min(best[name], time.perf_counter() - start)
-    return {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()} | {
-        "speedup": round(best["per_contributor"] / best["one_pass"], 3),
-        "trainer_trust_ratio": round(best["plain_mean"] / best["one_pass"], 3),
-        "sketch_trainer_trust_ratio": round(best["plain_mean"] / best["one_pass_sketch"], 3),
-    }
+                faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return (
+        {f"{k}_ms": round(1000 * v, 2) for k, v in best.items()}
+        | {f"{k}_page_faults": int(statistics.median(v)) for k, v in faults.items()}
+        | {
+            "speedup": round(best["per_contributor"] / best["one_pass"], 3),
+            "trainer_trust_ratio": round(best["plain_mean"] / best["one_pass"], 3),
+            "sketch_trainer_trust_ratio": round(best["plain_mean"] / best["one_pass_sketch"], 3),
+        }
+    )
 
 
 def main() -> None:
@@ -182,6 +194,12 @@ def main() -> None:
         default=1.0,
         help="memory (GiB) for per-contributor gradient rows the one pass keeps between its "
         "Gram matrix and its combine (aggregator.keep_gib; default 1.0)",
+    )
+    parser.add_argument(
+        "--default-allocator",
+        action="store_true",
+        help="leave glibc's memory thresholds at their defaults instead of keeping freed "
+        "memory as the trainer loop does (trainer.allocator.retain_freed_memory)",
     )
     parser.add_argument(
         "--counts",
@@ -209,7 +227,10 @@ def main() -> None:
 
 def run(args: argparse.Namespace, tmp: Path) -> None:
     from bench.trust_overhead import build_wide_model
+    from trainer.allocator import retain_freed_memory
     from trainer.base_model import ensure_base_model
+
+    kept = False if args.default_allocator else retain_freed_memory()  # as TrainerLoop does
 
     if args.width:
         model_dir = build_wide_model(args.width, args.layers, tmp / "model")
@@ -250,6 +271,7 @@ def run(args: argparse.Namespace, tmp: Path) -> None:
             "speedup": by_count[str(args.contributors)]["speedup"],
             "trainer_trust_ratio": by_count[str(args.contributors)]["trainer_trust_ratio"],
             "keep_gib": args.keep_gib,
+            "freed_memory_kept": kept,
             "sketch_width": args.sketch,
             "sketch_trainer_trust_ratio": by_count[str(args.contributors)][
                 "sketch_trainer_trust_ratio"

@@ -4,6 +4,7 @@ times them and the plain-mean step and prints JSON last."""
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 from pathlib import Path
@@ -41,3 +42,6 @@ def test_tiny_run_compares_the_modes() -> None:
     assert result["keep_gib"] == 1.0
     assert all(row["one_pass_sketch_ms"] > 0 for row in result["by_contributors"].values())
     assert 0 <= result["max_update_diff"] < 1e-5
+    assert result["freed_memory_kept"] is (platform.libc_ver()[0] == "glibc")
+    for row in result["by_contributors"].values():
+        assert all(row[f"{mode}_page_faults"] >= 0 for mode in ("one_pass", "plain_mean"))
