@@ -53,8 +53,9 @@ instead of ``d_out x d_in`` per group. Parameters that read the same input (a
 layer's query, key and value projections) share one ``B``, so ``X B`` is formed
 once for all of them: each estimate keeps its expectation, so their sum is
 still unbiased. Vectors (biases, norms) are formed exactly. The aggregator
-then runs on the sketched vectors' exact Gram matrix, and :meth:`GroupGradients.combine` forms ``sum_c alpha_c R_c`` exactly
-with one weighted product per module call. Who chooses the samples cannot see
+then runs on the sketched vectors' exact Gram matrix, and
+:meth:`GroupGradients.combine` forms ``sum_c alpha_c R_c`` exactly with one
+weighted product per module call. Who chooses the samples cannot see
 the sketch: it is drawn from the caller's generator after the batch is fixed.
 """
 
@@ -562,34 +563,34 @@ class _Call:
 
     def weighted(self, role: str, scales: Sequence[float], shape: torch.Size) -> Tensor:
         """This call's part of parameter ``role``'s ``sum_c scales[c] * (group c's gradient)``
-        as a new tensor of ``shape``: every token's output gradient scaled by its group's
-        scale, then one product over all tokens. Groups scaled by 0 are left out, token and
-        all (0 * inf is NaN: a non-finite group cannot reach the result)."""
+        as a new tensor of ``shape``: every token scaled by its group's scale (its input or
+        its output gradient, whichever is narrower), then one product over all tokens.
+        Groups scaled by 0 are left out, token and all (0 * inf is NaN: a non-finite group
+        cannot reach the result)."""
         counts = [hi - lo for lo, hi in self.spans]
         weights = torch.tensor(scales, dtype=torch.float32)
+        rows: slice | Tensor
         if (
             all(s != 0.0 for s in scales)
             and self.spans[0][0] == 0
             and all(self.spans[i][1] == self.spans[i + 1][0] for i in range(len(self.spans) - 1))
         ):
-            end = self.spans[-1][1]
-            x, g, index = self.x[:end], self.g[:end].float(), None
+            rows = slice(0, self.spans[-1][1])
             w = torch.repeat_interleave(weights, torch.tensor(counts))
         else:
             live = [c for c, s in enumerate(scales) if s != 0.0 and counts[c]]
-            index = torch.cat(
+            rows = torch.cat(
                 [torch.arange(*self.spans[c]) for c in live] or [torch.zeros(0, dtype=torch.long)]
             )
-            x, g = self.x[index], self.g[index].float()
             w = torch.repeat_interleave(weights[live], torch.tensor([counts[c] for c in live]))
+        x, g = self.x[rows], self.g[rows].float()
         if self.handler is GroupGradients._embedding:
             out = torch.zeros(shape, dtype=torch.float32)
             keep = x != self.arg if self.arg is not None else slice(None)
             return out.index_add_(0, x[keep], (g * w[:, None])[keep])
         if self.handler is GroupGradients._rmsnorm:
             assert self.scale is not None
-            r = self.scale[: len(w)] if index is None else self.scale[index]
-            return torch.mv((g * x.float()).t(), w * r).view(shape)
+            return torch.mv((g * x.float()).t(), w * self.scale[rows]).view(shape)
         if role == "bias":
             return torch.mv(g.t(), w).view(shape)
         x = x.float()

@@ -83,11 +83,11 @@ def quantize_int8_(
         raise ValueError("delta has non-finite values")
     if n and float(scale.max()) * 127.0 > float(torch.finfo(torch.float32).max):
         return None
-    divisor = _safe(scale)[:, None]
-    clamp = _rounds_past_127(absmax, divisor[:, 0])
+    divisor = _safe(scale)
+    clamp = _rounds_past_127(absmax, divisor)
     q = torch.empty((n // block, block), dtype=torch.int8)
     for a, b in chunks:
-        part = blocks[a:b].div_(divisor[a:b]).round_()
+        part = blocks[a:b].div_(divisor[a:b, None]).round_()
         if clamp:
             part.clamp_(-127, 127)
         q[a:b].copy_(part)  # whole numbers in -127..127: the conversion is exact
