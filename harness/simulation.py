@@ -167,8 +167,9 @@ class Simulation:
         return int(self.t * 1000)
 
     def _backend(self, version: int) -> TransformersBackend:
-        if version not in self._backends:
-            self._backends = {v: b for v, b in self._backends.items() if v >= version - 8}
+        if version not in self._backends:  # none of a version the registry dropped: the
+            # network reuses a dropped version's model for the next one it publishes
+            self._backends = {v: b for v, b in self._backends.items() if v in self.net.registry}
             self._backends[version] = TransformersBackend(self.net.registry[version])
         return self._backends[version]
 

@@ -4,6 +4,8 @@ Invariants:
 - :class:`VersionRegistry` holds version 0 (the base model) always and, of
   the others, only the newest ``keep`` (at least one): adding version v drops
   every version in ``1 .. v - keep``. Every model it hands out is in eval mode.
+- :meth:`VersionRegistry.add` returns the models it dropped: the caller may
+  reuse their memory, since the registry no longer hands them out.
 - Asking for a version it does not hold raises ``UnknownPolicyVersion``, the
   error the spot-check oracle and the contributor sync raise for it too.
 - :class:`RegistryOracle` recomputes under the registry's models and keeps no
@@ -38,11 +40,10 @@ class VersionRegistry:
     def newest(self) -> int:
         return max(self._models)
 
-    def add(self, version: int, model: PreTrainedModel) -> None:
+    def add(self, version: int, model: PreTrainedModel) -> list[PreTrainedModel]:
+        """Hold ``model`` as ``version``; return the models of the versions this drops."""
         self._models[version] = model.eval()
-        for v in sorted(self._models):
-            if 0 < v <= version - self.keep:
-                del self._models[v]
+        return [self._models.pop(v) for v in sorted(self._models) if 0 < v <= version - self.keep]
 
 
 class RegistryOracle(TransformersOracle):

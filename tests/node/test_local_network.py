@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,34 @@ def test_registry_is_bounded(tiny: Path) -> None:
         for v in range(1, 8):
             net.publish(v, stage)
         assert 0 in net.registry and 7 in net.registry and 2 not in net.registry
+    finally:
+        net.close()
+
+
+def test_a_dropped_versions_model_takes_the_next_copy_unless_it_is_held(tiny: Path) -> None:
+    net = LocalNetwork(tiny, small(max_staleness=0))  # the registry keeps 2 versions
+    try:
+
+        def published(v: int) -> bool:  # the registry's model holds the publisher's copy
+            params = dict(net.registry[v].named_parameters(remove_duplicate=False))
+            return all(
+                torch.equal(params[n], t) for n, t in net.publisher.published_state().items()
+            )
+
+        for v in (1, 2):
+            net.publish(v, nudged_stage(tiny, v))
+        first = weakref.ref(net.registry[1])
+        net.publish(3, nudged_stage(tiny, 3))  # drops version 1
+        assert 1 not in net.registry and first() is not None
+        net.publish(4, nudged_stage(tiny, 4))  # drops 2; 1's model takes version 4
+        assert net.registry[4] is first() and published(4)
+
+        held = net.registry[3]  # a caller still holds version 3's model when it is dropped
+        before = [p.detach().clone() for p in held.parameters()]
+        net.publish(5, nudged_stage(tiny, 5))  # drops 3; 2's model takes version 5
+        net.publish(6, nudged_stage(tiny, 6))  # drops 4: 3's model is held, so a new copy
+        assert net.registry[6] is not held and published(6)
+        assert all(torch.equal(a, b) for a, b in zip(before, held.parameters(), strict=True))
     finally:
         net.close()
 
