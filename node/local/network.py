@@ -95,6 +95,16 @@ def simulation_entropy(seed: int, opened_at: int) -> Callable[[int], bytes]:
     return entropy
 
 
+def _sole_reference() -> int:
+    """What ``sys.getrefcount`` says of an object that one local name alone holds (2 on
+    CPython 3.11: the name and the call's argument), measured rather than assumed."""
+    held = object()
+    return sys.getrefcount(held)
+
+
+_SOLE_REFERENCE = _sole_reference()
+
+
 def local_trainer_key() -> SigningKey:
     """The in-process network's trainer key (deterministic: simulations are not secrets)."""
     return SigningKey.from_seed(blake3.blake3(b"local-trainer").digest())
@@ -402,7 +412,7 @@ class LocalNetwork:
         base = self.registry[0]
         state = self.publisher.published_state()
         spare = self._dropped.pop() if self._dropped else None
-        if spare is not None and sys.getrefcount(spare) == 2:  # `spare` and the call's argument
+        if spare is not None and sys.getrefcount(spare) <= _SOLE_REFERENCE:
             params = dict(spare.named_parameters(remove_duplicate=False))
             with torch.no_grad():
                 for name, value in state.items():
