@@ -9,10 +9,10 @@ Reads re-hash the bytes: a corrupted blob raises instead of being returned.
 Page cache. Before it writes a large blob (``RELEASE_BYTES`` or more) the store
 gives the kernel back the pages caching the previous large blob it wrote
 (``posix_fadvise(DONTNEED)``; the bytes stay on disk), so the new blob goes
-into pages just freed. Fresh pages cost far more: on a virtual
-machine that returns free memory to its host, writing a published version of
-SmolLM2-135M (132 MB) into fresh pages took 0.37 s, into just-freed ones 0.03 s.
-The newest blob, the one readers ask for first, stays cached.
+into pages just freed. Fresh pages cost far more: on a virtual machine that
+returns free memory to its host, writing a published version of SmolLM2-135M
+(132 MB) into fresh pages took 0.37 s, into just-freed ones 0.03 s. The
+newest blob, the one readers ask for first, stays cached.
 """
 
 from __future__ import annotations

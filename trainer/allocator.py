@@ -35,8 +35,9 @@ _done: bool | None = None
 
 
 def retain_freed_memory() -> bool:
-    """Turn glibc's mmap for allocations off and set its trim threshold for a training process (see the module
-    docstring), once per process; True when they are set, False where there is no glibc."""
+    """Turn glibc's mmap for allocations off and set its trim threshold for a training
+    process (see the module docstring), once per process; True when both are set, False
+    where there is no glibc."""
     global _done
     if _done is None:
         _done = _set_thresholds()
