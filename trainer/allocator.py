@@ -12,7 +12,7 @@ for allocations, so blocks of every size come from the heap, and keeps freed
 heap memory in the process (up to ``TRIM_THRESHOLD``), where the next step
 reuses it. Measured at SmolLM2-135M: the faults of a step with per-contributor
 gradients fall from 71,857 (blocks above 32 MiB, such as the logits, mapped
-afresh every step) to none, and those of publishing a version (its 132 MB
+afresh every step) to 3, and those of publishing a version (its 132 MB
 blob, built, then read back by the validator) from 67,746 to none.
 
 Process-wide and harmless elsewhere: the resident size can stay at the step's

@@ -211,7 +211,7 @@ class LocalNetwork:
             self.contributors.append((key, name))
         self._turn = itertools.cycle(range(len(self.contributors)))
         self._held: list[tuple[int, PreTrainedModel, SignedManifest]] = []  # not yet announced
-        self._dropped: list[PreTrainedModel] = []
+        self._dropped: PreTrainedModel | None = None
         """The model of the version the registry dropped last, for the next published copy."""
         self.publisher = StagePublisher.for_stage(
             base, 0, s.codec, dict(s.codec_params), s.snapshot_every
@@ -372,7 +372,8 @@ class LocalNetwork:
         self._held.append((version, self._published_model(), sealed))
         while len(self._held) > self.settings.publish_delay:
             v, m, manifest = self._held.pop(0)
-            self._dropped = self.registry.add(v, m)[-1:]
+            dropped = self.registry.add(v, m)
+            self._dropped = dropped[-1] if dropped else None
             self.validator.publish_policy(manifest)
         self._record_pending_evals()
 
@@ -409,9 +410,8 @@ class LocalNetwork:
         dropped last when nothing else holds that model any more (a cached generation
         backend, say): its memory is already paged in, where a fresh copy of every
         parameter would be paged in again each version."""
-        base = self.registry[0]
         state = self.publisher.published_state()
-        spare = self._dropped.pop() if self._dropped else None
+        spare, self._dropped = self._dropped, None
         if spare is not None and sys.getrefcount(spare) <= _SOLE_REFERENCE:
             params = dict(spare.named_parameters(remove_duplicate=False))
             with torch.no_grad():
@@ -419,6 +419,7 @@ class LocalNetwork:
                     params[name].copy_(value)
             return spare
         del spare
+        base = self.registry[0]
         params = dict(base.named_parameters(remove_duplicate=False))
         missing = sorted(set(state) - set(params))
         if missing:
