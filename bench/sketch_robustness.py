@@ -20,11 +20,11 @@ then replace theirs:
   none       nobody lies (what the sketch costs honest training)
 
 For each, the default aggregator (centered clipping, the trainer's ``tau`` and ``iters``)
-runs on the exact Gram matrix and on ``--draws`` fresh sketches of width ``--width``. A
-sketch here is ``A^T R_c B`` computed from the gradient rows, with the Gaussian ``A`` and
-``B`` of ``GroupGradients.gram_sketch`` (one ``B`` shared by the projections that read
-one input: query, key and value; gate and up); in the trainer the same product comes
-from activations and output gradients, never forming ``R_c``.
+runs on the exact Gram matrix and on ``--draws`` fresh sketches of width
+``--sketch-width``. A sketch here is ``A^T R_c B`` computed from the gradient rows, with
+the Gaussian ``A`` and ``B`` of ``GroupGradients.gram_sketch`` (one ``B`` shared by the
+projections that read one input: query, key and value; gate and up); in the trainer the
+same product comes from activations and output gradients, never forming ``R_c``.
 
 Prints progress on stderr and one JSON object on the last line of stdout. Per attack:
 
