@@ -1,9 +1,10 @@
 """Content-addressed blob store: large data the log references by digest.
 
-A blob's digest is ``blake3_digest(BLOB, data)``; it is stored at
-``<root>/<hex[:2]>/<hex>``. Writes go to a temporary file in the same
-directory, are fsynced, then renamed into place (and the directory fsynced),
-so a crash leaves either no blob or the whole blob, never a partial one.
+A blob's digest is ``verify.manifest.blob_digest`` (``blake3_digest(BLOB, data)``,
+the digest a manifest names); it is stored at ``<root>/<hex[:2]>/<hex>``.
+Writes go to a temporary file in the same directory, are fsynced, then
+renamed into place (and the directory fsynced), so a crash leaves either no
+blob or the whole blob, never a partial one.
 Reads re-hash the bytes: a corrupted blob raises instead of being returned.
 
 Page cache. Before it writes a large blob (``RELEASE_BYTES`` or more) the store
@@ -23,15 +24,11 @@ from pathlib import Path
 from typing import Protocol
 
 from verify.errors import LedgerError, Reason
-from verify.hashing import BLOB, blake3_digest
+from verify.manifest import blob_digest
 
 MAX_BLOB_BYTES = 1 << 30
 RELEASE_BYTES = 1 << 20
 """A blob this large or larger has its predecessor's cached pages released first."""
-
-
-def blob_digest(data: bytes) -> bytes:
-    return blake3_digest(BLOB, data)
 
 
 class BlobStore(Protocol):
