@@ -62,6 +62,7 @@ import torch  # noqa: E402
 
 from bench._util import emit  # noqa: E402
 from rollout.loading import model_dir_arg  # noqa: E402
+from trainer.groupgrad import _products  # noqa: E402 - the exact path's Gram products
 from verify.aggregate import CenteredClip  # noqa: E402
 
 ATTACKS = ("none", "sign_flip", "spike", "alie")
@@ -184,16 +185,6 @@ def _lie(
     return lie
 
 
-def _gram(x: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
-    """``x @ x.T`` (n, n) float64, a float64 column chunk at a time (a whole float64 copy of
-    SmolLM2-135M's rows would take 8.6 GB)."""
-    out = torch.zeros((len(x), len(x)), dtype=torch.float64)
-    for a in range(0, x.shape[1], chunk):
-        part = x[:, a : a + chunk].double()
-        out += part @ part.T
-    return out
-
-
 def _combined(alpha: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``alpha @ x`` (d,) float64, from float32 rows."""
     return (alpha.to(torch.float32) @ x).double()
@@ -218,12 +209,17 @@ def measure(
     clip = CenteredClip(tau=tau, iters=iters)
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, dict] = {}
+    honest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # h -> (mean, clip) of rows[:h]
     for attack in ATTACKS:
         h = len(rows) if attack == "none" else len(rows) - liars
-        honest_mean = rows[:h].mean(0).double()
-        honest_clip = _combined(clip.coefficients(_gram(rows[:h])), rows[:h])
+        if h not in honest:  # the liars' attacks share one honest reference
+            honest[h] = (
+                rows[:h].mean(0).double(),
+                _combined(clip.coefficients(_products(rows[:h])), rows[:h]),
+            )
+        honest_mean, honest_clip = honest[h]
         with lying(rows, liars, attack, layout, seed):
-            exact = _combined(clip.coefficients(_gram(rows)), rows)
+            exact = _combined(clip.coefficients(_products(rows)), rows)
             shifts, apart = [], []
             for _ in range(draws):  # one aggregate at a time: each is 1 GB at 135M
                 sketched = _combined(clip.coefficients(sketch_gram(rows, layout, width, gen)), rows)
