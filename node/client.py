@@ -6,12 +6,20 @@ carrying the validator's reason code and the URL asked. A validator still
 unreachable after the retries raises :class:`ValidatorUnreachable` (an
 ``httpx.TransportError`` that names the URL); a TLS handshake that fails (an
 ``https://`` URL on a plain-HTTP port) raises ConfigError at once, unretried.
+
+With ``wait_out`` (:data:`WaitOut`) a client rides out a validator that cannot
+answer for longer than the retries last: one that stays unreachable (a restart,
+which verifies the ledger first), stays busy (429) or has a full disk (503
+``storage_full``) is asked again, the same request, for as long as ``wait_out``
+says to. Those answers mean nothing was recorded, so the request is safe to send
+again; any other error status is still raised at once.
 """
 
 from __future__ import annotations
 
 import ssl
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -74,6 +82,14 @@ def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
+def _retry_after(resp: httpx.Response) -> float:
+    """The seconds a refusal's Retry-After asks for (0 when absent or not a number)."""
+    try:
+        return max(0.0, float(resp.headers.get("retry-after", "0") or 0))
+    except ValueError:
+        return 0.0
+
+
 def _service_error(resp: httpx.Response, url: str, base: str) -> ServiceError:
     """The error an error status means; an answer without a reason code did not come from a
     prooftrain validator's routes (a wrong path or port)."""
@@ -92,6 +108,17 @@ def _service_error(resp: httpx.Response, url: str, base: str) -> ServiceError:
     return ServiceError(resp.status_code, str(err["reason"]), str(err.get("message", "")), url)
 
 
+WaitOut = Callable[[ProofTrainError, float], bool]
+"""Called when the validator still cannot answer after the client's retries, with that error
+(:class:`ValidatorUnreachable`, or a :class:`ServiceError` of status 429 or 503) and the
+seconds the validator asked to wait (its Retry-After; the last backoff when unreachable):
+waits, then returns True to send the request again or False to raise the error."""
+
+UNREACHABLE_WAIT_S = 5.0
+"""Seconds between tries that a ``wait_out`` client is given for a validator that stays
+unreachable (a restarting node answers again within seconds of its ledger check)."""
+
+
 class ValidatorClient:
     def __init__(
         self,
@@ -101,10 +128,12 @@ class ValidatorClient:
         timeout: float = 60.0,
         retries: int = 5,
         backoff: float = 0.2,
+        wait_out: WaitOut | None = None,
+        transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.key = key
-        self.retries, self.backoff = retries, backoff
-        self.http = httpx.Client(base_url=base_url, timeout=timeout)
+        self.retries, self.backoff, self.wait_out = retries, backoff, wait_out
+        self.http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
     def close(self) -> None:
         self.http.close()
@@ -120,7 +149,8 @@ class ValidatorClient:
     ) -> httpx.Response:
         target = path + (("?" + str(httpx.QueryParams(params))) if params else "")
         url = str(self.http.base_url).rstrip("/") + path
-        for attempt in range(self.retries + 1):
+        attempt = 0
+        while True:
             headers = {"content-type": "application/msgpack"}
             if signed:
                 headers.update(
@@ -134,19 +164,30 @@ class ValidatorClient:
                         f"the TLS handshake with {url} failed ({tls.reason or tls}): does the "
                         "validator serve https there? A node serves plain http:// itself"
                     ) from None
-                if attempt == self.retries:
-                    raise ValidatorUnreachable(url, exc) from None
-                time.sleep(self.backoff * 2**attempt)
+                if attempt < self.retries:
+                    time.sleep(self.backoff * 2**attempt)
+                    attempt += 1
+                    continue
+                gone = ValidatorUnreachable(url, exc)
+                if self.wait_out is None or not self.wait_out(gone, UNREACHABLE_WAIT_S):
+                    raise gone from None
+                attempt = 0
                 continue
             if resp.status_code == 429 and attempt < self.retries:
-                time.sleep(
-                    max(float(resp.headers.get("retry-after", "0") or 0), self.backoff * 2**attempt)
-                )
+                time.sleep(max(_retry_after(resp), self.backoff * 2**attempt))
+                attempt += 1
                 continue
             if resp.status_code >= 400:
-                raise _service_error(resp, url, str(self.http.base_url).rstrip("/"))
+                error = _service_error(resp, url, str(self.http.base_url).rstrip("/"))
+                if (
+                    resp.status_code not in (429, 503)
+                    or self.wait_out is None
+                    or not self.wait_out(error, max(_retry_after(resp), self.backoff))
+                ):
+                    raise error
+                attempt = 0
+                continue
             return resp
-        raise AssertionError("unreachable")
 
     def info(self) -> dict[str, Any]:
         return self._request("GET", "/v1/info").json()

@@ -20,6 +20,15 @@ Where it starts: always at the validator's current version, from its own
 checkpoint or, without one, from the chain of signed updates the validator
 holds (``node.remote_resume``).
 
+A validator that cannot answer for a while does not end the run: while it is
+restarting (unreachable), busy (429) or out of disk (503 ``storage_full``) the
+trainer sends the same request again every few seconds, up to ``patience_s``
+apart, and says once a minute what it waits for and what would end the wait
+(:func:`waiting_out`). Nothing was recorded by such an answer, so the step in
+hand is published once the validator takes it. ``stop()`` turning true ends the
+wait with the validator's error; a restart then continues from the validator's
+version.
+
 One stage (S = 1) only: a pipeline job publishes from several processes and
 needs rank 0 to gather their shard digests (``trainer.publish.gather_distributed``).
 """
@@ -27,6 +36,7 @@ needs rank 0 to gather their shard digests (``trainer.publish.gather_distributed
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,7 +44,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from node.client import ValidatorClient
+from node.client import ServiceError, ValidatorClient, WaitOut
 from node.remote_resume import continue_run, plan_start, rebuild_from_chain
 from rollout.loading import load_pretrained_lm
 from rollout.sync import base_model_digest
@@ -47,13 +57,59 @@ from trainer.pipeline import PipelineRunner
 from trainer.publish import PublishHook, StagePublisher
 from trainer.remote_network import adopt_network, check_base_model, describe, waiting_reporter
 from trainer.stages import load_stage
-from verify.errors import ConfigError
+from verify.errors import ConfigError, ProofTrainError, Reason
 from verify.keys import SigningKey
 from verify.manifest import manifest_digest
 from verify.types import SampleBatch
 
 MAX_FETCH = 4096
 """The most samples one ``/v1/samples`` request may ask for (``SampleBatch`` bound)."""
+
+
+def waiting_out(
+    stop: Callable[[], bool],
+    patience_s: float = 30.0,
+    log: Callable[[str], None] | None = None,
+    every_s: float = 60.0,
+) -> WaitOut:
+    """The trainer's ``ValidatorClient.wait_out``: sleeps what the validator asked for (at
+    most ``patience_s``), checking ``stop()`` twice a second, and logs what it waits for and
+    what ends the wait at most once every ``every_s`` seconds. Returns False once ``stop()``
+    is true."""
+    log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+    told = [-float("inf")]
+
+    def wait(problem: ProofTrainError, seconds: float) -> bool:
+        if stop():
+            return False
+        seconds = min(seconds, patience_s)
+        now = time.monotonic()
+        if now - told[0] >= every_s:
+            told[0] = now
+            log(
+                f"trainer: {problem}; {_remedy(problem)}. Asking again every {seconds:g} s "
+                "(SIGTERM ends the wait; the same command continues from the validator's version)"
+            )
+        deadline = now + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if stop():
+                return False
+            time.sleep(min(0.5, left))
+        return not stop()
+
+    return wait
+
+
+def _remedy(problem: ProofTrainError) -> str:
+    """What ends a wait for the validator, in words for the operator."""
+    if isinstance(problem, ServiceError) and problem.reason is Reason.STORAGE_FULL:
+        return (
+            "free space on the validator's disk (node.ledger, node.state_file, node.blob_dir); "
+            "the trainer goes on by itself once it has"
+        )
+    if isinstance(problem, ServiceError):
+        return "the validator is busy; the trainer goes on once it takes the request"
+    return "is the validator running at that address? The trainer goes on once it answers"
 
 
 class ClientSource:
@@ -76,17 +132,20 @@ def run_remote(
     resume: bool = False,
     poll_s: float = 0.5,
     stop: Callable[[], bool] | None = None,
+    patience_s: float = 30.0,
 ) -> History:
     """Train against the validator at ``url`` with trainer key ``key``; returns the history.
 
     The validator must have been started with this trainer's public key. The
     run continues from the validator's policy version (``node.remote_resume``);
     ``resume`` (``--resume``) only makes a missing checkpoint worth a line.
-    ``stop()`` turning true ends the run after a checkpoint (``TrainerLoop``).
+    ``stop()`` turning true ends the run after a checkpoint (``TrainerLoop``), or ends a
+    wait for a validator that cannot answer (see the module docstring; ``patience_s``: the
+    longest wait between tries).
     """
     if cfg.stages != 1:
         raise ConfigError("remote mode trains a one-stage policy (stages = 1)")
-    client = ValidatorClient(url, key)
+    client = ValidatorClient(url, key, wait_out=waiting_out(stop or (lambda: False), patience_s))
     info = client.info()
     if info.get("trainer_key") != key.public.hex():
         raise ConfigError(

@@ -227,3 +227,83 @@ def test_a_kill_between_publication_and_checkpoint_resumes_and_publishes_on(
         sync = PolicySync(tiny_model, TRAINER.public, client.manifest, client.blob, 1)
         for name, value in saved["publish"]["publisher"]["own"].items():
             assert torch.equal(value, sync.state_at(4)[name]), name
+
+
+def test_the_trainer_waits_out_a_validator_whose_disk_is_full(
+    tmp_path: Path, tiny_model: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    """A full disk on the validator refuses the trainer's writes with 503 storage_full. The
+    trainer says what to do and sends the same request again until it is taken: the blob
+    upload of version 1 is refused twice and the ledger entry of version 2 once, and every
+    version is still published once, in order."""
+    import errno
+
+    torch.set_num_threads(1)
+    v = _validator(tmp_path, tiny_model)
+    refusals = {"blob": 2, "policy": 1}
+    real_put, real_append = v.ledger.blobs.put, v.ledger.append_many
+
+    def put(data: bytes) -> bytes:
+        if refusals["blob"]:
+            refusals["blob"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_put(data)
+
+    def append_many(records, **kw):  # type: ignore[no-untyped-def]
+        if refusals["policy"] and any(
+            isinstance(r, PolicyPublished) and r.version == 2 for r in records
+        ):
+            refusals["policy"] -= 1
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_append(records, **kw)
+
+    monkeypatch.setattr(v.ledger.blobs, "put", put)
+    monkeypatch.setattr(v.ledger, "append_many", append_many)
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        with _contributing(url, tiny_model, tmp_path / "alice"):
+            cfg = _config(tiny_model, tmp_path, eval_every=0)
+            run_remote(cfg, url, TRAINER, progress=False, poll_s=0.05, patience_s=0.05)
+    assert refusals == {"blob": 0, "policy": 0}
+    published = [r.version for _, r in v.ledger.entries() if isinstance(r, PolicyPublished)]
+    assert published == [1, 2, 3]
+    assert verify_ledger(v.ledger.store, blobs=v.ledger.blobs).ok
+    told = [line for line in capsys.readouterr().err.splitlines() if "storage_full" in line]
+    assert told and "free space on the validator's disk" in told[0]
+
+
+def test_sigterm_ends_the_trainers_wait_for_an_unreachable_validator(tmp_path: Path) -> None:
+    """Started before its validator (or while it restarts), the trainer waits and says so;
+    SIGTERM ends the wait cleanly, naming how to continue."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    from verify.keys import save_signing_key
+
+    key_file = tmp_path / "trainer.key"
+    save_signing_key(TRAINER, key_file)
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    trainer = subprocess.Popen(
+        [sys.executable, "-m", "node.cli", "trainer", "--validator", f"http://127.0.0.1:{port}"]
+        + ["--trainer-key", str(key_file), "--quiet", "--checkpoint-dir", str(tmp_path / "c")],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert trainer.stderr is not None
+        lines = []
+        while not any("is the validator running" in line for line in lines):
+            line = trainer.stderr.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert f"cannot reach the validator at http://127.0.0.1:{port}/v1/info" in lines[-1]
+        trainer.send_signal(signal.SIGTERM)
+        rest = trainer.communicate(timeout=60)[1]
+    finally:
+        trainer.kill()
+    assert trainer.returncode == 0, rest
+    assert "stopped by SIGTERM while waiting for the validator" in rest
+    assert "continues from the validator's policy version" in rest
