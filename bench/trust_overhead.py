@@ -94,7 +94,9 @@ completions, a cost paid once per key. So prooftrain's side warms up until every
 contributor is off probation (``--warmup-steps steady``, the default: 5 steps at
 the defaults) and its timed steps see the reputation-driven rate that follows
 (about 0.16 per completion just after probation, falling towards about 0.09 as
-evidence accumulates; the JSON's ``audit_rate_timed``); the sides
+evidence accumulates; the JSON's ``audit_rate_timed``, the mean of the rates the
+validator's keyed draws applied to the timed steps' completions, as the ledger
+records them); the sides
 without contributors (trust off, TRL) warm up ``--baseline-warmup-steps``
 (default 1). ``--warmup-steps N`` times prooftrain from step N + 1 instead,
 probation included. The JSON's ``audited_share`` is the share of groups
@@ -126,10 +128,12 @@ Prints progress on stderr and one JSON object on the last line of stdout:
                                                  each side (the same batch shape)
   trust_off_counts                               the trust-off side's groups, samples,
                                                  passes and steps
-  audit_rate_mean                                mean spot-check probability the validator
-                                                 applied (reputation-driven, whole run)
-  audit_rate_timed                               mean per-completion spot-check rate during
-                                                 the timed steps
+  audit_rate_mean                                mean spot-check probability the validator's
+                                                 draw applied per completion (reputation-
+                                                 driven, whole run; from the ledger's verdicts)
+  audit_rate_timed                               the same over the completions judged after
+                                                 the warm-up's last version was published
+  audited_completions_timed                      the share of those completions spot-checked
   audited_share                                  groups with a completion spot-checked /
                                                  groups judged, during the timed steps
   warmup_steps, baseline_warmup_steps            untimed steps before them (prooftrain;
@@ -442,7 +446,7 @@ def unshared_backend(on: bool) -> contextlib.AbstractContextManager[None]:
 def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
     """The trust-on side: the harness's in-process network (see the module docstring)."""
     import harness.run as hrun
-    from harness.events import EVENTS_FILE, EventLog, Reputation, Verdict, read_events
+    from harness.events import EVENTS_FILE, EventLog, Verdict, read_events
     from trainer.groupgrad import GroupGradients
 
     durations: list[float] = []
@@ -500,20 +504,18 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         timed = clock.snapshot()
     total = time.perf_counter() - start
     events = read_events(log_path)
-    after = [  # the timed steps' verdicts and reputations
-        e
-        for e in events
-        if isinstance(e, Reputation | Verdict) and timed_from and e.t > timed_from[0]
+    judged = [  # the timed steps' group verdicts
+        e.audited for e in events if isinstance(e, Verdict) and timed_from and e.t > timed_from[0]
     ]
-    rates = [e.audit_rate for e in events if isinstance(e, Reputation)]
-    timed_rates = [e.audit_rate for e in after if isinstance(e, Reputation)]
-    judged = [e.audited for e in after if isinstance(e, Verdict)]
+    rate_mean, _ = drawn_rates(Path(values["ledger"]), 0)
+    rate_timed, audited_timed = drawn_rates(Path(values["ledger"]), warmup)
     return {
         **_timed(samples, durations, rewards, warmup, after_warmup, timed),
         "total_wall_s": total,
         "audit_ok": values["audit_ok"],
-        "audit_rate_mean": _mean(rates),
-        "audit_rate_timed": _mean(timed_rates),
+        "audit_rate_mean": rate_mean,
+        "audit_rate_timed": rate_timed,
+        "audited_completions_timed": audited_timed,
         "audited_share": _mean(judged),
         **_tokens_per_step(tokens, tokens_at_warmup[0], len(durations) - warmup),
         "verdicts": sum(isinstance(e, Verdict) for e in events),
@@ -521,6 +523,34 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
         "step_intervals": turns.intervals,
         "cpu_s": turns.cpu_s,
     }
+
+
+def drawn_rates(ledger: Path, after_version: int) -> tuple[float | None, float | None]:
+    """(mean audit rate, share audited) of the completions a validator judged after policy
+    version ``after_version`` was published (0: the whole run), read from ``ledger``: each
+    completion's verdict records the rate its keyed draw applied (``DrawnVerdict.audit_rate``)
+    and whether a spot check ran, so both are per completion, as the spot checks' cost is.
+    An assignment's own draw (``GROUP_DRAW``: a discard or an abandonment) is not a
+    completion and is left out."""
+    from ledger.records import GROUP_DRAW, DrawnVerdict, PolicyPublished, decode_record
+    from ledger.storage import open_store
+
+    store = open_store(str(ledger), readonly=True)
+    rates: list[float] = []
+    audited: list[bool] = []
+    started = after_version == 0
+    try:
+        for _, _, body in store.entries(0, None):
+            record = decode_record(body)
+            if isinstance(record, PolicyPublished) and record.version == after_version:
+                started = True
+            elif started and isinstance(record, DrawnVerdict):
+                if record.group_index != GROUP_DRAW:
+                    rates.append(record.audit_rate)
+                    audited.append(record.audited)
+    finally:
+        store.close()
+    return _mean(rates), _mean(audited)
 
 
 def _mean(values: list[float] | list[bool]) -> float | None:
@@ -872,6 +902,7 @@ def summarise(
         "audit_rate": "reputation (validator default)",
         "audit_rate_mean": None if audited is None else round(audited, 4),
         "audit_rate_timed": _r4(on.get("audit_rate_timed")),
+        "audited_completions_timed": _r4(on.get("audited_completions_timed")),
         "audited_share": _r4(on.get("audited_share")),
         "ledger_audit_ok": all(p["audit_ok"] for p in ons + unshared),
         "contributor_gradients": (

@@ -180,6 +180,7 @@ def test_tiny_run_prints_json_last() -> None:
     assert result["trust_on_verdicts"] == 3 * 2  # 3 steps of 2 groups, every one judged
     # A new key is on probation: every completion audited.
     assert result["audited_share"] == 1.0 and result["audit_rate_timed"] == 1.0
+    assert result["audited_completions_timed"] == 1.0
     for side in ("on", "off"):  # both sides' batches: 2 groups x 2 rows of prompt + 2 tokens
         padded, real = (
             result[f"trust_{side}_tokens_per_step"],
