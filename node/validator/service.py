@@ -202,6 +202,20 @@ class Metrics:
             "ledger entries past the trainer's cursor (NaN: no read since start)",
             registry=self.registry,
         )
+        self.storage_free = Gauge(
+            "prooftrain_storage_free_bytes",
+            "bytes free on the filesystem of each store the node writes (a SQLite ledger, "
+            "node.state_file, node.blob_dir); a full one refuses writes with 503 storage_full",
+            ["store"],
+            registry=self.registry,
+        )
+        self.version_blob_bytes = Gauge(
+            "prooftrain_policy_version_blob_bytes",
+            "bytes of update blobs the current policy version added to node.blob_dir (its "
+            "manifest's shard sizes; 0 for the base model): nothing is deleted, so with the "
+            "publication rate this is how fast the blob store grows",
+            registry=self.registry,
+        )
         self.trainer_cursor.set(math.nan)
         self.trainer_lag.set(math.nan)
         Info("prooftrain_build", "the node's software", registry=self.registry).info(

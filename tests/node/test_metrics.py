@@ -145,3 +145,35 @@ def test_the_gauges_follow_publications_the_active_window_and_checkpoints(tmp_pa
     assert gauge("prooftrain_ledger_checkpoint_age_seconds") == 610
     assert gauge("prooftrain_contributors", state="active") == 0
     assert gauge("prooftrain_policy_age_seconds") == 750
+
+
+def test_storage_gauges_say_what_is_free_and_how_fast_the_blob_store_grows(
+    make_validator,
+) -> None:
+    """Free bytes per store the node writes, and the update blob bytes each version adds
+    (nothing is deleted): what an operator alerts on before writes are refused with 503."""
+    import shutil
+
+    from verify.signed import seal
+    from verify.types import PolicyManifest, ShardEntry
+
+    v = make_validator()
+    v.versions.trainer = TRAINER.public  # the key whose manifests it records
+    blob = b"\x07" * 12_345
+    with BackgroundServer(create_app(v, TRAINER.public)) as url:
+        before = scrape(url)
+        trainer = ValidatorClient(url, TRAINER)
+        digest = trainer.put_blob(blob)
+        shard = ShardEntry(0, digest, "int8-block", len(blob), "delta")
+        trainer.publish(
+            seal(
+                TRAINER,
+                PolicyManifest(1, 1, b"", v.versions.base_digest, [shard], TRAINER.public.raw, 0),
+            )
+        )
+        after = scrape(url)
+    assert value(before, "prooftrain_policy_version_blob_bytes") == 0  # the base model
+    assert value(after, "prooftrain_policy_version_blob_bytes") == len(blob)
+    free = shutil.disk_usage(".").free
+    for store in ("ledger", "state_file", "blob_dir"):  # here all on the disk of the cwd
+        assert abs(value(after, "prooftrain_storage_free_bytes", store=store) - free) < 1 << 30

@@ -3,15 +3,48 @@ what the ledger and the blob store hold (policy manifests, recorded evals, blobs
 
 from __future__ import annotations
 
+import math
+import pathlib
+import shutil
 from typing import Annotated, Any
 
 from fastapi import FastAPI, Path, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ledger.reputation import PROBATION_ROLLOUTS, PROBATION_WEIGHT
+from node.config import NodeSection
 from node.validator import trainer_side
 from node.validator.routes.common import INT64_MAX, MSGPACK, ApiError, Serving, errors, ok_binary
 from verify.errors import Reason
+from verify.types import PolicyManifest, SignedManifest, decode
+
+
+def storage_paths(cfg: NodeSection) -> dict[str, pathlib.Path]:
+    """The stores a node writes on its own disks, by the name ``prooftrain_storage_free_bytes``
+    gives them (a PostgreSQL ledger is on its server's)."""
+    paths = {"state_file": cfg.state_path(), "blob_dir": cfg.blob_path()}
+    if not cfg.is_postgres():
+        paths["ledger"] = pathlib.Path(cfg.ledger.removeprefix("sqlite:"))
+    return paths
+
+
+def free_bytes(path: pathlib.Path) -> float:
+    """Bytes free on the filesystem that holds ``path`` (or would: its nearest existing
+    parent); NaN when none can be read."""
+    for place in (path, *path.absolute().parents):
+        if place.exists():
+            try:
+                return float(shutil.disk_usage(place).free)
+            except OSError:
+                return math.nan
+    return math.nan
+
+
+def manifest_blob_bytes(sealed: bytes) -> int:
+    """The update blob bytes a stored signed manifest names (its shards' sizes)."""
+    signed = decode(SignedManifest, sealed, max_bytes=len(sealed))
+    manifest = decode(PolicyManifest, signed.manifest, max_bytes=len(signed.manifest))
+    return sum(shard.nbytes for shard in manifest.shards)
 
 
 def add_public_routes(app: FastAPI, node: Serving) -> None:
@@ -62,6 +95,11 @@ def add_public_routes(app: FastAPI, node: Serving) -> None:
         metrics.policy_version.set(validator.versions.current)
         if node.read_through:
             metrics.trainer_lag.set(size - node.read_through)
+        for store, path in storage_paths(node.cfg.node).items():
+            metrics.storage_free.labels(store).set(free_bytes(path))
+        current = validator.versions.current
+        sealed = await call(lambda: validator.state.manifest(current)) if current else None
+        metrics.version_blob_bytes.set(0 if sealed is None else manifest_blob_bytes(sealed))
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/info")
