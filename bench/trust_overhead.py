@@ -526,13 +526,14 @@ def run_prooftrain(args: argparse.Namespace, work: Path) -> dict:
 
 
 def drawn_rates(ledger: Path, after_version: int) -> tuple[float | None, float | None]:
-    """(mean audit rate, share audited) of the completions a validator judged after policy
-    version ``after_version`` was published (0: the whole run), read from ``ledger``: each
-    completion's verdict records the rate its keyed draw applied (``DrawnVerdict.audit_rate``)
-    and whether a spot check ran, so both are per completion, as the spot checks' cost is.
-    An assignment's own draw (``GROUP_DRAW``: a discard or an abandonment) is not a
-    completion and is left out."""
-    from ledger.records import GROUP_DRAW, DrawnVerdict, PolicyPublished, decode_record
+    """(mean audit rate, share audited) of the completions a validator drew for after policy
+    version ``after_version`` was published (0: the whole run; None, None when there are
+    none), read from ``ledger``: each completion's verdict records the rate its keyed draw
+    applied (``DrawnVerdict.audit_rate``) and whether a spot check ran, so both are per
+    completion, as the spot checks' cost is. A verdict drawn with no completion (an
+    abandoned or discarded assignment's own draw) and one recorded at rate 0 (a member of
+    a group that failed before its draw) are left out."""
+    from ledger.records import DrawnVerdict, PolicyPublished, decode_record
     from ledger.storage import open_store
 
     store = open_store(str(ledger), readonly=True)
@@ -545,7 +546,7 @@ def drawn_rates(ledger: Path, after_version: int) -> tuple[float | None, float |
             if isinstance(record, PolicyPublished) and record.version == after_version:
                 started = True
             elif started and isinstance(record, DrawnVerdict):
-                if record.group_index != GROUP_DRAW:
+                if record.completion and record.audit_rate > 0:
                     rates.append(record.audit_rate)
                     audited.append(record.audited)
     finally:

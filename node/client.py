@@ -10,9 +10,11 @@ unreachable after the retries raises :class:`ValidatorUnreachable` (an
 With ``wait_out`` (:data:`WaitOut`) a client rides out a validator that cannot
 answer for longer than the retries last: one that stays unreachable (a restart,
 which verifies the ledger first), stays busy (429) or has a full disk (503
-``storage_full``) is asked again, the same request, for as long as ``wait_out``
-says to. Those answers mean nothing was recorded, so the request is safe to send
-again; any other error status is still raised at once.
+``storage_full``, or a proxy's 503 while the node behind it is down) is sent the
+same request again for as long as ``wait_out`` says to; any other error status is
+still raised at once. A 429 or 503 recorded nothing. A request that timed out may
+have been recorded before its answer was lost; the validator answers the same
+publication, sent again, with the version it recorded.
 """
 
 from __future__ import annotations
@@ -82,12 +84,18 @@ def _tls_failure(exc: BaseException) -> ssl.SSLError | None:
     return None
 
 
-def _retry_after(resp: httpx.Response) -> float:
-    """The seconds a refusal's Retry-After asks for (0 when absent or not a number)."""
+MAX_RETRY_AFTER_S = 3600.0
+"""The longest Retry-After the client honours (a larger one is read as this)."""
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    """The seconds a refusal's Retry-After asks for, at most ``MAX_RETRY_AFTER_S``; None when
+    it is absent or not a number of seconds (an HTTP date is not read)."""
     try:
-        return max(0.0, float(resp.headers.get("retry-after", "0") or 0))
+        seconds = float(resp.headers.get("retry-after", ""))
     except ValueError:
-        return 0.0
+        return None
+    return min(seconds, MAX_RETRY_AFTER_S) if seconds >= 0 else None  # NaN is not >= 0
 
 
 def _service_error(resp: httpx.Response, url: str, base: str) -> ServiceError:
@@ -116,7 +124,20 @@ waits, then returns True to send the request again or False to raise the error."
 
 UNREACHABLE_WAIT_S = 5.0
 """Seconds between tries that a ``wait_out`` client is given for a validator that stays
-unreachable (a restarting node answers again within seconds of its ledger check)."""
+unreachable (a restarting node answers again within seconds of its ledger check), or that
+refuses without a Retry-After."""
+
+WAITED_OUT = (429, 503)
+"""Refusals a ``wait_out`` client waits out: busy, and a full disk (or a proxy whose node is
+down). Neither recorded anything."""
+
+
+def waited_out(exc: BaseException) -> bool:
+    """Whether ``exc`` is an error a ``wait_out`` client waits out before raising it (so a
+    caller that stopped its waits can tell them from a final answer)."""
+    return isinstance(exc, ValidatorUnreachable) or (
+        isinstance(exc, ServiceError) and exc.status in WAITED_OUT
+    )
 
 
 class ValidatorClient:
@@ -174,15 +195,16 @@ class ValidatorClient:
                 attempt = 0
                 continue
             if resp.status_code == 429 and attempt < self.retries:
-                time.sleep(max(_retry_after(resp), self.backoff * 2**attempt))
+                time.sleep(max(_retry_after(resp) or 0.0, self.backoff * 2**attempt))
                 attempt += 1
                 continue
             if resp.status_code >= 400:
                 error = _service_error(resp, url, str(self.http.base_url).rstrip("/"))
+                asked = _retry_after(resp)
                 if (
-                    resp.status_code not in (429, 503)
+                    resp.status_code not in WAITED_OUT
                     or self.wait_out is None
-                    or not self.wait_out(error, max(_retry_after(resp), self.backoff))
+                    or not self.wait_out(error, UNREACHABLE_WAIT_S if asked is None else asked)
                 ):
                     raise error
                 attempt = 0

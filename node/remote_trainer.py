@@ -23,10 +23,12 @@ holds (``node.remote_resume``).
 A validator that cannot answer for a while does not end the run: while it is
 restarting (unreachable), busy (429) or out of disk (503 ``storage_full``) the
 trainer sends the same request again every few seconds, up to ``patience_s``
-apart, and says once a minute what it waits for and what would end the wait
-(:func:`waiting_out`). Nothing was recorded by such an answer, so the step in
-hand is published once the validator takes it. ``stop()`` turning true ends the
-wait with the validator's error; a restart then continues from the validator's
+apart, and says what it waits for and what would end the wait, once a minute
+and whenever that changes (:func:`waiting_out`). A 429 or 503 recorded nothing,
+and a publication sent again after a lost answer is not recorded twice
+(``node.validator.trainer_side.publish_policy``), so the step in hand is
+published once the validator takes it. ``stop()`` turning true ends the wait
+with the validator's error; a restart then continues from the validator's
 version.
 
 One stage (S = 1) only: a pipeline job publishes from several processes and
@@ -40,6 +42,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoTokenizer
@@ -74,18 +77,19 @@ def waiting_out(
 ) -> WaitOut:
     """The trainer's ``ValidatorClient.wait_out``: sleeps what the validator asked for (at
     most ``patience_s``), checking ``stop()`` twice a second, and logs what it waits for and
-    what ends the wait at most once every ``every_s`` seconds. Returns False once ``stop()``
-    is true."""
+    what ends the wait at most once every ``every_s`` seconds, and whenever that changes.
+    Returns False once ``stop()`` is true."""
     log = log or (lambda line: print(line, file=sys.stderr, flush=True))
-    told = [-float("inf")]
+    told: list[Any] = [-float("inf"), None]  # when the operator was last told, and of what
 
     def wait(problem: ProofTrainError, seconds: float) -> bool:
         if stop():
             return False
         seconds = min(seconds, patience_s)
         now = time.monotonic()
-        if now - told[0] >= every_s:
-            told[0] = now
+        kind = (type(problem), getattr(problem, "status", None), getattr(problem, "reason", None))
+        if now - told[0] >= every_s or kind != told[1]:
+            told[:] = [now, kind]
             log(
                 f"trainer: {problem}; {_remedy(problem)}. Asking again every {seconds:g} s "
                 "(SIGTERM ends the wait; the same command continues from the validator's version)"
@@ -109,7 +113,10 @@ def _remedy(problem: ProofTrainError) -> str:
         )
     if isinstance(problem, ServiceError):
         return "the validator is busy; the trainer goes on once it takes the request"
-    return "is the validator running at that address? The trainer goes on once it answers"
+    return (
+        "is the validator running, and reachable from here, at that address? The trainer goes "
+        "on once it answers"
+    )
 
 
 class ClientSource:

@@ -71,7 +71,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_remote(cfg: TrainerConfig, args: argparse.Namespace, stop: threading.Event) -> int:
-    from node.client import ServiceError, ValidatorUnreachable  # noqa: PLC0415
+    from node.client import ServiceError, ValidatorUnreachable, waited_out  # noqa: PLC0415
     from node.commands.keys import load_key_file  # noqa: PLC0415
     from node.remote_resume import DEFAULT_CHECKPOINT_DIR  # noqa: PLC0415
     from node.remote_trainer import run_remote  # noqa: PLC0415
@@ -93,7 +93,7 @@ def _run_remote(cfg: TrainerConfig, args: argparse.Namespace, stop: threading.Ev
             stop=stop.is_set,
         )
     except (ServiceError, ValidatorUnreachable) as exc:
-        if not stop.is_set():
+        if not (stop.is_set() and waited_out(exc)):  # a final answer fails, SIGTERM or not
             raise
         print(  # SIGTERM ended a wait for the validator (node.remote_trainer.waiting_out)
             f"trainer: stopped by SIGTERM while waiting for the validator ({exc}); the same "

@@ -127,6 +127,13 @@ class PolicyVersions:
             self._digests[manifest.version] = digest
         return manifest.version, manifest.parent_digest, digest
 
+    def withdraw(self, version: int, digest: bytes) -> None:
+        """Forget ``version`` made current by :meth:`publish` with ``digest`` whose record
+        failed (not recorded: no ledger index); anything else is left as it is."""
+        with self._lock:
+            if self._digests.get(version) == digest and version not in self._indices:
+                del self._digests[version]
+
     def restore(self, version: int, digest: bytes, index: int | None = None) -> None:
         """Re-learn a version from the ledger at start-up (already verified when recorded);
         ``index``: the ledger index of its ``policy_published`` entry."""

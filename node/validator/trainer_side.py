@@ -97,7 +97,11 @@ def publish_policy(
     lock: threading.RLock,
     clock: Callable[[], int],
 ) -> int:
-    """Record a trainer-signed manifest as the new current policy version; return it."""
+    """Record a trainer-signed manifest as the new current policy version; return it.
+
+    The same manifest sent again once recorded (its answer lost) returns its version and
+    records nothing. A manifest whose record fails (a full disk) is withdrawn: the node stays
+    on the version before it, so nothing is assigned at a version the ledger does not hold."""
     if versions.trainer is None:
         raise AdmissionError("this validator has no trainer key", reason=Reason.UNAUTHORIZED)
     manifest = check_manifest(sealed_manifest, versions.trainer)
@@ -110,23 +114,31 @@ def publish_policy(
                 expected=shard.digest,
             )
         check_blob_size(manifest, shard.stage, blobs.get(shard.digest))  # get re-hashes it
+    known = versions.digest(manifest.version) is not None
     version, parent, digest = versions.publish(sealed_manifest)
-    state.put_manifest(version, canonical_bytes(sealed_manifest))
-    if ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
-        ledger.blobs.put(canonical_bytes(sealed_manifest))
-    with lock:
-        (index,) = ledger.append_many(
-            [
-                PolicyPublished(
-                    version,
-                    parent,
-                    digest,
-                    versions.trainer.raw,  # type: ignore[union-attr]
-                    clock(),
-                )
-            ],
-            checkpoint=True,
-        )
+    if versions.ledger_index(version) is not None:  # the same manifest sent again: recorded
+        return version
+    try:
+        state.put_manifest(version, canonical_bytes(sealed_manifest))
+        if ledger.blobs is not None:  # a ledger and its blobs suffice to build a release
+            ledger.blobs.put(canonical_bytes(sealed_manifest))
+        with lock:
+            (index,) = ledger.append_many(
+                [
+                    PolicyPublished(
+                        version,
+                        parent,
+                        digest,
+                        versions.trainer.raw,  # type: ignore[union-attr]
+                        clock(),
+                    )
+                ],
+                checkpoint=True,
+            )
+    except BaseException:
+        if not known:  # not recorded (a full disk): the node stays on the version before
+            versions.withdraw(version, digest)
+        raise
     versions.recorded(version, index)
     return version
 

@@ -290,6 +290,47 @@ def test_the_default_kept_rows_budget_holds_every_contributors_rows(
     assert bench.rows_gib(_args(model_dir=None)) == 1.0  # the demo model: the trainer's
 
 
+def test_the_audit_rate_is_read_per_completion_from_the_ledger(tmp_path: Path) -> None:
+    """The rate each completion's draw applied and whether it was audited, after the warm-up's
+    last version; an assignment's own draw and a member recorded at rate 0 are no completion
+    drawn for."""
+    from ledger.log import Ledger
+    from ledger.records import DrawnVerdict, PolicyPublished
+    from verify.keys import SigningKey
+
+    key = SigningKey.from_seed(b"\x44" * 32)
+
+    def drawn(rate: float, audited: bool, completion: bytes = b"\x09" * 32) -> DrawnVerdict:
+        return DrawnVerdict(
+            b"\x01" * 32, b"\x02" * 16, 0, b"\x03" * 32, True, "", audited, b"", 0,
+            completion, rate, False,
+        )  # fmt: skip
+
+    def published(version: int) -> PolicyPublished:
+        return PolicyPublished(version, b"", bytes([version]) * 32, key.public.raw, 0)
+
+    ledger = Ledger.open(tmp_path / "l.sqlite", signing_key=key, origin="test/bench")
+    ledger.append_many(
+        [
+            drawn(1.0, True),  # probation, before the timed steps
+            published(1),
+            drawn(0.6, True),
+            published(2),
+            drawn(0.2, True),
+            drawn(0.1, False),
+            drawn(0.3, False),
+            drawn(0.5, False, completion=b""),  # an abandoned assignment's own draw
+            drawn(0.0, False),  # a member of a group that failed before its draw
+        ]
+    )
+    ledger.close()
+    rate, audited = bench.drawn_rates(tmp_path / "l.sqlite", 2)
+    assert rate == pytest.approx(0.2) and audited == pytest.approx(1 / 3)
+    rate, audited = bench.drawn_rates(tmp_path / "l.sqlite", 0)  # the whole run
+    assert rate == pytest.approx((1.0 + 0.6 + 0.6) / 5) and audited == pytest.approx(3 / 5)
+    assert bench.drawn_rates(tmp_path / "l.sqlite", 3) == (None, None)  # never published
+
+
 def test_smollm2_dir_without_a_model_is_skipped_with_a_reason(tmp_path: Path) -> None:
     path, why = bench.smollm2_dir(str(tmp_path))
     assert path is None and why is not None and "smollm2-135m" in why

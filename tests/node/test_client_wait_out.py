@@ -6,7 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from node.client import UNREACHABLE_WAIT_S, ServiceError, ValidatorClient, ValidatorUnreachable
+from node.client import (
+    MAX_RETRY_AFTER_S,
+    UNREACHABLE_WAIT_S,
+    ServiceError,
+    ValidatorClient,
+    ValidatorUnreachable,
+    waited_out,
+)
 from node.remote_trainer import waiting_out
 from verify.errors import ProofTrainError, Reason
 from verify.keys import SigningKey
@@ -17,7 +24,8 @@ FULL = {"reason": "storage_full", "message": "the validator's disk is full: noth
 
 class Script:
     """A mock validator answering from a list: an int status (with ``FULL`` or a conflict
-    body), ``"down"`` (a refused connection) or ``"ok"``; it records every request."""
+    body), ``(503, retry_after)`` (a 503 with that Retry-After, or none for None), ``"down"``
+    (a refused connection) or ``"ok"``; it records every request."""
 
     def __init__(self, *answers: int | str) -> None:
         self.answers, self.seen = list(answers), []
@@ -29,6 +37,10 @@ class Script:
             raise httpx.ConnectError("connection refused", request=request)
         if answer == "ok":
             return httpx.Response(200, json={"digest": "ab" * 32})
+        if isinstance(answer, tuple):
+            status, after = answer
+            headers = {} if after is None else {"retry-after": after}
+            return httpx.Response(status, json=FULL, headers=headers)
         if answer == 503:
             return httpx.Response(503, json=FULL, headers={"retry-after": "30"})
         if answer == 429:
@@ -109,6 +121,73 @@ def test_the_trainer_says_what_it_waits_for_once_a_minute_and_stops_on_request()
     gone = ValidatorUnreachable("http://v/v1/info", httpx.ConnectError("refused"))
     other = waiting_out(lambda: stopped[0], patience_s=0.01, log=lines.append)
     assert other(gone, UNREACHABLE_WAIT_S)
-    assert "is the validator running at that address?" in lines[-1]
+    assert "is the validator running, and reachable from here, at that address?" in lines[-1]
     stopped[0] = True
     assert not wait(full, 30.0) and not other(gone, 5.0)
+
+
+def test_without_wait_out_the_client_behaves_as_it_did() -> None:
+    """Busy is retried ``retries`` times, then raised; unreachable is retried, then raised."""
+    script = Script(429, 429, 429)
+    plain = ValidatorClient(
+        "http://v.test", KEY, retries=2, backoff=0.0, transport=httpx.MockTransport(script)
+    )
+    with pytest.raises(ServiceError) as busy:
+        plain.put_blob(b"x")
+    assert busy.value.status == 429 and len(script.seen) == 3
+
+    script = Script("down", "down", "down")
+    plain = ValidatorClient(
+        "http://v.test", KEY, retries=2, backoff=0.0, transport=httpx.MockTransport(script)
+    )
+    with pytest.raises(ValidatorUnreachable):
+        plain.put_blob(b"x")
+    assert len(script.seen) == 3
+
+
+@pytest.mark.parametrize(
+    ("after", "asked"),
+    [
+        ("30", 30.0),
+        (None, UNREACHABLE_WAIT_S),  # no Retry-After: a proxy's 503
+        ("Wed, 21 Oct 2026 07:28:00 GMT", UNREACHABLE_WAIT_S),  # a date is not read
+        ("inf", MAX_RETRY_AFTER_S),
+        ("nan", UNREACHABLE_WAIT_S),
+        ("-5", UNREACHABLE_WAIT_S),
+    ],
+)
+def test_the_wait_asked_for_is_read_from_retry_after(after: str | None, asked: float) -> None:
+    script, waits = Script((503, after), "ok"), []
+    _client(script, waits).put_blob(b"x")
+    assert [s for _, s in waits] == [asked]
+
+
+def test_only_what_is_waited_out_counts_as_a_wait_a_stop_ended() -> None:
+    assert waited_out(ValidatorUnreachable("http://v", httpx.ConnectError("refused")))
+    assert waited_out(ServiceError(503, "storage_full", "full"))
+    assert waited_out(ServiceError(429, "backpressure", "busy"))
+    assert not waited_out(ServiceError(409, "conflict", "no"))  # a final answer
+    assert not waited_out(ServiceError(404, "not_found", "no blob"))
+
+
+def test_a_wait_is_capped_stops_at_once_and_says_so_again_when_the_problem_changes() -> None:
+    import threading
+    import time
+
+    lines: list[str] = []
+    stop = threading.Event()
+    wait = waiting_out(stop.is_set, patience_s=0.05, log=lines.append, every_s=60.0)
+    full = ServiceError(503, "storage_full", "the validator's disk is full")
+    began = time.monotonic()
+    assert wait(full, 30.0)  # the validator asked for 30 s: patience_s caps it
+    assert time.monotonic() - began < 1.0
+    gone = ValidatorUnreachable("http://v/v1/blobs", httpx.ConnectError("refused"))
+    assert wait(gone, UNREACHABLE_WAIT_S) and wait(gone, UNREACHABLE_WAIT_S)
+    assert len(lines) == 2  # the problem changed within the minute: told again, then not
+    assert "free space" in lines[0] and "reachable from here" in lines[1]
+
+    slow = waiting_out(stop.is_set, patience_s=30.0, log=lines.append)
+    threading.Timer(0.2, stop.set).start()
+    began = time.monotonic()
+    assert not slow(full, 30.0)  # SIGTERM mid-wait: given up within half a second
+    assert time.monotonic() - began < 2.0

@@ -74,3 +74,34 @@ def test_a_manifest_is_recorded_only_over_whole_blobs(node) -> None:  # type: ig
     stored.write_bytes(BLOB)
     assert publish(_sealed(digest, len(BLOB))) == 1
     assert versions.current == 1 and ledger.size() > size
+
+
+def test_a_publication_sent_again_is_recorded_once_and_a_failed_one_is_withdrawn(
+    node, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A trainer sends a publication again when its answer was lost (a timeout) or the disk
+    was full (503). Sent again once recorded, it is answered with its version and recorded
+    no second time; one whose record failed leaves the node on the version before it, so
+    nothing is assigned at a version the ledger does not hold."""
+    import errno
+
+    from ledger.records import PolicyPublished
+
+    ledger, versions, publish = node
+    assert ledger.blobs is not None
+    sealed = _sealed(ledger.blobs.put(BLOB), len(BLOB))
+    real_append = ledger.append_many
+
+    def full(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ledger, "append_many", full)
+    with pytest.raises(OSError):
+        publish(sealed)
+    assert versions.current == 0 and versions.digest(1) is None
+
+    monkeypatch.setattr(ledger, "append_many", real_append)
+    assert publish(sealed) == 1
+    assert publish(sealed) == 1  # its answer lost: sent again
+    published = [r.version for _, r in ledger.entries() if isinstance(r, PolicyPublished)]
+    assert published == [1] and versions.current == 1
