@@ -60,6 +60,7 @@ from ledger.records import (
     ContributorRegistered,
     EpochCommitted,
     EpochVerdict,
+    EvalRecorded,
     PolicyPublished,
     Record,
     VerdictRecorded,
@@ -192,6 +193,9 @@ class Validator:
         """The ledger index ``follow`` resumes from."""
         self._foreign: dict[bytes, AssignmentIssued] = {}
         """Assignments other nodes issued, until their verdict (a discard gives the prompt back)."""
+        self._evals: dict[bytes, int] = {}
+        """Sealed digest of every recorded eval statement -> its ledger index (one sent again
+        is not recorded twice)."""
         self._restore()
 
     @property
@@ -236,6 +240,8 @@ class Validator:
                     self._shares[(rec.contributor, issued.policy_version)] -= 1
             elif isinstance(rec, PolicyPublished):
                 self.versions.restore(rec.version, rec.manifest_digest, index)
+            elif isinstance(rec, EvalRecorded):
+                self._evals[rec.statement_digest] = index
             elif isinstance(rec, EpochCommitted):
                 last_epoch = max(last_epoch, rec.epoch)
         self._cursor = len(self._used_prompts)
@@ -281,6 +287,8 @@ class Validator:
                 self._foreign.pop(rec.assignment_id, None)
         elif isinstance(rec, PolicyPublished):
             self.versions.restore(rec.version, rec.manifest_digest, index)
+        elif isinstance(rec, EvalRecorded):
+            self._evals[rec.statement_digest] = index
         elif isinstance(rec, EpochCommitted):
             self._epochs.seen(rec.epoch)
 
@@ -776,7 +784,12 @@ class Validator:
         """
         self.follow()
         return trainer_side.record_eval(
-            sealed, versions=self.versions, ledger=self.ledger, lock=self._lock, clock=self.clock
+            sealed,
+            versions=self.versions,
+            ledger=self.ledger,
+            lock=self._lock,
+            clock=self.clock,
+            recorded=self._evals,
         )
 
     def open_assignment(self, sealed: SignedAssignment) -> WorkAssignment:

@@ -201,19 +201,29 @@ def record_eval(
     ledger: Ledger,
     lock: threading.RLock,
     clock: Callable[[], int],
+    recorded: dict[bytes, int] | None = None,
 ) -> int:
     """Record a checked evaluation statement (:func:`check_eval`); return its ledger index.
 
     Its canonical sealed bytes go to the blob store, then ``EvalRecorded`` (with
-    a new checkpoint) to the ledger.
+    a new checkpoint) to the ledger. ``recorded`` (sealed digest -> ledger index of every
+    statement the ledger holds; updated here): the same statement sent again (its answer
+    lost) returns its index and records nothing.
     """
     stmt, trainer = check_eval(sealed, versions)
     if ledger.blobs is None:
         raise AdmissionError("this validator has no blob store", reason=Reason.NOT_FOUND)
-    ledger.blobs.put(canonical_bytes(sealed))
-    record = EvalRecorded(stmt.version, sealed_digest(EvalStatement, sealed), trainer.raw, clock())
+    digest = sealed_digest(EvalStatement, sealed)
     with lock:
-        return ledger.append_many([record], checkpoint=True)[0]
+        if recorded is not None and digest in recorded:
+            return recorded[digest]
+    ledger.blobs.put(canonical_bytes(sealed))
+    record = EvalRecorded(stmt.version, digest, trainer.raw, clock())
+    with lock:
+        index = ledger.append_many([record], checkpoint=True)[0]
+        if recorded is not None:
+            recorded[digest] = index
+        return index
 
 
 def recorded_evals(ledger: Ledger, trainer: PublicKey | None) -> list[int]:

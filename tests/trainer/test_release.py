@@ -69,6 +69,7 @@ def test_record_eval_checks_signer_version_and_manifest(world: World) -> None:
     rec = dict(v.ledger.entries(index))[index]
     assert isinstance(rec, EvalRecorded) and rec.version == 1
     assert v.ledger.latest_checkpoint().checkpoint.size == index + 1  # provable at once
+    assert v.record_eval(_statement(1, digest)) == index  # sent again: recorded once
     stranger = SigningKey.from_seed(b"\x55" * 32)
     bad = {
         Reason.BAD_SIGNATURE: _statement(1, digest, stranger),
