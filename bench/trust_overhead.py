@@ -49,7 +49,8 @@ the JSON either way (``trust_ratio_median_of_rounds``,
 * trust on (prooftrain): the harness's in-process network (``harness.run.run_variant``)
   with ``contributors`` honest contributors on an instantaneous network (zero
   latency, no jitter, no drops, compute speed 1) and the validator at its
-  default, reputation-driven audit rate. Every rollout is signed, admitted,
+  default, reputation-driven audit rate and a deployment's assignment TTL
+  (``ASSIGNMENT_TTL_S``). Every rollout is signed, admitted,
   scored by the validator, spot-checked when drawn and recorded in the ledger;
   the trainer aggregates one gradient per contributor robustly and publishes a
   signed, compressed update every step, whose decoded copy the contributors
@@ -249,6 +250,7 @@ compute_speed = 1.0
 group_size = {group_size}
 max_tokens = {max_tokens}
 temperature = 1.0
+assignment_ttl_s = {ttl_s}
 [trainer]
 steps = {total_steps}
 batch_groups = {groups}
@@ -261,6 +263,13 @@ eval_problems = 1
 run_honest_baseline = false
 run_no_defence = false
 """
+ASSIGNMENT_TTL_S = 600.0
+"""The validator's ``assignment.ttl_s`` on prooftrain's side: a deployment's default. The
+harness's own 30 s is sized for the demo model's fifth-of-a-second steps; a SmolLM2-135M
+step takes about 30 s on one core, and 30 s would expire the assignment each contributor
+fetched ahead while the trainer's first step ran, recorded as abandoned: evidence against
+honest contributors that raised their audit rate, and the spot checks' cost, by a third."""
+
 MODEL_DIR = """[model]
 dir = "{model_dir}"
 """
@@ -422,6 +431,7 @@ def write_scenario(args: argparse.Namespace, work: Path) -> Any:
             lr=args.lr,
             gram_sketch=args.gram_sketch,
             keep_gib=args.keep_gib,
+            ttl_s=ASSIGNMENT_TTL_S,
         )
         + (MODEL_DIR.format(model_dir=Path(args.model_dir).resolve()) if args.model_dir else "")
     )

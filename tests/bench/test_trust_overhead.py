@@ -290,6 +290,17 @@ def test_the_default_kept_rows_budget_holds_every_contributors_rows(
     assert bench.rows_gib(_args(model_dir=None)) == 1.0  # the demo model: the trainer's
 
 
+def test_the_validator_keeps_a_deployments_assignment_ttl(tmp_path: Path) -> None:
+    """A 135M step takes about 30 s: the harness's 30 s TTL would expire the assignments
+    honest contributors fetched ahead and count them as abandoned."""
+    args = argparse.Namespace(
+        task="reverse_text", contributors=2, group_size=2, max_tokens=2, steps=1,
+        warmup_steps=1, groups=1, lr=1e-4, gram_sketch=0, keep_gib=1.0, model_dir=None,
+    )  # fmt: skip
+    scenario = bench.write_scenario(args, tmp_path)
+    assert scenario.validator.assignment_ttl_s == bench.ASSIGNMENT_TTL_S == 600.0
+
+
 def test_the_audit_rate_is_read_per_completion_from_the_ledger(tmp_path: Path) -> None:
     """The rate each completion's draw applied and whether it was audited, after the warm-up's
     last version; an assignment's own draw and a member recorded at rate 0 are no completion
