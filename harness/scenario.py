@@ -216,7 +216,10 @@ class ValidatorSpec(_Section):
     clock): an abandoned or discarded assignment (a stale answer among them) holds its
     contributor's place until one more ttl past its expiry. A deployment's 600 s is hundreds
     of this harness's steps; 30 s keeps a held place to a few dozen steps here, as 600 s is
-    a few dozen minute-long steps there."""
+    a few dozen minute-long steps there. That holds for the demo models' steps of a fraction
+    of a second: a scenario whose step takes longer than the ttl (a real model on a CPU)
+    sets it well above a step, or the assignment each contributor fetched ahead expires
+    during a step and is recorded against it as abandoned (``smollm2_*.toml`` set 1200)."""
     registration_work_bits: int = Field(default=0, ge=0, le=32)
     """The network's registration proof of work (``registration.work_bits`` of a validator,
     ``verify.registration``): a key registered during the run (a whitewashing strategy's
