@@ -65,6 +65,11 @@ class NodeSection(_Section):
     def is_postgres(self) -> bool:
         return self.ledger.startswith(("postgresql://", "postgres://"))
 
+    def ledger_path(self) -> Path | None:
+        """The SQLite ledger's file (``node.ledger`` less any ``sqlite:``); None for a
+        PostgreSQL one."""
+        return None if self.is_postgres() else Path(self.ledger.removeprefix("sqlite:"))
+
     def state_path(self) -> Path:
         """Where the node's state database is (``state_file`` or its default)."""
         if self.state_file is not None:
@@ -75,11 +80,8 @@ class NodeSection(_Section):
         """Where the blob store is (``blob_dir`` or its default)."""
         if self.blob_dir is not None:
             return self.blob_dir
-        return (
-            POSTGRES_BLOBS
-            if self.is_postgres()
-            else Path(self.ledger.removeprefix("sqlite:") + ".blobs")
-        )
+        ledger = self.ledger_path()
+        return POSTGRES_BLOBS if ledger is None else Path(f"{ledger}.blobs")
 
 
 POSTGRES_STATE = Path("runs/validator/node.state")

@@ -117,7 +117,8 @@ def check_ledger(
     Raises ConfigError if the ledger is another key's, and LedgerError naming where the log
     first fails verification and what the operator can do."""
     since_file = verified_path(cfg)
-    if not cfg.node.is_postgres() and not Path(cfg.node.ledger.removeprefix("sqlite:")).exists():
+    ledger = cfg.node.ledger_path()
+    if ledger is not None and not ledger.exists():
         if record:  # a checkpoint of a ledger no longer there says nothing of the next one
             since_file.unlink(missing_ok=True)
         return None
@@ -167,8 +168,8 @@ def check_paths(cfg: ValidatorConfig) -> None:
         if path.exists() and not os.access(path, os.R_OK | (os.X_OK if path.is_dir() else 0)):
             raise ConfigError(f"{what} {path} is not readable by this user ({setting})")
     writes = [(n.state_path(), "state file", "node.state_file")]
-    if not n.is_postgres():
-        writes.insert(0, (Path(n.ledger.removeprefix("sqlite:")), "ledger", "node.ledger"))
+    if (ledger := n.ledger_path()) is not None:
+        writes.insert(0, (ledger, "ledger", "node.ledger"))
     for path, what, setting in writes:  # and the directory of their -wal, .lock, ... files
         _writable(path, what, setting)
         _writable(path.parent, f"{what}'s directory", setting)

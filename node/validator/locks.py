@@ -58,7 +58,7 @@ def hold(path: Path, what: str) -> Iterator[None]:
 def hold_node_files(cfg: ValidatorConfig) -> Iterator[None]:
     """The locks of the node's SQLite ledger (none for PostgreSQL) and of its state file."""
     with ExitStack() as stack:
-        if not cfg.node.is_postgres():
-            stack.enter_context(hold(Path(cfg.node.ledger.removeprefix("sqlite:")), "the ledger"))
+        if (ledger := cfg.node.ledger_path()) is not None:
+            stack.enter_context(hold(ledger, "the ledger"))
         stack.enter_context(hold(cfg.node.state_path(), "the state file"))
         yield

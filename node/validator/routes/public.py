@@ -23,8 +23,8 @@ def storage_paths(cfg: NodeSection) -> dict[str, pathlib.Path]:
     """The stores a node writes on its own disks, by the name ``prooftrain_storage_free_bytes``
     gives them (a PostgreSQL ledger is on its server's)."""
     paths = {"state_file": cfg.state_path(), "blob_dir": cfg.blob_path()}
-    if not cfg.is_postgres():
-        paths["ledger"] = pathlib.Path(cfg.ledger.removeprefix("sqlite:"))
+    if (ledger := cfg.ledger_path()) is not None:
+        paths["ledger"] = ledger
     return paths
 
 
